@@ -1,0 +1,171 @@
+"""The boundary rule, in one place: which boundaries may be published, and which hit to take.
+
+A boundary b (a token count, a multiple of the block size) is publishable when, for every
+cache group, what that group needs to resume at b is really there:
+
+- full attention: the KV blocks of every token before b, none of them the null block;
+- sliding window: the KV blocks inside the window before b, none of them the null block;
+- recurrent state: a state the engine reports it captured *exactly* at b, in a real
+  (non-null) block, reported in the step being saved (a later step may have reused the block).
+
+The engine's reports are the source of truth. A position in a state block table is not:
+engines fill positions they kept no state for with the null block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+
+from prefixvault.layout import CacheGroup, CacheLayout, GroupKind
+
+#: vLLM's null block: a placeholder that holds no real cache.
+NULL_BLOCK_ID = 0
+
+
+class Refusal(StrEnum):
+    """Why a boundary was not published (each is a metric label)."""
+
+    NULL_BLOCK = "null_block"
+    NOT_CAPTURED = "not_captured"
+    STALE = "stale"
+    NOT_ALIGNED = "not_aligned"
+    NOT_COMPUTED = "not_computed"
+    MISSING_RANK = "missing_rank"
+    STORE_ERROR = "store_error"
+
+
+@dataclass(frozen=True)
+class StateCapture:
+    """The engine says: group ``group``'s state after exactly ``tokens`` tokens is in ``block_id``.
+
+    ``step`` is the engine step in which the capture was reported; the bytes may be read
+    only in that step.
+    """
+
+    group: int
+    tokens: int
+    block_id: int
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class SavePlan:
+    """What to copy out of the engine to publish boundary ``tokens``."""
+
+    tokens: int
+    blocks: tuple[tuple[int, int, int], ...]  # (group, block index, engine block id)
+    states: tuple[tuple[int, int], ...]  # (group, engine block id)
+
+
+@dataclass(frozen=True)
+class BoundaryDecision:
+    publishable: tuple[SavePlan, ...]
+    refused: tuple[tuple[int, Refusal], ...]
+
+
+def needed_blocks(group: CacheGroup, boundary: int, block_size: int) -> range:
+    """Indices of the KV blocks an attention group needs to resume at ``boundary``."""
+    n = boundary // block_size
+    if group.kind is GroupKind.FULL_ATTENTION:
+        return range(n)
+    if group.kind is GroupKind.SLIDING_WINDOW:
+        assert group.window is not None
+        # Tokens [boundary - window, boundary) may be attended from the next token on.
+        first = max(0, boundary - group.window) // block_size
+        return range(first, n)
+    return range(0)
+
+
+def max_resume_tokens(prompt_tokens: int, block_size: int) -> int:
+    """The longest block-aligned prefix that still leaves one prompt token to compute."""
+    if prompt_tokens <= 0:
+        return 0
+    return ((prompt_tokens - 1) // block_size) * block_size
+
+
+def plan_saves(
+    layout: CacheLayout,
+    computed_tokens: int,
+    block_tables: Mapping[int, Sequence[int]],
+    captures: Iterable[StateCapture],
+    step: int | None = None,
+    candidates: Iterable[int] | None = None,
+) -> BoundaryDecision:
+    """Decide, from the engine's reports, which boundaries can be published now.
+
+    ``block_tables`` maps each attention group to its block ids by block index;
+    ``captures`` are the state reports; ``candidates`` are the boundaries to consider
+    (default: every aligned boundary for attention-only layouts, every captured token
+    count for layouts with state).
+    """
+    bs = layout.block_size
+    state_groups = [i for i, g in enumerate(layout.groups) if g.is_state]
+    by_boundary: dict[tuple[int, int], StateCapture] = {}
+    for c in captures:
+        if c.group not in state_groups:
+            raise ValueError(f"capture for group {c.group}, which is not a state group")
+        by_boundary[(c.group, c.tokens)] = c
+    if candidates is None:
+        aligned = range(bs, computed_tokens + 1, bs)
+        candidates = {t for (_, t) in by_boundary} if state_groups else aligned
+    publishable: list[SavePlan] = []
+    refused: list[tuple[int, Refusal]] = []
+    for b in sorted(set(candidates)):
+        plan_or_refusal = _plan_one(layout, b, computed_tokens, block_tables, by_boundary, step)
+        if isinstance(plan_or_refusal, SavePlan):
+            publishable.append(plan_or_refusal)
+        else:
+            refused.append((b, plan_or_refusal))
+    return BoundaryDecision(tuple(publishable), tuple(refused))
+
+
+def _plan_one(
+    layout: CacheLayout,
+    b: int,
+    computed_tokens: int,
+    block_tables: Mapping[int, Sequence[int]],
+    captures: Mapping[tuple[int, int], StateCapture],
+    step: int | None,
+) -> SavePlan | Refusal:
+    bs = layout.block_size
+    if b <= 0 or b % bs:
+        return Refusal.NOT_ALIGNED
+    if b > computed_tokens:
+        return Refusal.NOT_COMPUTED
+    blocks: list[tuple[int, int, int]] = []
+    states: list[tuple[int, int]] = []
+    for gi, group in enumerate(layout.groups):
+        if group.is_state:
+            cap = captures.get((gi, b))
+            if cap is None:
+                return Refusal.NOT_CAPTURED
+            if cap.block_id == NULL_BLOCK_ID:
+                return Refusal.NULL_BLOCK
+            if step is not None and cap.step is not None and cap.step != step:
+                return Refusal.STALE
+            states.append((gi, cap.block_id))
+            continue
+        table = block_tables.get(gi, ())
+        for i in needed_blocks(group, b, bs):
+            if i >= len(table):
+                return Refusal.NOT_COMPUTED
+            if table[i] == NULL_BLOCK_ID:
+                return Refusal.NULL_BLOCK
+            blocks.append((gi, i, table[i]))
+    return SavePlan(b, tuple(blocks), tuple(states))
+
+
+def choose_hit(
+    published: Iterable[int], prompt_tokens: int, block_size: int, resumable: Callable[[int], bool]
+) -> int:
+    """The longest published boundary that can resume and leaves a token to compute; 0 if none.
+
+    ``resumable(b)`` answers whether every object boundary b needs still exists.
+    """
+    limit = max_resume_tokens(prompt_tokens, block_size)
+    for b in sorted(set(published), reverse=True):
+        if 0 < b <= limit and b % block_size == 0 and resumable(b):
+            return b
+    return 0

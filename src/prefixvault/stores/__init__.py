@@ -1,0 +1,55 @@
+"""Stores behind one contract, opened by URI.
+
+``memory://[name]``                      in-process (tests)
+``local:///dev/shm/prefixvault?capacity=8GiB``  embedded, shared by every process on the machine
+``local://``                             the default directory (see ``default_local_dir``)
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from urllib.parse import parse_qs, urlsplit
+
+from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_key
+
+__all__ = ["Buffer", "Store", "StoreError", "StoreStats", "check_key", "default_local_dir", "open_store"]
+
+#: Room /dev/shm must have free for the default local store to live there.
+SHM_MIN_FREE = 1 << 30
+
+
+def default_local_dir() -> Path:
+    """``/dev/shm/prefixvault`` when tmpfs has room, else the user's cache directory."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        try:
+            if shutil.disk_usage(shm).free >= SHM_MIN_FREE:
+                return shm / "prefixvault"
+        except OSError:
+            pass
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "prefixvault"
+
+
+def open_store(uri: str) -> Store:
+    """Open the store a URI names; StoreError with one clear line if it cannot."""
+    parts = urlsplit(uri)
+    params = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
+    scheme = parts.scheme
+    if scheme == "memory":
+        from prefixvault.stores.memory import MemoryStore
+
+        return MemoryStore.named(parts.netloc + parts.path, **params)
+    if scheme == "local":
+        from prefixvault.stores.local import LocalStore
+
+        if parts.netloc:
+            raise StoreError(
+                f"bad local store URI {uri!r}: use local:///absolute/path (three slashes)"
+            )
+        path = Path(parts.path) if parts.path else default_local_dir()
+        return LocalStore.from_params(path, params)
+    known = "memory://, local:///path"
+    raise StoreError(f"unknown store URI {uri!r}: expected one of {known}")

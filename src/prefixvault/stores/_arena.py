@@ -1,0 +1,165 @@
+"""The byte side of the local store: slab files, size classes and per-process mappings.
+
+Copying bytes is only as fast as memcpy when the pages are already resident and already in
+this process's page tables. A file per object pays page allocation on write and page-table
+population on every read, which costs as much as the copy itself. So objects live in slots
+of a few large slab files, written in full once when created (pages allocated, never a
+SIGBUS or ENOSPC later) and mapped once per process with MAP_POPULATE, then reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+from pathlib import Path
+from typing import TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+
+Bytes: TypeAlias = npt.NDArray[np.uint8]
+
+#: Objects up to this size live inline in the index, not in a slab.
+INLINE_MAX = 64 << 10
+#: Slots are page aligned.
+PAGE = 4096
+#: Slab size bounds; the size of one store's slabs follows from its capacity.
+SLAB_MIN = 256 << 10
+SLAB_MAX = 64 << 20
+#: Size classes per doubling: an object wastes at most 1/8 of its slot.
+STEPS_PER_DOUBLING = 8
+
+_PREFIX = "slab-"
+_SUFFIX = ".bin"
+_TMP_SUFFIX = ".tmp"
+_ZEROS = bytes(8 << 20)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def slab_size_for(capacity: int) -> int:
+    """A 64th of the capacity as a power of two, within [SLAB_MIN, SLAB_MAX].
+
+    Every size class in use holds at least one slab, so slabs must be small enough that a
+    store holding objects of many sizes still has room to spare, and large enough that
+    mapping and index costs are amortised over many objects.
+    """
+    target = max(capacity // 64, 1)
+    return max(SLAB_MIN, min(SLAB_MAX, 1 << (target.bit_length() - 1)))
+
+
+def size_class(size: int, slab_size: int) -> int:
+    """Slot size for an object: 0 means inline; above ``slab_size`` a dedicated slab.
+
+    Classes grow geometrically so a store holding objects of many sizes needs few classes,
+    while objects of one size (the common case: one model layout) waste at most 12.5%.
+    """
+    if size <= INLINE_MAX:
+        return 0
+    exp = (size - 1).bit_length() - 1  # 2**exp < size <= 2**(exp + 1)
+    cls = _round_up(_round_up(size, 1 << max(exp - 3, 0)), PAGE)
+    if cls > slab_size:
+        return _round_up(size, PAGE)
+    return cls
+
+
+def slab_bytes(cls: int, slab_size: int) -> int:
+    """File size of a slab holding class ``cls``."""
+    return cls if cls > slab_size else slab_size
+
+
+def slots_per_slab(cls: int, slab_size: int) -> int:
+    return max(1, slab_size // cls)
+
+
+def slab_path(root: Path, slab_id: int) -> Path:
+    return root / f"{_PREFIX}{slab_id:010d}{_SUFFIX}"
+
+
+def create_slab_file(root: Path, nbytes: int) -> Path:
+    """Write a zero-filled temporary slab file in full; the caller renames it into place.
+
+    Raises OSError (ENOSPC when the filesystem is full); leaves nothing behind on error.
+    """
+    tmp = root / f"{_PREFIX}{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}{_TMP_SUFFIX}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(_ZEROS)
+        left = nbytes
+        while left:
+            left -= os.write(fd, view[: min(left, len(_ZEROS))])
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    return tmp
+
+
+def remove_file(path: Path) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def stray_files(root: Path, known: set[int]) -> list[Path]:
+    """Slab files the index does not know: left by a writer that died mid-creation."""
+    found: list[Path] = []
+    for entry in os.scandir(root):
+        name = entry.name
+        if not name.startswith(_PREFIX):
+            continue
+        if name.endswith(_TMP_SUFFIX):
+            found.append(Path(entry.path))
+        elif name.endswith(_SUFFIX):
+            digits = name[len(_PREFIX) : -len(_SUFFIX)]
+            if digits.isdigit() and int(digits) not in known:
+                found.append(Path(entry.path))
+    return found
+
+
+class Mappings:
+    """This process's mappings of slab files, made once and reused; not thread-safe."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._maps: dict[int, Bytes] = {}
+
+    def view(self, slab_id: int, nbytes: int) -> Bytes | None:
+        """The slab's bytes as a writable uint8 array, or None if its file is gone."""
+        arr: Bytes | None = self._maps.get(slab_id)
+        if arr is not None and arr.nbytes >= nbytes:
+            return arr
+        try:
+            fd = os.open(slab_path(self.root, slab_id), os.O_RDWR | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                return None
+            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+            mm = mmap.mmap(fd, nbytes, flags=flags)
+        finally:
+            os.close(fd)
+        arr = np.frombuffer(mm, dtype=np.uint8)
+        self._maps[slab_id] = arr
+        return arr
+
+    def retain(self, live: set[int]) -> None:
+        """Forget mappings of slabs that no longer exist.
+
+        A deleted slab file keeps its memory while mapped; dropping the array unmaps it as
+        soon as no copy in flight still holds a view.
+        """
+        for slab_id in [s for s in self._maps if s not in live]:
+            del self._maps[slab_id]
+
+    def clear(self) -> None:
+        self._maps.clear()
+
+    def __len__(self) -> int:
+        return len(self._maps)

@@ -1,0 +1,103 @@
+"""The store contract: the only thing the vault protocol asks of a store.
+
+Stores move opaque bytes under string keys. They know nothing of models, layouts or
+boundaries; integrity is checked one layer up by the object codec. What a store must
+guarantee is atomic visibility: a reader sees an object whole (old or new bytes) or not
+at all, never a mix, even if a writer dies mid-put.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+#: Anything exposing a contiguous byte buffer (bytes, bytearray, memoryview, numpy array).
+Buffer: TypeAlias = bytes | bytearray | memoryview
+
+#: A key is ASCII, 1..250 characters, made of letters, digits and ``/._:-=``.
+KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._:-=")
+MAX_KEY_LEN = 250
+
+
+class StoreError(Exception):
+    """A store could not do what was asked (bad URI, unreachable, full, corrupt index)."""
+
+
+def check_key(key: str) -> str:
+    """Reject keys a store could not hold faithfully."""
+    if not key or len(key) > MAX_KEY_LEN or not KEY_CHARS.issuperset(key):
+        raise ValueError(f"invalid store key {key!r}: use 1..{MAX_KEY_LEN} chars of [A-Za-z0-9/._:-=]")
+    return key
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    objects: int
+    bytes: int
+    capacity: int | None  # None: unbounded
+    evictions: int = 0
+
+
+class Store(abc.ABC):
+    """Batch key/value store with atomic per-object visibility.
+
+    Every batch call is one round trip for remote stores. Results are positional: item i of
+    the result answers item i of the request.
+    """
+
+    uri: str
+
+    @abc.abstractmethod
+    def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        """Store each object as the concatenation of its parts (header + payload, say).
+
+        Returns, for each item, True once the object is visible to every process that
+        shares the store, False if it could not be stored (full, error). An existing
+        object under the same key is replaced atomically.
+        """
+
+    @abc.abstractmethod
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        """Store ``data`` only if ``key`` holds nothing; True if this call stored it.
+
+        Of many concurrent callers (threads or processes) exactly one gets True.
+        """
+
+    @abc.abstractmethod
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """Copy each object into the caller's buffer (zero extra copies where possible).
+
+        Returns, per key, None if missing, else the object's size. If the size exceeds the
+        buffer, nothing is copied for that key (the caller treats it as invalid).
+        """
+
+    @abc.abstractmethod
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """Return each object's bytes, or None if missing."""
+
+    @abc.abstractmethod
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key currently holds an object."""
+
+    @abc.abstractmethod
+    def delete_many(self, keys: Sequence[str]) -> int:
+        """Remove the keys that exist; return how many were removed."""
+
+    @abc.abstractmethod
+    def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        """Yield (key, size) of every object whose key starts with ``prefix``."""
+
+    @abc.abstractmethod
+    def stats(self) -> StoreStats:
+        """Objects, bytes and capacity right now."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources; the store's data stays."""
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

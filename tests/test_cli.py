@@ -1,0 +1,90 @@
+"""The prefixvault command: stats, audit and repair, and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from prefixvault.boundary import StateCapture, plan_saves
+from prefixvault.cli import app
+from prefixvault.codec import HEADER_SIZE
+from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
+from prefixvault.stores import open_store
+from prefixvault.vault import ObjectRef, Vault
+
+runner = CliRunner()
+
+
+def _fill(uri: str) -> Vault:
+    attn = CacheGroup.uniform(GroupKind.FULL_ATTENTION, [TensorSpec((4, 8), "float16")])
+    state = CacheGroup.uniform(GroupKind.STATE, [TensorSpec((16,), "float32")])
+    vault = Vault(open_store(uri), CacheLayout(model="cli", block_size=4, groups=(attn, state)), "cli")
+    tokens = list(range(16))
+    hashes = vault.hashes(tokens)
+    d = plan_saves(vault.layout, 16, {0: [1, 2, 3, 4]}, [StateCapture(1, 8, 5), StateCapture(1, 16, 6)])
+
+    def read(ref: ObjectRef, block_id: int) -> bytes:
+        return bytes([block_id]) * vault.layout.groups[ref.group].nbytes(0)
+
+    acks = vault.save(0, hashes, d.publishable, read)
+    for p in d.publishable:
+        vault.publish(hashes, p.tokens, acks)
+    return vault
+
+
+def test_stats_counts_objects_by_group_kind() -> None:
+    _fill("memory://cli-stats")
+    res = runner.invoke(app, ["stats", "--store", "memory://cli-stats"])
+    assert res.exit_code == 0, res.output
+    assert "full_attention" in res.output and "state" in res.output
+    assert "records: 2" in res.output
+
+
+def test_audit_finds_and_repairs_broken_records() -> None:
+    vault = _fill("memory://cli-audit")
+    res = runner.invoke(app, ["audit", "--store", "memory://cli-audit"])
+    assert res.exit_code == 0 and "broken records: 0" in res.output, res.output
+    store = vault.store
+    hashes = vault.hashes(list(range(16)))
+    state16 = next(r for r in vault.needed(hashes, 16) if r.kind.name == "STATE")
+    blob = bytearray(store.get_many([state16.key])[0] or b"")
+    blob[HEADER_SIZE] ^= 1
+    store.put_many([(state16.key, [bytes(blob)])])
+    block0 = vault.needed(hashes, 8)[0]
+    store.delete_many([block0.key])  # breaks both records
+    res = runner.invoke(app, ["audit", "--store", "memory://cli-audit"])
+    assert res.exit_code == 1
+    assert "payload checksum" in res.output and "missing object" in res.output
+    assert "broken records: 2" in res.output
+    res = runner.invoke(app, ["audit", "--store", "memory://cli-audit", "--repair"])
+    assert res.exit_code == 0 and "removed: 2" in res.output
+    assert store.exists_many([state16.key]) == [False]
+    res = runner.invoke(app, ["audit", "--store", "memory://cli-audit"])
+    assert "records: 0" in res.output and res.exit_code == 0
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "prefixvault.cli", *args], capture_output=True, text=True)
+
+
+def test_bad_input_gets_one_clear_line(tmp_path: Path) -> None:
+    for args, needle in [
+        (["stats", "--store", "nosuch://x"], "unknown store URI"),
+        (["stats", "--store", f"local://{tmp_path}/absent"], "does not exist"),
+        (["audit", "--store", "local://host/x"], "three slashes"),
+    ]:
+        res = _cli(*args)
+        assert res.returncode == 2, (args, res.stderr)
+        lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+        assert len(lines) == 1 and needle in lines[0], res.stderr
+        assert "Traceback" not in res.stderr
+
+
+def test_help_lists_the_commands() -> None:
+    res = runner.invoke(app, ["--help"])
+    assert res.exit_code == 0
+    for cmd in ("demo", "stats", "audit"):
+        assert cmd in res.output

@@ -1,0 +1,187 @@
+"""The vault protocol on a store: publish order, round trips, load verification and repair."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+import pytest
+
+from prefixvault.boundary import Refusal, StateCapture, plan_saves
+from prefixvault.codec import HEADER_SIZE
+from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
+from prefixvault.stores.base import Buffer, Store, StoreStats
+from prefixvault.stores.memory import MemoryStore
+from prefixvault.vault import ObjectRef, RankAck, Vault
+
+BS = 8
+
+
+def layout(world: int = 1) -> CacheLayout:
+    attn = CacheGroup.uniform(GroupKind.FULL_ATTENTION, [TensorSpec((2, BS, 4), "float32")], world)
+    swa = CacheGroup.uniform(GroupKind.SLIDING_WINDOW, [TensorSpec((2, BS, 4), "float32")], world, window=BS)
+    state = CacheGroup.uniform(GroupKind.STATE, [TensorSpec((4, 4), "float32")], world)
+    return CacheLayout(model="t", block_size=BS, groups=(attn, swa, state), tp_size=world)
+
+
+class CountingStore(MemoryStore):
+    """Counts batch calls, to check round trips per lookup."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        self.calls.append("exists")
+        return super().exists_many(keys)
+
+
+def payload(ref: ObjectRef, block_id: int) -> bytes:
+    n = 2 * BS * 4 * 4 if ref.kind.name == "BLOCK" else 64
+    return np.full(n // 4, block_id + 0.5 + ref.rank, np.float32).tobytes()
+
+
+def fill(vault: Vault, tokens: list[int], boundaries: list[int], world: int = 1) -> list[int]:
+    hashes = vault.hashes(tokens)
+    n = len(tokens) // BS
+    tables = {0: list(range(1, n + 1)), 1: list(range(100, 100 + n))}
+    caps = [StateCapture(2, b, 200 + b, None) for b in boundaries]
+    d = plan_saves(vault.layout, len(tokens), tables, caps)
+    acks: list[RankAck] = []
+    for r in range(world):
+        acks += vault.save(r, hashes, d.publishable, payload)
+    return [p.tokens for p in d.publishable if vault.publish(hashes, p.tokens, acks) is None]
+
+
+def test_publish_lookup_load_round_trip() -> None:
+    store = CountingStore()
+    vault = Vault(store, layout())
+    tokens = list(range(64))
+    assert fill(vault, tokens, [16, 40]) == [16, 40]
+    store.calls.clear()
+    hashes = vault.hashes([*tokens[:50], 999])
+    assert vault.lookup(hashes, 51) == 40
+    assert store.calls == ["exists", "exists"]  # records, then objects: two round trips
+    loaded = vault.load(vault.needed(hashes, 40))
+    assert loaded.ok
+    # full attention needs all 5 blocks, an 8-token window only the last, the state one object
+    assert sorted((r.group, r.block_index) for r in loaded.payloads) == [
+        (0, 0),
+        (0, 1),
+        (0, 2),
+        (0, 3),
+        (0, 4),
+        (1, 4),
+        (2, 4),
+    ]
+
+
+def test_lookup_leaves_a_token_and_respects_local_hits() -> None:
+    vault = Vault(MemoryStore(), layout())
+    tokens = list(range(64))
+    fill(vault, tokens, [16, 40, 64])
+    hashes = vault.hashes(tokens)
+    assert vault.lookup(hashes, 64) == 40  # 64 would leave nothing to compute
+    assert vault.lookup(hashes, 65) == 64
+    assert vault.lookup(hashes, 65, min_tokens=64) == 0
+
+
+def test_record_needs_every_rank() -> None:
+    vault = Vault(MemoryStore(), layout(world=2))
+    tokens = list(range(32))
+    hashes = vault.hashes(tokens)
+    d = plan_saves(vault.layout, 32, {0: [1, 2, 3, 4], 1: [5, 6, 7, 8]}, [StateCapture(2, 32, 9)])
+    acks = vault.save(0, hashes, d.publishable, payload)
+    assert vault.publish(hashes, 32, acks) is Refusal.MISSING_RANK
+    assert vault.lookup(hashes, 40) == 0
+    acks += vault.save(1, hashes, d.publishable, payload)
+    assert vault.publish(hashes, 32, acks) is None
+    assert vault.lookup(hashes + vault.hashes(list(range(40)))[4:], 40) == 32
+
+
+def test_corrupt_object_is_rejected_counted_and_removed() -> None:
+    store = MemoryStore()
+    vault = Vault(store, layout())
+    tokens = list(range(32))
+    fill(vault, tokens, [24])
+    hashes = vault.hashes(tokens)
+    refs = vault.needed(hashes, 24)
+    state_ref = next(r for r in refs if r.kind.name == "STATE")
+    blob = bytearray(store.get_many([state_ref.key])[0] or b"")
+    blob[HEADER_SIZE + 3] ^= 0x40
+    store.put_many([(state_ref.key, [bytes(blob)])])
+    loaded = vault.load(refs)
+    assert loaded.failed == {state_ref: "payload checksum"}
+    assert vault.counters.rejected["payload checksum"] == 1
+    assert store.exists_many([state_ref.key]) == [False]
+    assert vault.lookup(hashes, 32) == 0  # the record no longer yields a hit
+
+
+def test_object_of_another_boundary_is_rejected() -> None:
+    store = MemoryStore()
+    vault = Vault(store, layout())
+    tokens = list(range(32))
+    fill(vault, tokens, [16, 24])
+    hashes = vault.hashes(tokens)
+    s16 = next(r for r in vault.needed(hashes, 16) if r.kind.name == "STATE")
+    s24 = next(r for r in vault.needed(hashes, 24) if r.kind.name == "STATE")
+    # A state written for boundary 16 placed under boundary 24's key: bytes are valid, identity is not.
+    store.put_many([(s24.key, [store.get_many([s16.key])[0] or b""])])
+    assert vault.load([s24]).failed == {s24: "identity"}
+
+
+def test_missing_objects_are_reported_not_loaded() -> None:
+    store = MemoryStore()
+    vault = Vault(store, layout())
+    tokens = list(range(32))
+    fill(vault, tokens, [24])
+    refs = vault.needed(vault.hashes(tokens), 24)
+    store.delete_many([refs[0].key])
+    loaded = vault.load(refs)
+    assert loaded.failed == {refs[0]: "missing"}
+    assert len(loaded.payloads) == len(refs) - 1
+
+
+class FullStore(MemoryStore):
+    def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        return [False] * len(items)
+
+
+def test_failed_writes_publish_nothing() -> None:
+    vault = Vault(FullStore(), layout())
+    assert fill(vault, list(range(32)), [16, 24]) == []
+    assert vault.counters.put_failed > 0
+    assert vault.counters.records_published == 0
+
+
+def test_existing_blocks_are_not_written_twice() -> None:
+    vault = Vault(MemoryStore(), layout())
+    fill(vault, list(range(32)), [16])
+    written = vault.counters.put_keys
+    fill(vault, list(range(32)), [16, 24])
+    assert vault.counters.put_skipped >= 3
+    assert vault.counters.put_keys - written == 3  # a new attention block, a window block, a state
+
+
+class DownStore(Store):
+    """A store whose every call fails, as a dead server would."""
+
+    uri = "down://"
+
+    def _boom(self, *a: object) -> list[bool]:
+        raise ConnectionError("store down")
+
+    put_many = put_if_absent = get_into = get_many = exists_many = delete_many = _boom  # type: ignore[assignment]
+
+    def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        raise ConnectionError("store down")
+
+    def stats(self) -> StoreStats:
+        raise ConnectionError("store down")
+
+
+def test_store_errors_propagate_to_the_adapter() -> None:
+    # The vault does not swallow store failures; adapters turn them into misses (fail closed).
+    vault = Vault(DownStore(), layout())
+    with pytest.raises(ConnectionError):
+        vault.lookup(vault.hashes(list(range(32))), 32)
