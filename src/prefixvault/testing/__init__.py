@@ -1,0 +1,1 @@
+"""Test helpers: tiny, deterministic, state-sensitive hybrid models for vLLM CPU runs."""

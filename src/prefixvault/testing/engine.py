@@ -1,0 +1,148 @@
+"""Run one vLLM engine in its own process and report greedy tokens and logprobs.
+
+Cold, producer and consumer engines of the seed scenario must be separate processes (the
+report's protocol), and vLLM needs a ``__main__`` guard, so every engine runs as
+``python -m prefixvault.testing.engine SPEC.json OUT.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONNECTOR = "PrefixVaultConnector"
+CONNECTOR_MODULE = "prefixvault.vllm"
+
+
+@dataclass
+class EngineSpec:
+    """One engine run: a model, engine arguments, an optional connector, and prompts."""
+
+    model: str
+    engine: dict[str, Any]
+    prompts: list[list[int]]
+    role: str = "cold"  # cold (no connector), kv_producer, kv_consumer, kv_both
+    store: str = ""
+    extra_config: dict[str, Any] = field(default_factory=dict)
+    connector: str = CONNECTOR
+    connector_module: str = CONNECTOR_MODULE
+    max_tokens: int = 8
+    logprobs: int = 5
+    sequential: bool = True  # one request at a time (True) or all at once (False)
+    salts: list[str] = field(default_factory=list)  # cache_salt per prompt ("" for none)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]  # per generated token: top-k token id -> logprob
+    cached_tokens: int  # prompt tokens vLLM did not compute (local + external hits)
+    text: str = ""
+
+
+def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
+    if spec.role == "cold":
+        return None
+    return {
+        "kv_connector": spec.connector,
+        "kv_connector_module_path": spec.connector_module,
+        "kv_role": spec.role,
+        "kv_connector_extra_config": {"store": spec.store, **spec.extra_config},
+    }
+
+
+def _run(spec: EngineSpec) -> dict[str, Any]:
+    from vllm import LLM, SamplingParams
+
+    kwargs = dict(spec.engine, model=spec.model)
+    ktc = kv_transfer_config(spec)
+    if ktc is not None:
+        kwargs["kv_transfer_config"] = ktc
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    started = time.perf_counter() - t0
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, logprobs=spec.logprobs)
+    salts = spec.salts or [""] * len(spec.prompts)
+    inputs: list[dict[str, Any]] = [
+        {"prompt_token_ids": p, **({"cache_salt": s} if s else {})}
+        for p, s in zip(spec.prompts, salts, strict=True)
+    ]
+    batches = [[i] for i in inputs] if spec.sequential else [inputs]
+    outs: list[dict[str, Any]] = []
+    ttfts: list[float] = []
+    for batch in batches:
+        t = time.perf_counter()
+        results = llm.generate(batch, params, use_tqdm=False)
+        ttfts.append(time.perf_counter() - t)
+        for r in results:
+            c = r.outputs[0]
+            lps = [{int(k): float(v.logprob) for k, v in d.items()} for d in (c.logprobs or [])]
+            outs.append(asdict(Completion(list(c.token_ids), lps, int(r.num_cached_tokens or 0), c.text)))
+    return {"completions": outs, "start_s": started, "generate_s": ttfts}
+
+
+def run_engine(spec: EngineSpec, workdir: Path, env: Mapping[str, str] | None = None,
+               timeout: float = 900) -> dict[str, Any]:
+    """Run ``spec`` in a fresh process; raise RuntimeError with the log tail if it fails."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    stamp = f"{spec.role}-{time.monotonic_ns()}"
+    spec_path, out_path, log_path = (workdir / f"{stamp}.{s}" for s in ("spec.json", "out.json", "log"))
+    spec_path.write_text(json.dumps(asdict(spec)))
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                "VLLM_HOST_IP": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    with open(log_path, "w") as log:
+        proc = subprocess.run([sys.executable, "-m", "prefixvault.testing.engine", str(spec_path),
+                               str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=full_env,
+                              timeout=timeout, check=False)
+    if proc.returncode != 0 or not out_path.exists():
+        tail = log_path.read_text()[-4000:]
+        raise RuntimeError(f"engine ({spec.role}) exited with {proc.returncode}; log {log_path}:\n{tail}")
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    result["log"] = str(log_path)
+    return result
+
+
+def completions(result: Mapping[str, Any]) -> list[Completion]:
+    return [Completion(c["token_ids"], [{int(k): v for k, v in d.items()} for d in c["logprobs"]],
+                       c["cached_tokens"], c.get("text", ""))
+            for c in result["completions"]]
+
+
+def max_logprob_diff(a: Completion, b: Completion) -> float:
+    """Largest |Δlogprob| over the top-k tokens both runs report at each step."""
+    worst = 0.0
+    for x, y in zip(a.logprobs, b.logprobs, strict=False):
+        for tok in x.keys() & y.keys():
+            worst = max(worst, abs(x[tok] - y[tok]))
+    return worst
+
+
+def identical(a: Completion, b: Completion) -> bool:
+    """Same token ids and the same top-k logprobs, bit for bit."""
+    return a.token_ids == b.token_ids and a.logprobs == b.logprobs
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def main(argv: Sequence[str]) -> None:
+    spec = EngineSpec(**json.loads(Path(argv[0]).read_text()))
+    result = _run(spec)
+    Path(argv[1]).write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

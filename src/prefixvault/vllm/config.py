@@ -1,0 +1,63 @@
+"""The connector's settings, read from ``kv_connector_extra_config``."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from prefixvault.keys import check_namespace
+
+
+class CapturePolicy(StrEnum):
+    """Which exact states a producer stores.
+
+    ``checkpoints``: only the states the engine offers (its prompt checkpoints).
+    ``steps``: also the state every prefill step leaves when it ends on a block boundary.
+    ``interval``: checkpoints, plus step-end states at most once per ``capture_interval`` tokens.
+    """
+
+    CHECKPOINTS = "checkpoints"
+    STEPS = "steps"
+    INTERVAL = "interval"
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    store: str = "local://"
+    namespace: str = "default"
+    capture: CapturePolicy = CapturePolicy.STEPS
+    capture_interval: int = 0
+    model_id: str = ""  # overrides the model name in the layout fingerprint
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
+        extra = dict(extra or {})
+        known = {"store", "namespace", "capture", "capture_interval", "model_id"}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ValueError(
+                f"prefixvault: unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}"
+            )
+        capture = str(extra.get("capture", CapturePolicy.STEPS.value))
+        m = re.fullmatch(r"interval:(\d+)", capture)
+        interval = int(extra.get("capture_interval", 0))
+        if m:
+            capture, interval = CapturePolicy.INTERVAL.value, int(m.group(1))
+        try:
+            policy = CapturePolicy(capture)
+        except ValueError:
+            raise ValueError(
+                f"prefixvault: capture must be one of checkpoints, steps, interval:N; got {capture!r}"
+            ) from None
+        if policy is CapturePolicy.INTERVAL and interval <= 0:
+            raise ValueError("prefixvault: capture 'interval' needs a positive capture_interval")
+        namespace = check_namespace(str(extra.get("namespace", "default")))
+        return cls(
+            store=str(extra.get("store", "local://")),
+            namespace=namespace,
+            capture=policy,
+            capture_interval=interval,
+            model_id=str(extra.get("model_id", "")),
+        )

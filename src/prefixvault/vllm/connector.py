@@ -1,0 +1,165 @@
+"""``PrefixVaultConnector``: prefixvault as a vLLM KV connector (scheduler and worker roles).
+
+Enable it with::
+
+    --kv-transfer-config '{"kv_connector":"PrefixVaultConnector",
+      "kv_connector_module_path":"prefixvault.vllm","kv_role":"kv_both",
+      "kv_connector_extra_config":{"store":"local:///dev/shm/prefixvault"}}'
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+
+from prefixvault.stores import open_store
+from prefixvault.vault import Vault
+from prefixvault.vllm.config import ConnectorSettings
+from prefixvault.vllm.layout import build_layout
+from prefixvault.vllm.metadata import PrefixVaultMetadata
+from prefixvault.vllm.scheduler import SchedulerSide
+from prefixvault.vllm.stats import PrefixVaultPromMetrics, PrefixVaultStats, Snapshot
+from prefixvault.vllm.worker import WorkerSide
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+log = logging.getLogger("vllm.prefixvault")
+
+
+class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
+    """Saves exact KV blocks and recurrent states; restores only boundaries that resume."""
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        ktc = vllm_config.kv_transfer_config
+        self.settings = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
+        self.layout = build_layout(vllm_config, kv_cache_config, self.settings.model_id)
+        self.vault = Vault(open_store(self.settings.store), self.layout, self.settings.namespace)
+        self._snapshot = Snapshot()
+        self.scheduler: SchedulerSide | None = None
+        self.worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            if ktc.kv_load_failure_policy != "recompute" and ktc.is_kv_consumer:
+                # A bad or missing object must cost a recompute, never a failed request.
+                ktc.kv_load_failure_policy = "recompute"
+            self.scheduler = SchedulerSide(self.settings, self.layout, self.vault,
+                                           load=ktc.is_kv_consumer, save=ktc.is_kv_producer)
+            log.info("prefixvault: %s on %s, namespace %s, layout %s, block size %d, capture %s",
+                     ktc.kv_role, self.settings.store, self.settings.namespace,
+                     self.vault.fingerprint.hex()[:12], self.layout.block_size, self.settings.capture.value)
+        else:
+            from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+            groups = [g.layer_names for g in kv_cache_config.kv_cache_groups]
+            self.worker = WorkerSide(self.layout, self.vault, get_tensor_model_parallel_rank(), groups)
+
+    # -- properties vLLM asks -------------------------------------------------------------------
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache, not a transfer: preempted work is simply recomputed
+
+    # -- scheduler side ---------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self.scheduler is not None
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        assert self.scheduler is not None
+        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.scheduler is not None
+        return self.scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        if self.scheduler is not None:
+            self.scheduler.request_finished(request)
+        return False, None
+
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        # Saves are copied out in the step that computes them, so blocks can be freed now.
+        return self.request_finished(request, [])
+
+    # -- worker side ------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker is not None
+        self.worker.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PrefixVaultMetadata) and self.worker is not None
+        if meta.loads:
+            self.worker.load(meta.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PrefixVaultMetadata) and self.worker is not None
+        if meta.saves:
+            self.worker.save(meta.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        results = self.get_transfer_results(finished_req_ids)
+        return None, results.finished_recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.worker is None:
+            return KVConnectorTransferResults()
+        done, failed = self.worker.take_finished()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    # -- metrics ----------------------------------------------------------------------------------
+
+    def _totals(self) -> dict[str, int]:
+        c = self.vault.counters
+        totals = {
+            "put_keys": c.put_keys, "put_bytes": c.put_bytes, "put_failed": c.put_failed,
+            "get_keys": c.get_keys, "get_bytes": c.get_bytes, "get_failed": c.get_failed,
+            "records_published": c.records_published,
+        }
+        totals.update({f"rejected:{k}": v for k, v in c.rejected.items()})
+        if self.scheduler is not None:
+            s = self.scheduler.counters
+            totals.update(lookups=s.lookups, lookup_errors=s.lookup_errors, hit_tokens=s.hit_tokens)
+            totals.update({f"refused:{k}": v for k, v in s.refused.items()})
+        if self.worker is not None:
+            w = self.worker.counters
+            totals.update(load_failures=w.load_failures, save_errors=w.save_errors)
+        return totals
+
+    def get_kv_connector_stats(self) -> PrefixVaultStats | None:
+        stats = PrefixVaultStats()
+        stats.add(self._snapshot.delta(self._totals()))
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> PrefixVaultStats | None:
+        return PrefixVaultStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> PrefixVaultPromMetrics:
+        return PrefixVaultPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        self.vault.store.close()

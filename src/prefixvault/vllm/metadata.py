@@ -1,0 +1,36 @@
+"""What the scheduler side tells the workers each step (pickled to every rank)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from prefixvault.boundary import SavePlan
+
+
+@dataclass
+class LoadSpec:
+    """Load boundary ``tokens`` of a request into its freshly allocated blocks."""
+
+    req_id: str
+    hashes: list[bytes]
+    tokens: int
+    local_tokens: int  # already in the engine's own prefix cache; not loaded again
+    block_ids: tuple[list[int], ...]  # per cache group, by block index
+
+
+@dataclass
+class SaveSpec:
+    """Boundaries of a request to save after this step's forward."""
+
+    req_id: str
+    hashes: list[bytes]
+    plans: list[SavePlan]
+
+
+@dataclass
+class PrefixVaultMetadata(KVConnectorMetadata):
+    step: int = 0
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)

@@ -1,0 +1,206 @@
+"""Scheduler side of the connector: look up hits, and turn engine reports into save plans.
+
+Everything here runs in vLLM's engine-core process. Lookups cost two store round trips per
+request (records, then objects); a store error is a miss, never a failed request.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixvault.boundary import StateCapture, plan_saves
+from prefixvault.keys import ExtraKeys, MultimodalItem
+from prefixvault.layout import CacheLayout
+from prefixvault.vault import Vault
+from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
+from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, SaveSpec
+
+log = logging.getLogger("vllm.prefixvault")
+
+#: After this many loads for one request, it is computed without the store.
+MAX_LOADS_PER_REQUEST = 2
+
+
+def extra_keys(request: Any) -> ExtraKeys:
+    """LoRA, cache salt and multimodal inputs of a request: all change its cache."""
+    lora = getattr(request, "lora_request", None)
+    lora_key = f"{lora.lora_name}:{getattr(lora, 'lora_path', '')}" if lora is not None else None
+    mm = []
+    for f in getattr(request, "mm_features", None) or []:
+        pos = f.mm_position
+        mm.append(MultimodalItem(str(f.identifier), int(pos.offset), int(pos.length)))
+    return ExtraKeys(lora=lora_key, cache_salt=getattr(request, "cache_salt", None), multimodal=tuple(mm))
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    extra: ExtraKeys
+    hashes: list[bytes] = field(default_factory=list)
+    hit: int | None = None  # external hit found by lookup (tokens), None before lookup
+    loaded: int = 0  # tokens restored from the store
+    saved: int = 0  # highest boundary already handed to workers to save
+    loads: int = 0  # loads issued; a request reset after a load looks up afresh
+    last_capture: int = 0
+
+
+@dataclass
+class SchedulerCounters:
+    lookups: int = 0
+    lookup_errors: int = 0
+    hit_tokens: int = 0
+    refused: dict[str, int] = field(default_factory=dict)
+    plans: int = 0
+
+
+class SchedulerSide:
+    def __init__(self, settings: ConnectorSettings, layout: CacheLayout, vault: Vault | None,
+                 load: bool, save: bool) -> None:
+        self.settings = settings
+        self.layout = layout
+        self.vault = vault
+        self.load_enabled = load
+        self.save_enabled = save
+        self.block_size = layout.block_size
+        self.state_groups = [i for i, g in enumerate(layout.groups) if g.is_state]
+        self.attn_groups = [i for i, g in enumerate(layout.groups) if not g.is_state]
+        self._reqs: dict[str, _Request] = {}
+        self._pending_loads: list[LoadSpec] = []
+        self._step = 0
+        self.counters = SchedulerCounters()
+
+    # -- requests -------------------------------------------------------------------------------
+
+    def _track(self, request: Any) -> _Request | None:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            prompt = getattr(request, "prompt_token_ids", None)
+            if prompt is None:  # prompt embeddings: no token ids to key on
+                return None
+            st = self._reqs[request.request_id] = _Request(list(prompt), extra_keys(request))
+        return st
+
+    def _hashes(self, st: _Request, upto_tokens: int) -> list[bytes]:
+        n = upto_tokens // self.block_size
+        if len(st.hashes) < n:
+            st.hashes = self.vault.hashes(st.prompt[: n * self.block_size], st.extra, st.hashes) \
+                if self.vault else []
+        return st.hashes[:n]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        st = self._track(request)
+        if st is None or not self.load_enabled or self.vault is None:
+            return 0, False
+        if getattr(request, "skip_reading_prefix_cache", False):
+            return 0, False
+        if st.loads >= MAX_LOADS_PER_REQUEST:
+            return 0, False  # its loads keep failing: compute it
+        if st.hit is None:
+            self.counters.lookups += 1
+            try:
+                hashes = self._hashes(st, len(st.prompt))
+                st.hit = self.vault.lookup(hashes, request.num_tokens, min_tokens=num_computed_tokens)
+            except Exception as e:  # fail closed: a store problem is a miss
+                self.counters.lookup_errors += 1
+                log.warning("prefixvault: lookup failed, computing request %s: %s", request.request_id, e)
+                st.hit = 0
+        if st.hit > num_computed_tokens:
+            return st.hit - num_computed_tokens, True
+        return 0, False
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens <= 0 or not st.hit:
+            return
+        tokens = st.hit
+        local = tokens - num_external_tokens
+        block_ids = blocks.get_block_ids()
+        self._pending_loads.append(LoadSpec(request.request_id, self._hashes(st, tokens), tokens, local,
+                                            tuple(list(b) for b in block_ids)))
+        st.loaded = tokens
+        st.saved = max(st.saved, tokens)
+        st.loads += 1
+        # If vLLM asks again (the load failed and the request restarts, or it was preempted),
+        # look up afresh: a rejected object has been removed by then.
+        st.hit = None
+        self.counters.hit_tokens += num_external_tokens
+        log.info("prefixvault: request %s restores %d tokens from the store (%d local)",
+                 request.request_id, num_external_tokens, local)
+
+    # -- saves ------------------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: Any) -> PrefixVaultMetadata:
+        self._step += 1
+        meta = PrefixVaultMetadata(step=self._step, loads=self._pending_loads)
+        self._pending_loads = []
+        if self.save_enabled and self.vault is not None:
+            meta.saves = self._plan_saves(scheduler_output)
+        return meta
+
+    def _starts(self, out: Any) -> dict[str, int]:
+        starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+        return starts
+
+    def _plan_saves(self, out: Any) -> list[SaveSpec]:
+        state = getattr(out, "kv_connector_block_state", None)
+        if state is None:
+            return []
+        offers: dict[str, list[tuple[int, int, int]]] = state.boundary_state_offloads or {}
+        starts = self._starts(out)
+        saves = []
+        bs = self.block_size
+        for req_id, n_new in out.num_scheduled_tokens.items():
+            st = self._reqs.get(req_id)
+            if st is None or req_id not in starts:
+                continue
+            start = starts[req_id]
+            prompt_len = len(st.prompt)
+            if start >= prompt_len:
+                continue  # decoding: only prompt prefixes are published
+            end = min(start + n_new, prompt_len)
+            tables = state.get_block_ids(req_id)
+            if tables is None:
+                continue
+            captures = [StateCapture(g, t, b, self._step) for g, b, t in offers.get(req_id, [])
+                        if t <= end]
+            if self._capture_step_end(st, end):
+                for g in self.state_groups:
+                    idx = end // bs - 1
+                    block_id = tables[g][idx] if idx < len(tables[g]) else 0
+                    captures.append(StateCapture(g, end, block_id, self._step))
+            candidates = {c.tokens for c in captures}
+            if not self.state_groups:
+                candidates = set(range((start // bs + 1) * bs, end + 1, bs))
+            candidates = {t for t in candidates if t > st.saved and t % bs == 0 and t < prompt_len + 1}
+            if not candidates:
+                continue
+            decision = plan_saves(self.layout, end, {g: tables[g] for g in self.attn_groups}, captures,
+                                  self._step, candidates)
+            for _, why in decision.refused:
+                self.counters.refused[why.value] = self.counters.refused.get(why.value, 0) + 1
+            if decision.publishable:
+                top = max(p.tokens for p in decision.publishable)
+                st.saved = max(st.saved, top)
+                self.counters.plans += len(decision.publishable)
+                saves.append(SaveSpec(req_id, self._hashes(st, top), list(decision.publishable)))
+        return saves
+
+    def _capture_step_end(self, st: _Request, end: int) -> bool:
+        if not self.state_groups or end % self.block_size:
+            return False
+        policy = self.settings.capture
+        if policy is CapturePolicy.CHECKPOINTS:
+            return False
+        if policy is CapturePolicy.INTERVAL:
+            n = self.settings.capture_interval
+            if end // n <= st.last_capture // n:
+                return False
+        st.last_capture = end
+        return True
+
+    def request_finished(self, request: Any) -> None:
+        self._reqs.pop(request.request_id, None)

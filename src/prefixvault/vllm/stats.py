@@ -1,0 +1,90 @@
+"""Connector metrics: vLLM's ``KVConnectorStats`` (logged) and Prometheus counters.
+
+Every figure is a counter delta since the last report, keyed by a flat name, so worker and
+scheduler reports simply add up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+#: Prometheus counter name suffix and help text for each figure (refusals and rejections by label).
+COUNTERS: dict[str, str] = {
+    "put_keys": "Objects written to the store",
+    "put_bytes": "Bytes written to the store",
+    "put_failed": "Objects the store failed to write",
+    "get_keys": "Objects read from the store and verified",
+    "get_bytes": "Bytes read from the store and verified",
+    "get_failed": "Objects missing or rejected on load",
+    "records_published": "Boundary records published",
+    "lookups": "Store lookups",
+    "lookup_errors": "Lookups that failed (counted as misses)",
+    "hit_tokens": "Prompt tokens restored from the store",
+    "load_failures": "Requests whose load failed and were recomputed",
+    "save_errors": "Boundaries whose objects could not all be stored",
+}
+LABELLED = {"refused": "Boundaries refused, by reason", "rejected": "Objects rejected on load, by reason"}
+
+
+class PrefixVaultStats(KVConnectorStats):
+    """Counter deltas: ``{"put_keys": 3, "refused:null_block": 2, ...}``."""
+
+    def reset(self) -> None:
+        self.data: dict[str, Any] = {}
+
+    def add(self, figures: Mapping[str, int]) -> None:
+        for k, v in figures.items():
+            if v:
+                self.data[k] = self.data.get(k, 0) + v
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        self.add(other.data)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return dict(sorted(self.data.items()))
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class Snapshot:
+    """Turns running totals into deltas since the previous call."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] = {}
+
+    def delta(self, totals: Mapping[str, int]) -> dict[str, int]:
+        out = {k: v - self._last.get(k, 0) for k, v in totals.items()}
+        self._last = dict(totals)
+        return {k: v for k, v in out.items() if v}
+
+
+class PrefixVaultPromMetrics(KVConnectorPromMetrics):
+    """``vllm:prefixvault_*_total`` counters, one child per engine."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[Any, Any], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self._plain = {
+            name: self._counter_cls(name=f"vllm:prefixvault_{name}", documentation=doc,
+                                    labelnames=labelnames)
+            for name, doc in COUNTERS.items()
+        }
+        self._labelled = {
+            name: self._counter_cls(name=f"vllm:prefixvault_{name}", documentation=doc,
+                                    labelnames=[*labelnames, "reason"])
+            for name, doc in LABELLED.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        values = self.per_engine_labelvalues[engine_idx]
+        for key, value in transfer_stats_data.items():
+            name, _, reason = key.partition(":")
+            if reason and name in self._labelled:
+                self._labelled[name].labels(*values, reason).inc(value)
+            elif name in self._plain:
+                self._plain[name].labels(*values).inc(value)

@@ -1,0 +1,161 @@
+"""Worker side of the connector: gather objects out of vLLM's cache tensors, scatter them back.
+
+One worker per tensor-parallel rank. Saves run in ``wait_for_save``, right after the forward
+that computed them, while the source blocks cannot yet be reused; loads run in
+``start_load_kv`` of the step in which the request waits for them (vLLM's async load), so
+they land after vLLM's own state-block copies and before the request's first chunk.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from prefixvault.codec import ObjectKind
+from prefixvault.layout import CacheLayout
+from prefixvault.vault import ObjectRef, Vault
+from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, SaveSpec
+
+log = logging.getLogger("vllm.prefixvault")
+
+
+@dataclass
+class WorkerCounters:
+    saved_boundaries: int = 0
+    published: int = 0
+    save_errors: int = 0
+    loads: int = 0
+    load_failures: int = 0
+    loaded_tokens: int = 0
+    failure_reasons: dict[str, int] = field(default_factory=dict)
+
+
+class WorkerSide:
+    def __init__(
+        self, layout: CacheLayout, vault: Vault | None, rank: int, layer_groups: Sequence[Sequence[str]]
+    ) -> None:
+        self.layout = layout
+        self.vault = vault
+        self.rank = rank
+        self.layer_groups = [list(g) for g in layer_groups]
+        self._pages: list[list[np.ndarray]] = []  # per group, per layer: [num_blocks, page bytes] uint8
+        self._finished_loads: set[str] = set()
+        self._failed_loads: set[str] = set()
+        self.counters = WorkerCounters()
+
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """Keep a flat byte view of every layer; check it against the layout."""
+        import torch
+
+        self._pages = []
+        for gi, names in enumerate(self.layer_groups):
+            views = []
+            for name in names:
+                t = kv_caches[name]
+                if t.device.type != "cpu":
+                    raise ValueError("prefixvault: only CPU KV caches are supported by this version")
+                u8 = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+                n_blocks = u8.shape[0]
+                page = u8[0].numel()
+                # One block of one layer must be contiguous bytes (true for LBHNC and state pages).
+                if not u8[0].is_contiguous():
+                    raise ValueError(f"prefixvault: layer {name} blocks are not contiguous")
+                flat = torch.as_strided(u8, (n_blocks, page), (u8.stride(0), 1), u8.storage_offset())
+                views.append(flat.numpy())
+            expected = self.layout.groups[gi].nbytes(self.rank)
+            got = sum(v.shape[1] for v in views)
+            if got != expected:
+                raise ValueError(f"prefixvault: cache group {gi} has {got} bytes per block on rank "
+                                 f"{self.rank}, layout says {expected}")
+            self._pages.append(views)
+
+    # -- save -------------------------------------------------------------------------------------
+
+    def _gather(self, ref: ObjectRef, block_id: int) -> memoryview:
+        views = self._pages[ref.group]
+        out = np.empty(sum(v.shape[1] for v in views), np.uint8)
+        off = 0
+        for v in views:
+            n = v.shape[1]
+            out[off : off + n] = v[block_id]
+            off += n
+        return out.data
+
+    def save(self, specs: Sequence[SaveSpec]) -> None:
+        if self.vault is None:
+            return
+        for spec in specs:
+            try:
+                acks = self.vault.save(self.rank, spec.hashes, spec.plans, self._gather)
+                for ack in acks:
+                    if not ack.ok:
+                        self.counters.save_errors += 1
+                        continue
+                    self.counters.saved_boundaries += 1
+                    if self.vault.publish_when_complete(spec.hashes, ack.tokens):
+                        self.counters.published += 1
+            except Exception as e:  # a store problem costs future hits, never this request
+                self.counters.save_errors += 1
+                log.warning("prefixvault: save for request %s failed: %s", spec.req_id, e)
+
+    # -- load -------------------------------------------------------------------------------------
+
+    def load(self, specs: Sequence[LoadSpec]) -> None:
+        for spec in specs:
+            ok = False
+            try:
+                ok = self._load_one(spec)
+            except Exception as e:
+                log.warning("prefixvault: load for request %s failed: %s", spec.req_id, e)
+                self._count_failure("store_error")
+            self.counters.loads += 1
+            if ok:
+                self.counters.loaded_tokens += spec.tokens - spec.local_tokens
+            else:
+                self.counters.load_failures += 1
+                self._failed_loads.add(spec.req_id)
+            self._finished_loads.add(spec.req_id)
+
+    def _count_failure(self, reason: str) -> None:
+        self.counters.failure_reasons[reason] = self.counters.failure_reasons.get(reason, 0) + 1
+
+    def _load_one(self, spec: LoadSpec) -> bool:
+        assert self.vault is not None
+        bs = self.layout.block_size
+        refs = [r for r in self.vault.needed(spec.hashes, spec.tokens, ranks=[self.rank])
+                if r.kind is ObjectKind.STATE or r.block_index >= spec.local_tokens // bs]
+        targets = []
+        for r in refs:
+            table = spec.block_ids[r.group]
+            idx = (spec.tokens - 1) // bs if r.kind is ObjectKind.STATE else r.block_index
+            block_id = table[idx] if idx < len(table) else 0
+            if block_id == 0:
+                log.warning("prefixvault: no block allocated for %s", r.key)
+                self._count_failure("no_block")
+                return False
+            targets.append(block_id)
+        loaded = self.vault.load(refs)
+        if not loaded.ok:
+            for why in loaded.failed.values():
+                self._count_failure(why)
+            return False
+        for ref, block_id in zip(refs, targets, strict=True):
+            payload = np.frombuffer(loaded.payloads[ref], np.uint8)
+            off = 0
+            for v in self._pages[ref.group]:
+                n = v.shape[1]
+                v[block_id] = payload[off : off + n]
+                off += n
+        return True
+
+    def take_finished(self) -> tuple[set[str], set[str]]:
+        done, failed = self._finished_loads, self._failed_loads
+        self._finished_loads, self._failed_loads = set(), set()
+        return done, failed
+
+    def handle(self, meta: PrefixVaultMetadata) -> None:
+        """Nothing to do per metadata yet; kept for symmetry with vLLM's hooks."""

@@ -1,0 +1,108 @@
+"""Faults around real vLLM engines: bad bytes, a producer killed mid-save, concurrent consumers.
+
+Whatever happens, every consumer request completes with output identical to cold.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+from vllm_support.seedlib import IN_PROCESS, SUPPORT, Seed, make_seed, run, spec
+
+from prefixvault.codec import HEADER_SIZE
+from prefixvault.inventory import audit
+from prefixvault.stores import open_store
+from prefixvault.testing.engine import Completion, identical
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def seed(tmp_path_factory: pytest.TempPathFactory) -> Seed:
+    return make_seed("gdn-hybrid", tmp_path_factory.mktemp("models"))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("faults")
+
+
+@pytest.fixture(scope="module")
+def cold(seed: Seed, workdir: Path) -> list[Completion]:
+    return run(seed, spec(seed, "cold", [c.tokens for c in seed.cases], [""] * len(seed.cases)), workdir)
+
+
+def test_corrupt_state_object_is_rejected_and_the_request_recomputes(
+    seed: Seed, cold: list[Completion], workdir: Path
+) -> None:
+    store_uri = f"local://{workdir}/corrupt?capacity=1GiB"
+    run(seed, spec(seed, "kv_producer", [seed.producer], [""], store_uri), workdir)
+    store = open_store(store_uri)
+    states = [k for k, _ in store.scan() if "/s/" in k]
+    assert states
+    for key in states:  # flip one payload byte of every stored state
+        blob = bytearray(store.get_many([key])[0] or b"")
+        blob[HEADER_SIZE + 7] ^= 0x10
+        assert store.put_many([(key, [bytes(blob)])]) == [True]
+    case = seed.cases[1]  # would restore 1536
+    got = run(seed, spec(seed, "kv_consumer", [case.tokens], [""], store_uri), workdir)
+    assert identical(cold[1], got[0])
+    remaining = {k for k, _ in store.scan() if "/s/" in k}
+    assert len(remaining) < len(states), "the rejected state object was not removed"
+
+
+def test_producer_killed_mid_save_leaves_no_partial_record(
+    seed: Seed, cold: list[Completion], workdir: Path
+) -> None:
+    store_uri = f"local://{workdir}/killed?capacity=1GiB"
+    store = open_store(store_uri)
+    producer = spec(seed, "kv_producer", [seed.producer] * 6, [f"run-{i}" for i in range(6)], store_uri)
+    spec_path = workdir / "killed-spec.json"
+    spec_path.write_text(json.dumps(asdict(producer)))
+    env = {**os.environ, **IN_PROCESS, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": SUPPORT}
+    proc = subprocess.Popen([sys.executable, "-m", "prefixvault.testing.engine", str(spec_path),
+                             str(workdir / "killed-out.json")], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    try:  # kill it as soon as it has published something, while it is still saving more
+        while time.monotonic() < deadline and proc.poll() is None:
+            if any("/r/" in k for k, _ in store.scan()):
+                break
+            time.sleep(0.05)
+        assert proc.poll() is None, "the producer finished before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+    report = audit(store)
+    assert report.records >= 1
+    assert not report.findings, report.findings
+    case = seed.cases[1]
+    got = run(seed, spec(seed, "kv_consumer", [case.tokens], ["run-0"], store_uri), workdir)
+    assert identical(cold[1], got[0])
+
+
+def test_two_consumer_engines_at_once(seed: Seed, cold: list[Completion], workdir: Path) -> None:
+    store_uri = f"local://{workdir}/shared?capacity=1GiB"
+    run(seed, spec(seed, "kv_producer", [seed.producer], [""], store_uri), workdir)
+    picks = [0, 1]
+
+    def consume(i: int) -> Completion:
+        case = seed.cases[i]
+        return run(seed, spec(seed, "kv_consumer", [case.tokens], [""], store_uri), workdir / f"c{i}")[0]
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(consume, picks))
+    for i, got in zip(picks, results, strict=True):
+        assert got.cached_tokens == seed.cases[i].expected_hit > 0
+        assert identical(cold[i], got)

@@ -1,0 +1,65 @@
+"""Connector pieces that need vLLM's classes but no engine: settings, metrics, the schedule."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from prefixvault.testing import scenario
+from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
+from prefixvault.vllm.stats import PrefixVaultPromMetrics, PrefixVaultStats, Snapshot
+
+
+def test_settings_defaults_and_policies() -> None:
+    s = ConnectorSettings.from_extra(None)
+    assert (s.store, s.namespace, s.capture) == ("local://", "default", CapturePolicy.STEPS)
+    s = ConnectorSettings.from_extra({"capture": "interval:1024", "namespace": "team-a"})
+    assert (s.capture, s.capture_interval, s.namespace) == (CapturePolicy.INTERVAL, 1024, "team-a")
+
+
+@pytest.mark.parametrize(
+    "extra,needle",
+    [({"stor": "x"}, "unknown kv_connector_extra_config"), ({"capture": "sometimes"}, "capture must be"),
+     ({"capture": "interval"}, "positive capture_interval"), ({"namespace": "a b"}, "invalid namespace")],
+)
+def test_settings_errors_are_clear(extra: dict[str, str], needle: str) -> None:
+    with pytest.raises(ValueError, match=needle):
+        ConnectorSettings.from_extra(extra)
+
+
+def test_stats_add_up_across_ranks_and_steps() -> None:
+    snap = Snapshot()
+    assert snap.delta({"put_keys": 3, "refused:null_block": 1}) == {"put_keys": 3, "refused:null_block": 1}
+    assert snap.delta({"put_keys": 5, "refused:null_block": 1}) == {"put_keys": 2}
+    a = PrefixVaultStats(data={"put_keys": 2})
+    b = PrefixVaultStats(data={"put_keys": 1, "hit_tokens": 512})
+    merged = a.aggregate(b)
+    assert merged.reduce() == {"hit_tokens": 512, "put_keys": 3}
+    assert not merged.is_empty() and PrefixVaultStats().is_empty()
+
+
+def test_prometheus_counters_by_reason() -> None:
+    registry = CollectorRegistry()
+
+    def counter(*args: object, **kw: object) -> Counter:
+        return Counter(*args, registry=registry, **kw)  # type: ignore[arg-type]
+
+    class Cfg:
+        kv_transfer_config = None
+
+    prom = PrefixVaultPromMetrics(Cfg(), {Counter: counter, Gauge: Gauge, Histogram: Histogram},
+                                  ["engine"], {0: ["0"]})
+    prom.observe({"hit_tokens": 768, "refused:null_block": 2, "refused:not_captured": 1})
+    assert registry.get_sample_value("vllm:prefixvault_hit_tokens_total", {"engine": "0"}) == 768
+    assert registry.get_sample_value("vllm:prefixvault_refused_total",
+                                     {"engine": "0", "reason": "null_block"}) == 2
+
+
+def test_schedule_follows_align_mode() -> None:
+    # Two-block steps, split at the prompt checkpoint (last block boundary before the last token).
+    assert scenario.schedule(1764, 512, 256) == [512, 1024, 1536, 1764]
+    assert scenario.schedule(1310, 512, 256) == [512, 1024, 1280, 1310]
+    assert scenario.captured(1764, 512, 256) == [512, 1024, 1536]
+    assert scenario.captured(1764, 512, 256, "checkpoints") == [1536]
+    assert scenario.expected_hit([512, 1024, 1536], 1310, 1292, 256) == 1024
+    assert scenario.expected_hit([512, 1024, 1536], 1536, 1536, 256) == 1024  # leaves a token
