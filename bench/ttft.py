@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixvault.stores import open_store
-from prefixvault.testing.engine import EngineSpec, completions, run_engine
+from prefixvault.testing.engine import EngineSpec, common_prefix, completions, run_engine
 from prefixvault.testing.models import (
     PROFILES,
     VOCAB_SIZE,
@@ -171,15 +171,6 @@ def prompts(model: Path, prefix_tokens: int) -> tuple[list[int], list[int], list
     consumer = ids(consumer_prompt(CODE, repeats, varied=True))
     warmup = ids(consumer_prompt("WARMUP-1", 40, varied=False))
     return producer, consumer, warmup
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # --------------------------------------------------------------------------- runs
