@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml constraints.txt
 	touch $@
 
 demo: $(STAMP)
-	$(BIN)/prefixvault demo
+	$(BIN)/prefixvault repro
 
 test: $(STAMP)
 	$(BIN)/ruff check src tests bench

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 from urllib.parse import urlsplit
@@ -49,9 +50,7 @@ def demo(
     store: Annotated[
         str, typer.Option(help="Store URI (default: a fresh local store in a temporary directory)")
     ] = "",
-    chunk: Annotated[
-        int, typer.Option(help="Producer tokens per step (like max_num_batched_tokens)")
-    ] = 200,
+    chunk: Annotated[int, typer.Option(help="Producer tokens per step (like max_num_batched_tokens)")] = 200,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end")] = False,
 ) -> None:
     """Run publish → look up → load → verify end to end, producer and consumer in separate processes."""
@@ -97,8 +96,9 @@ def stats(store: StoreOpt) -> None:
     table.add_row("[bold]total[/]", str(summary.objects), format_size(summary.bytes))
     console.print(table)
     cap = "unbounded" if st.capacity is None else format_size(st.capacity)
-    console.print(f"records: {summary.records}  layouts: {summary.layouts}  capacity: {cap}  "
-                  f"evictions: {st.evictions}")
+    console.print(
+        f"records: {summary.records}  layouts: {summary.layouts}  capacity: {cap}  evictions: {st.evictions}"
+    )
 
 
 @app.command()
@@ -119,9 +119,166 @@ def audit(
     for f in report.findings:
         console.print(f"[red]broken[/] {f.record_key}: {f.problem} {f.object_key}".rstrip(), highlight=False)
     broken = len(report.broken_records)
-    console.print(f"records: {report.records}  objects checked: {report.objects_checked}  "
-                  f"broken records: {broken}" + (f"  removed: {report.repaired}" if repair else ""))
+    console.print(
+        f"records: {report.records}  objects checked: {report.objects_checked}  "
+        f"broken records: {broken}" + (f"  removed: {report.repaired}" if repair else "")
+    )
     raise typer.Exit(1 if broken and not repair else 0)
+
+
+PROFILE_NAMES = ("gdn-hybrid", "shortconv-hybrid", "mamba2", "mamba2-hybrid", "mamba1")
+
+
+@app.command()
+def repro(
+    profile: Annotated[
+        str, typer.Option(help=f"Tiny random model family: {', '.join(PROFILE_NAMES)}")
+    ] = "gdn-hybrid",
+    model: Annotated[
+        str, typer.Option(help="A real checkpoint (local path or hub id) instead of a profile")
+    ] = "",
+    store: Annotated[
+        str, typer.Option(help="Store URI (default: a fresh local store in the work directory)")
+    ] = "",
+    producer_repeats: Annotated[int, typer.Option(help="Filler repeats in the producer prompt")] = 1000,
+    consumer_repeats: Annotated[int, typer.Option(help="Filler repeats in the consumer prompt")] = 1000,
+    code: Annotated[str, typer.Option(help="The verification code in the shared text")] = "HYBRID-528-GDN",
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate")] = 16,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="vLLM's step size (0: the profile's)")] = 0,
+    tp: Annotated[int, typer.Option("--tp", help="Tensor parallel size")] = 1,
+    capture: Annotated[str, typer.Option(help="Capture policy: steps, checkpoints, interval:N")] = "steps",
+    workdir: Annotated[
+        str, typer.Option(help="Where models, logs and the store go (default: a temp dir)")
+    ] = "",
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end")] = False,
+) -> None:
+    """The bug report's protocol: cold, producer and consumer engines; the consumer must match cold."""
+    if not model and profile not in PROFILE_NAMES:
+        raise _fail(f"unknown profile {profile!r}; choose one of {', '.join(PROFILE_NAMES)}")
+    if not model and profile == "mamba1":
+        raise _fail("vLLM has no CPU prefill kernel for Mamba1: run the mamba1 profile on a GPU machine")
+    if producer_repeats < 0 or consumer_repeats < 0 or max_tokens <= 0 or tp <= 0:
+        raise _fail("repeats must be >= 0, --max-tokens and --tp positive")
+    try:
+        import vllm  # noqa: F401
+    except ImportError:
+        raise _fail("vLLM is not installed: pip install 'prefixvault[vllm]'") from None
+    from prefixvault.repro import ReproConfig, render, run_repro, to_json
+
+    out = Console(quiet=json_out)
+    cfg = ReproConfig(
+        profile=profile,
+        model=model,
+        store=store,
+        producer_repeats=producer_repeats,
+        consumer_repeats=consumer_repeats,
+        code=code,
+        max_tokens=max_tokens,
+        max_num_batched_tokens=max_num_batched_tokens,
+        tensor_parallel_size=tp,
+        capture=capture,
+        workdir=workdir,
+    )
+    started = time.perf_counter()
+    with out.status("prefixvault repro") as status:
+
+        def progress(msg: str) -> None:
+            status.update(f"{msg} ({time.perf_counter() - started:.0f}s)")
+            out.log(msg)
+
+        try:
+            result = run_repro(cfg, progress)
+        except (RuntimeError, OSError, ValueError, StoreError) as e:
+            raise _fail(
+                str(e).splitlines()[0] + (f" (logs in {cfg.workdir})" if cfg.workdir else "")
+            ) from None
+    render(result, out)
+    if json_out:
+        print(to_json(result))
+    raise typer.Exit(0 if result.ok else 1)
+
+
+@app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
+def serve(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Argument(help="Model path or hub id, as for vllm serve")],
+    store: Annotated[str, typer.Option(help="Store URI")] = "local://",
+    role: Annotated[str, typer.Option(help="kv_both, kv_producer or kv_consumer")] = "kv_both",
+    namespace: Annotated[str, typer.Option(help="Store namespace")] = "default",
+    capture: Annotated[str, typer.Option(help="Capture policy: steps, checkpoints, interval:N")] = "steps",
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command, do not run it")] = False,
+) -> None:
+    """Start `vllm serve` with the connector configured; extra arguments after `--` go to vLLM."""
+    import os
+    import shlex
+
+    from prefixvault.serve import serve_command
+    from prefixvault.vllm.config import ConnectorSettings
+
+    try:
+        ConnectorSettings.from_extra({"store": store, "namespace": namespace, "capture": capture})
+        cmd = serve_command(model, store, role, namespace, capture, ctx.args)
+    except (ValueError, FileNotFoundError) as e:
+        raise _fail(str(e)) from None
+    console.print(shlex.join(cmd), highlight=False, soft_wrap=True)
+    if dry_run:
+        return
+    sys.stdout.flush()
+    os.execv(cmd[0], cmd)
+
+
+@app.command()
+def verify(
+    cold: Annotated[
+        str, typer.Option(help="Base URL of a server without the cache, e.g. http://127.0.0.1:8002")
+    ],
+    restored: Annotated[str, typer.Option(help="Base URL of the server that restores from the cache")],
+    producer: Annotated[str, typer.Option(help="Base URL of a server that fills the cache first")] = "",
+    requests: Annotated[str, typer.Option(help="JSON file of requests (default: the report's pair)")] = "",
+    code: Annotated[
+        str, typer.Option(help="Verification code in the report's shared text")
+    ] = "HYBRID-528-GDN",
+    producer_repeats: Annotated[int, typer.Option(help="Filler repeats, producer prompt")] = 1000,
+    consumer_repeats: Annotated[int, typer.Option(help="Filler repeats, consumer prompt")] = 1000,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate")] = 16,
+    logprobs: Annotated[int, typer.Option(help="Top logprobs to compare per token")] = 5,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for one request")] = 300,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end")] = False,
+) -> None:
+    """Compare a cold and a restored server: text, token ids and per-token logprobs, exactly."""
+    import dataclasses
+    import json
+
+    from prefixvault.verify import VerifyError, load_requests, report_pair
+    from prefixvault.verify import verify as run_verify
+
+    try:
+        if requests:
+            prod_reqs, cons_reqs = load_requests(requests)
+        else:
+            p, c = report_pair(code, producer_repeats, consumer_repeats, max_tokens, logprobs)
+            prod_reqs, cons_reqs = [p], [c]
+        results = run_verify(cold, restored, producer or None, prod_reqs, cons_reqs, timeout)
+    except VerifyError as e:
+        raise _fail(str(e)) from None
+    out = Console(quiet=json_out)
+    table = Table(title="prefixvault verify: cold vs restored")
+    for col in ("request", "tokens equal", "logprobs equal", "max |Δlogprob|", "restored hit tokens"):
+        table.add_column(col)
+    for r in results:
+        hits = "n/a" if r.restored_hit_tokens is None else f"{r.restored_hit_tokens:.0f}"
+        table.add_row(
+            r.name, str(r.tokens_equal), str(r.logprobs_equal), f"{r.max_abs_logprob_diff:.6g}", hits
+        )
+    out.print(table)
+    for r in results:
+        if not r.ok:
+            out.print(f"[red]{r.name} differs[/]: cold {r.cold.text!r} vs restored {r.restored.text!r}")
+    ok = all(r.ok for r in results)
+    out.print("[green]OK[/]: restored == cold" if ok else "[red]DIVERGED[/]")
+    if json_out:
+        print(json.dumps({"ok": ok, "results": [dataclasses.asdict(r) for r in results]}))
+    raise typer.Exit(0 if ok else 1)
 
 
 def main() -> None:
@@ -129,5 +286,7 @@ def main() -> None:
         app()
     except KeyboardInterrupt:
         sys.exit(130)
+
+
 if __name__ == "__main__":
     main()

@@ -65,6 +65,7 @@ def _run(spec: EngineSpec) -> dict[str, Any]:
     ktc = kv_transfer_config(spec)
     if ktc is not None:
         kwargs["kv_transfer_config"] = ktc
+        kwargs.setdefault("disable_log_stats", False)  # the connector's counters reach Prometheus
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     started = time.perf_counter() - t0
@@ -85,22 +86,59 @@ def _run(spec: EngineSpec) -> dict[str, Any]:
             c = r.outputs[0]
             lps = [{int(k): float(v.logprob) for k, v in d.items()} for d in (c.logprobs or [])]
             outs.append(asdict(Completion(list(c.token_ids), lps, int(r.num_cached_tokens or 0), c.text)))
-    return {"completions": outs, "start_s": started, "generate_s": ttfts}
+    return {
+        "completions": outs,
+        "start_s": started,
+        "generate_s": ttfts,
+        "block_size": int(llm.llm_engine.vllm_config.cache_config.block_size),
+        "max_num_batched_tokens": int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens),
+        "metrics": connector_metrics(llm),
+    }
 
 
-def run_engine(spec: EngineSpec, workdir: Path, env: Mapping[str, str] | None = None,
-               timeout: float = 900) -> dict[str, Any]:
+def connector_metrics(llm: Any) -> dict[str, float]:
+    """prefixvault's Prometheus counters as the engine reports them (empty without stats)."""
+    out: dict[str, float] = {}
+    try:
+        metrics = llm.get_metrics()
+    except Exception:
+        return out
+    for m in metrics:
+        name = getattr(m, "name", "")
+        if name.startswith("vllm:prefixvault_") and hasattr(m, "value"):
+            labels = getattr(m, "labels", {}) or {}
+            key = name.removeprefix("vllm:prefixvault_")
+            if "reason" in labels:
+                key = f"{key}:{labels['reason']}"
+            out[key] = out.get(key, 0.0) + float(m.value)
+    return out
+
+
+def run_engine(
+    spec: EngineSpec, workdir: Path, env: Mapping[str, str] | None = None, timeout: float = 900
+) -> dict[str, Any]:
     """Run ``spec`` in a fresh process; raise RuntimeError with the log tail if it fails."""
     workdir.mkdir(parents=True, exist_ok=True)
     stamp = f"{spec.role}-{time.monotonic_ns()}"
     spec_path, out_path, log_path = (workdir / f"{stamp}.{s}" for s in ("spec.json", "out.json", "log"))
     spec_path.write_text(json.dumps(asdict(spec)))
-    full_env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-                "VLLM_HOST_IP": "127.0.0.1", "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    full_env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_HOST_IP": "127.0.0.1",
+        "TOKENIZERS_PARALLELISM": "false",
+        **(env or {}),
+    }
     with open(log_path, "w") as log:
-        proc = subprocess.run([sys.executable, "-m", "prefixvault.testing.engine", str(spec_path),
-                               str(out_path)], stdout=log, stderr=subprocess.STDOUT, env=full_env,
-                              timeout=timeout, check=False)
+        proc = subprocess.run(
+            [sys.executable, "-m", "prefixvault.testing.engine", str(spec_path), str(out_path)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            timeout=timeout,
+            check=False,
+        )
     if proc.returncode != 0 or not out_path.exists():
         tail = log_path.read_text()[-4000:]
         raise RuntimeError(f"engine ({spec.role}) exited with {proc.returncode}; log {log_path}:\n{tail}")
@@ -110,9 +148,15 @@ def run_engine(spec: EngineSpec, workdir: Path, env: Mapping[str, str] | None = 
 
 
 def completions(result: Mapping[str, Any]) -> list[Completion]:
-    return [Completion(c["token_ids"], [{int(k): v for k, v in d.items()} for d in c["logprobs"]],
-                       c["cached_tokens"], c.get("text", ""))
-            for c in result["completions"]]
+    return [
+        Completion(
+            c["token_ids"],
+            [{int(k): v for k, v in d.items()} for d in c["logprobs"]],
+            c["cached_tokens"],
+            c.get("text", ""),
+        )
+        for c in result["completions"]
+    ]
 
 
 def max_logprob_diff(a: Completion, b: Completion) -> float:

@@ -1,0 +1,41 @@
+"""`prefixvault repro`: the report's protocol as a command, on every CPU-runnable profile."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+
+def _repro(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "prefixvault.cli", "repro", *args],
+                          capture_output=True, text=True, timeout=900)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("profile", ["gdn-hybrid", "shortconv-hybrid", "mamba2", "mamba2-hybrid"])
+def test_repro_passes_for_each_profile(profile: str, tmp_path: Path) -> None:
+    res = _repro("--profile", profile, "--producer-repeats", "400", "--consumer-repeats", "380",
+                 "--workdir", str(tmp_path), "--json")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["tokens_equal"] and out["logprobs_equal"]
+    assert out["external_hit_tokens"] == out["longest_resumable_boundary"] > 0
+    assert out["producer"]["put_keys"] > 0 and out["consumer"]["get_keys"] > 0
+    assert out["consumer"].get("get_failed", 0) == 0
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [(["--profile", "mamba1"], "no CPU prefill kernel for Mamba1"),
+     (["--profile", "rwkv"], "unknown profile"),
+     (["--tp", "0"], "positive")],
+)
+def test_repro_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
+    res = _repro(*args)
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], res.stderr
