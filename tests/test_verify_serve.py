@@ -1,0 +1,133 @@
+"""`prefixvault verify` against real `vllm serve` servers, and `prefixvault serve`.
+
+Five servers on loopback: cold; producer and restored started with `prefixvault serve`
+(kv_producer / kv_consumer over one local store); the same model with other weights under
+the same name; and a server of another name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefixvault.serve import engine_flags
+from prefixvault.testing.models import build_model, engine_kwargs
+
+pytestmark = pytest.mark.slow
+PROFILE = "shortconv-hybrid"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _flags(model: Path, name: str, port: int) -> list[str]:
+    engine = engine_kwargs(PROFILE, model)
+    engine.pop("model")
+    engine["max_num_batched_tokens"] = 512
+    return [*engine_flags(engine), "--served-model-name", name, "--host", "127.0.0.1",
+            "--port", str(port)]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    root = tmp_path_factory.mktemp("serve")
+    same = build_model(PROFILE, root / "m0", seed=0)
+    other = build_model(PROFILE, root / "m1", seed=1)
+    store = f"local://{root}/store?capacity=1GiB"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    pv = [sys.executable, "-m", "prefixvault.cli", "serve"]
+    vllm = [str(Path(sys.executable).with_name("vllm")), "serve"]
+    ports = {k: _port() for k in ("cold", "producer", "restored", "other_weights", "other_name")}
+    cmds = {
+        "cold": [*vllm, str(same), *_flags(same, "tiny", ports["cold"])],
+        "producer": [*pv, str(same), "--store", store, "--role", "kv_producer", "--",
+                     *_flags(same, "tiny", ports["producer"])],
+        "restored": [*pv, str(same), "--store", store, "--role", "kv_consumer", "--",
+                     *_flags(same, "tiny", ports["restored"])],
+        "other_weights": [*vllm, str(other), *_flags(other, "tiny", ports["other_weights"])],
+        "other_name": [*vllm, str(other), *_flags(other, "tiny-other", ports["other_name"])],
+    }
+    logs = {k: open(root / f"{k}.log", "w") for k in cmds}  # noqa: SIM115 - closed below
+    procs = {
+        k: subprocess.Popen(c, env=env, stdout=logs[k], stderr=subprocess.STDOUT) for k, c in cmds.items()
+    }
+    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    try:
+        deadline = time.monotonic() + 600
+        for k, url in urls.items():
+            while True:
+                if procs[k].poll() is not None:
+                    raise RuntimeError(f"{k} server exited: {(root / f'{k}.log').read_text()[-3000:]}")
+                try:
+                    urllib.request.urlopen(f"{url}/v1/models", timeout=5).read()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{k} server did not start") from None
+                    time.sleep(1)
+        urls["log_dir"] = str(root)
+        yield urls
+    finally:
+        for p in procs.values():
+            p.terminate()
+        for p in procs.values():
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        for f in logs.values():
+            f.close()
+
+
+def _verify(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "prefixvault.cli", "verify", *args, "--producer-repeats",
+                           "400", "--consumer-repeats", "380", "--json"],
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_verify_passes_for_a_correct_pair(servers: dict[str, str]) -> None:
+    res = _verify("--cold", servers["cold"], "--restored", servers["restored"], "--producer",
+                  servers["producer"])
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["ok"]
+    assert out["results"][0]["restored_hit_tokens"] > 0  # it really restored from the store
+
+
+def test_verify_fails_clearly_for_a_pair_that_differs(servers: dict[str, str]) -> None:
+    res = _verify("--cold", servers["cold"], "--restored", servers["other_weights"])
+    assert res.returncode == 1
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert not out["ok"] and not out["results"][0]["logprobs_equal"]
+
+
+@pytest.mark.parametrize("which,needle", [("other_name", "model mismatch"), ("unreachable", "cannot reach")])
+def test_verify_bad_input_is_one_clear_line(servers: dict[str, str], which: str, needle: str) -> None:
+    restored = servers.get(which, f"http://127.0.0.1:{_port()}")
+    res = _verify("--cold", servers["cold"], "--restored", restored)
+    assert res.returncode == 2
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], res.stderr
+
+
+def test_serve_prints_the_vllm_command() -> None:
+    res = subprocess.run([sys.executable, "-m", "prefixvault.cli", "serve", "some/model", "--store",
+                          "local:///dev/shm/pv", "--dry-run", "--", "--port", "8011"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    line = res.stdout.strip()
+    assert " serve some/model --enable-prefix-caching --mamba-cache-mode align --kv-transfer-config " in line
+    assert '"kv_connector_module_path": "prefixvault.vllm"' in line and line.endswith("--port 8011")
