@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixvault.serve import engine_flags
+from prefixvault.serve import engine_flags, vllm_command
 from prefixvault.testing.models import build_model, engine_kwargs
 
 pytestmark = pytest.mark.slow
@@ -49,16 +49,15 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     pv = [sys.executable, "-m", "prefixvault.cli", "serve"]
-    vllm = [str(Path(sys.executable).with_name("vllm")), "serve"]
     ports = {k: _port() for k in ("cold", "producer", "restored", "other_weights", "other_name")}
     cmds = {
-        "cold": [*vllm, str(same), *_flags(same, "tiny", ports["cold"])],
+        "cold": [*vllm_command(str(same)), *_flags(same, "tiny", ports["cold"])],
         "producer": [*pv, str(same), "--store", store, "--role", "kv_producer", "--",
                      *_flags(same, "tiny", ports["producer"])],
         "restored": [*pv, str(same), "--store", store, "--role", "kv_consumer", "--",
                      *_flags(same, "tiny", ports["restored"])],
-        "other_weights": [*vllm, str(other), *_flags(other, "tiny", ports["other_weights"])],
-        "other_name": [*vllm, str(other), *_flags(other, "tiny-other", ports["other_name"])],
+        "other_weights": [*vllm_command(str(other)), *_flags(other, "tiny", ports["other_weights"])],
+        "other_name": [*vllm_command(str(other)), *_flags(other, "tiny-other", ports["other_name"])],
     }
     logs = {k: open(root / f"{k}.log", "w") for k in cmds}  # noqa: SIM115 - closed below
     procs = {
@@ -129,5 +128,5 @@ def test_serve_prints_the_vllm_command() -> None:
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
     line = res.stdout.strip()
-    assert " serve some/model --enable-prefix-caching --mamba-cache-mode align --kv-transfer-config " in line
+    assert "some/model --enable-prefix-caching --mamba-cache-mode align --kv-transfer-config " in line
     assert '"kv_connector_module_path": "prefixvault.vllm"' in line and line.endswith("--port 8011")

