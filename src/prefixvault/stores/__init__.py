@@ -3,6 +3,9 @@
 ``memory://[name]``                      in-process (tests)
 ``local:///dev/shm/prefixvault?capacity=8GiB``  embedded, shared by every process on the machine
 ``local://``                             the default directory (see ``default_local_dir``)
+``redis://[[user]:password@]host:port[/db]?prefix=pv:&timeout=5&capacity=8GiB``  Redis/Valkey server
+``rediss://...?ssl_ca_certs=ca.pem&ssl_cert_reqs=required``  the same over TLS
+``redis+cluster://host:port``            Redis/Valkey cluster (same parameters)
 """
 
 from __future__ import annotations
@@ -51,5 +54,11 @@ def open_store(uri: str) -> Store:
             )
         path = Path(parts.path) if parts.path else default_local_dir()
         return LocalStore.from_params(path, params)
-    known = "memory://, local:///path"
+    if scheme in ("redis", "rediss", "redis+cluster"):
+        try:
+            from prefixvault.stores.redis import RedisStore
+        except ImportError as exc:
+            raise StoreError(f"{scheme}:// needs redis-py: pip install 'prefixvault[redis]': {exc}") from None
+        return RedisStore.from_uri(uri, params)
+    known = "memory://, local:///path, redis://host:port, rediss://host:port, redis+cluster://host:port"
     raise StoreError(f"unknown store URI {uri!r}: expected one of {known}")

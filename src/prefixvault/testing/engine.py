@@ -105,6 +105,8 @@ def connector_metrics(llm: Any) -> dict[str, float]:
         return out
     for m in metrics:
         name = getattr(m, "name", "")
+        if name == "vllm:num_preemptions" and hasattr(m, "value"):
+            out["preemptions"] = out.get("preemptions", 0.0) + float(m.value)
         if name.startswith("vllm:prefixvault_") and hasattr(m, "value"):
             labels = getattr(m, "labels", {}) or {}
             key = name.removeprefix("vllm:prefixvault_")

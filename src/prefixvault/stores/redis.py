@@ -1,0 +1,284 @@
+"""A store on a Redis or Valkey server (or cluster), through redis-py with hiredis.
+
+Each object is one string value written by a single SET, so readers see it whole or not at
+all. Every batch call is one pipelined round trip. The server, not this store, bounds memory:
+under ``maxmemory`` with an LRU policy it evicts (approximately LRU, server-wide), and with
+``noeviction`` a full server refuses writes, which put_many reports as False.
+
+``redis://[[user]:password@]host:port[/db]?prefix=pv:&timeout=5&capacity=8GiB``
+``rediss://...&ssl_ca_certs=/path/ca.pem&ssl_cert_reqs=required``  (TLS)
+``redis+cluster://host:port``                                      (Redis Cluster)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+from urllib.parse import SplitResult, unquote, urlsplit
+
+import redis
+import redis.cluster
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_key
+from prefixvault.units import parse_size
+
+SCHEMES = ("redis", "rediss", "redis+cluster")
+DEFAULT_PREFIX = "pv:"
+DEFAULT_TIMEOUT = 5.0
+DEFAULT_PORT = 6379
+#: Keys per SCAN step and per STRLEN pipeline while scanning.
+SCAN_CHUNK = 1000
+
+_SSL_PARAMS = ("ssl_ca_certs", "ssl_cert_reqs")
+
+
+def _glob_escape(text: str) -> str:
+    """Escape SCAN MATCH metacharacters so a prefix matches only itself."""
+    return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+class RedisStore(Store):
+    """Objects as plain string values under ``prefix + key`` on one server or cluster."""
+
+    def __init__(
+        self,
+        client: redis.Redis | redis.cluster.RedisCluster,
+        *,
+        uri: str,
+        where: str,
+        prefix: str = DEFAULT_PREFIX,
+        capacity: int | None = None,
+    ) -> None:
+        self.uri = uri
+        self.where = where
+        self.prefix = prefix
+        self.capacity = capacity
+        self._client = client
+        self._prefix_bytes = prefix.encode()
+        with self._errors("cannot reach server"):
+            client.ping()  # fail here, in seconds, rather than on the first put
+
+    @classmethod
+    def from_uri(cls, uri: str, params: dict[str, str] | None = None) -> RedisStore:
+        """Open the server a ``redis://``, ``rediss://`` or ``redis+cluster://`` URI names."""
+        parts = urlsplit(uri)
+        if params is None:
+            params = {k: v for k, v in (p.split("=", 1) for p in parts.query.split("&") if "=" in p)}
+        params = dict(params)
+        scheme = parts.scheme
+        if scheme not in SCHEMES:
+            raise StoreError(f"bad redis store URI {uri!r}: scheme must be one of {', '.join(SCHEMES)}")
+        prefix = params.pop("prefix", DEFAULT_PREFIX)
+        try:
+            timeout = float(params.pop("timeout", DEFAULT_TIMEOUT))
+            cap = params.pop("capacity", None)
+            capacity = parse_size(cap) if cap else None
+        except ValueError as exc:
+            raise StoreError(f"bad redis store URI {uri!r}: {exc}") from None
+        if not timeout > 0:
+            raise StoreError(f"bad redis store URI {uri!r}: timeout must be > 0 seconds")
+        ssl = {k: params.pop(k) for k in _SSL_PARAMS if k in params}
+        if params:
+            raise StoreError(f"unknown redis store parameter(s): {', '.join(sorted(params))}")
+        if ssl and scheme != "rediss":
+            raise StoreError(f"bad redis store URI {uri!r}: {', '.join(ssl)} need rediss://")
+        host, port, where = cls._address(uri, parts)
+        kwargs: dict[str, Any] = {
+            "host": host,
+            "port": port,
+            "username": unquote(parts.username) if parts.username else None,
+            "password": unquote(parts.password) if parts.password is not None else None,
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            # No retries: a dead or hung server must surface within one timeout. A pooled
+            # connection the server closed is still replaced when it is checked out.
+            "retry": Retry(NoBackoff(), 0),
+        }
+        if scheme == "rediss":
+            kwargs.update(ssl=True, **ssl)
+        client: redis.Redis | redis.cluster.RedisCluster
+        try:
+            if scheme == "redis+cluster":
+                if parts.path.strip("/"):
+                    raise StoreError(f"bad redis store URI {uri!r}: a cluster has only database 0")
+                client = redis.cluster.RedisCluster(**kwargs)
+            else:
+                db = parts.path.strip("/") or "0"
+                if not db.isdigit():
+                    raise StoreError(f"bad redis store URI {uri!r}: database must be a number, got {db!r}")
+                client = redis.Redis(db=int(db), **kwargs)
+        except redis.RedisError as exc:  # the cluster client connects while it is built
+            raise StoreError(f"redis store {where}: cannot reach server: {_one_line(exc)}") from None
+        safe_uri = parts._replace(netloc=f"{where}").geturl() if parts.password else uri
+        return cls(client, uri=safe_uri, where=where, prefix=prefix, capacity=capacity)
+
+    @staticmethod
+    def _address(uri: str, parts: SplitResult) -> tuple[str, int, str]:
+        try:
+            host = parts.hostname or "127.0.0.1"
+            port = parts.port or DEFAULT_PORT
+        except ValueError as exc:
+            raise StoreError(f"bad redis store URI {uri!r}: {exc}") from None
+        shown = f"[{host}]" if ":" in host else host
+        return host, port, f"{shown}:{port}"
+
+    # -- internals ---------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _errors(self, doing: str) -> Iterator[None]:
+        """Turn redis-py's errors into one-line StoreErrors naming the server."""
+        try:
+            yield
+        except redis.AuthenticationError as exc:
+            raise StoreError(f"redis store {self.where}: authentication failed: {_one_line(exc)}") from None
+        except redis.TimeoutError as exc:
+            raise StoreError(f"redis store {self.where}: {doing}: timed out ({_one_line(exc)})") from None
+        except redis.ConnectionError as exc:
+            raise StoreError(f"redis store {self.where}: {doing}: {_one_line(exc)}") from None
+        except redis.RedisError as exc:
+            raise StoreError(f"redis store {self.where}: {doing}: {_one_line(exc)}") from None
+
+    def _key(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    def _pipeline(self) -> Any:
+        return self._client.pipeline(transaction=False)
+
+    def _fits(self, size: int) -> bool:
+        return self.capacity is None or size <= self.capacity
+
+    def _get(self, keys: Sequence[str]) -> list[bytes | None]:
+        names = [self._key(k) for k in keys]
+        if not names:
+            return []
+        with self._errors("get"):
+            pipe = self._pipeline()
+            for name in names:
+                pipe.get(name)
+            values: list[bytes | None] = pipe.execute()
+        return values
+
+    # -- Store -------------------------------------------------------------------------
+
+    def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        prepared = [(self._key(key), b"".join(parts)) for key, parts in items]
+        send = [(name, data) for name, data in prepared if self._fits(len(data))]
+        done: dict[int, bool] = {}
+        if send:
+            with self._errors("put"):
+                pipe = self._pipeline()
+                for name, data in send:
+                    pipe.set(name, data)
+                # A per-item server error (OOM under maxmemory noeviction) is a refusal.
+                results = pipe.execute(raise_on_error=False)
+            it = iter(results)
+            for i, (_, data) in enumerate(prepared):
+                if self._fits(len(data)):
+                    done[i] = next(it) is True
+        return [done.get(i, False) for i in range(len(prepared))]
+
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        name = self._key(key)
+        blob = bytes(data)
+        if not self._fits(len(blob)):
+            return False
+        with self._errors("put"):
+            try:
+                return self._client.set(name, blob, nx=True) is True
+            except redis.ResponseError:  # OOM and the like: not stored
+                return False
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        out: list[int | None] = []
+        for data, buf in zip(self._get(keys), buffers, strict=True):
+            if data is None:
+                out.append(None)
+                continue
+            dst = buf if buf.ndim == 1 and buf.format == "B" else buf.cast("B")
+            if len(data) <= dst.nbytes:
+                dst[: len(data)] = data
+            out.append(len(data))
+        return out
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._get(keys)
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        names = [self._key(k) for k in keys]
+        if not names:
+            return []
+        with self._errors("exists"):
+            pipe = self._pipeline()
+            for name in names:
+                pipe.exists(name)
+            return [bool(n) for n in pipe.execute()]
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        names = [self._key(k) for k in keys]
+        if not names:
+            return 0
+        with self._errors("delete"):
+            pipe = self._pipeline()  # one DEL per key: works across cluster slots too
+            for name in names:
+                pipe.delete(name)
+            return sum(int(n) for n in pipe.execute())
+
+    def _sizes(self, names: list[bytes]) -> Iterator[tuple[str, int]]:
+        """(key without prefix, size) of the names that still exist, one round trip per chunk."""
+        cut = len(self._prefix_bytes)
+        for start in range(0, len(names), SCAN_CHUNK):
+            chunk = names[start : start + SCAN_CHUNK]
+            with self._errors("scan"):
+                pipe = self._pipeline()
+                for name in chunk:
+                    pipe.exists(name)
+                    pipe.strlen(name)
+                res = pipe.execute()
+            for i, name in enumerate(chunk):
+                if res[2 * i]:  # STRLEN of a key deleted since SCAN is 0: skip it
+                    yield name[cut:].decode(), int(res[2 * i + 1])
+
+    def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        match = _glob_escape(self.prefix + prefix) + "*"
+        with self._errors("scan"):
+            names = sorted(set(self._client.scan_iter(match=match, count=SCAN_CHUNK)))
+        return self._sizes(names)
+
+    def stats(self) -> StoreStats:
+        objects = size = 0
+        for _, n in self.scan():
+            objects += 1
+            size += n
+        with self._errors("stats"):
+            evictions = sum(int(s.get("evicted_keys", 0)) for s in self._per_node(self._client.info("stats")))
+            capacity = self.capacity if self.capacity is not None else self._maxmemory()
+        return StoreStats(objects, size, capacity, evictions)
+
+    @staticmethod
+    def _per_node(info: Any) -> list[dict[str, Any]]:
+        """INFO from one server is a dict; from a cluster, a dict of them by node."""
+        if isinstance(info, dict) and info and all(isinstance(v, dict) for v in info.values()):
+            return list(info.values())
+        return [info] if isinstance(info, dict) else []
+
+    def _maxmemory(self) -> int | None:
+        """The server's maxmemory (summed over a cluster's nodes); None if unset or hidden."""
+        try:
+            conf = self._client.config_get("maxmemory")
+        except redis.ResponseError:  # CONFIG disabled, as on many managed services
+            return None
+        total = sum(int(c.get("maxmemory", 0)) for c in self._per_node(conf))
+        return total or None
+
+    def close(self) -> None:
+        with contextlib.suppress(redis.RedisError):
+            self._client.close()

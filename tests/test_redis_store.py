@@ -1,0 +1,303 @@
+"""Redis/Valkey store behaviour the shared conformance suite does not cover: failures that
+must be quick and clear, authentication, key prefixes, and what server-side eviction means
+for the vault (a boundary whose objects were evicted must never be a hit)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import redis
+from conftest import Valkey
+
+from prefixvault.boundary import StateCapture, plan_saves
+from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
+from prefixvault.stores import StoreError, open_store
+from prefixvault.stores.redis import RedisStore
+from prefixvault.vault import ObjectRef, RankAck, Vault
+
+
+@pytest.fixture
+def server() -> Iterator[Valkey]:
+    valkey = Valkey()
+    yield valkey
+    valkey.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+    return port
+
+
+def _one_line_naming(exc: pytest.ExceptionInfo[StoreError], where: str) -> str:
+    msg = str(exc.value)
+    assert "\n" not in msg and where in msg, msg
+    return msg
+
+
+# -- failing fast and clearly ------------------------------------------------------------
+
+
+def test_wrong_port_fails_in_seconds_with_one_line() -> None:
+    port = _free_port()
+    start = time.monotonic()
+    with pytest.raises(StoreError) as exc:
+        open_store(f"redis://127.0.0.1:{port}?timeout=2")
+    assert time.monotonic() - start < 3
+    _one_line_naming(exc, f"127.0.0.1:{port}")
+
+
+def test_unroutable_host_times_out_within_the_timeout() -> None:
+    # A listening socket that never accepts-and-answers: connect succeeds, PING never returns.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        start = time.monotonic()
+        with pytest.raises(StoreError) as exc:
+            open_store(f"redis://127.0.0.1:{port}?timeout=0.5")
+        assert time.monotonic() - start < 2
+    assert "timed out" in _one_line_naming(exc, f"127.0.0.1:{port}")
+
+
+def test_killed_server_turns_calls_into_store_errors(server: Valkey) -> None:
+    store = open_store(server.url(timeout="1"))
+    assert store.put_many([("a", [b"x" * 1000])]) == [True]
+    server.stop()  # SIGKILL mid-run
+    calls = [
+        lambda: store.get_many(["a"]),
+        lambda: store.get_into(["a"], [memoryview(bytearray(1000))]),
+        lambda: store.put_many([("b", [b"y"])]),
+        lambda: store.put_if_absent("c", b"z"),
+        lambda: store.exists_many(["a"]),
+        lambda: store.delete_many(["a"]),
+        lambda: list(store.scan()),
+        lambda: store.stats(),
+    ]
+    for call in calls:
+        start = time.monotonic()
+        with pytest.raises(StoreError) as exc:
+            call()
+        assert time.monotonic() - start < 2
+        _one_line_naming(exc, f"127.0.0.1:{server.port}")
+    store.close()
+
+
+def test_hung_server_times_out_instead_of_waiting_forever(server: Valkey) -> None:
+    store = open_store(server.url(timeout="0.5"))
+    store.put_many([("a", [b"x"])])
+    os.kill(server.proc.pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        with pytest.raises(StoreError) as exc:
+            store.get_many(["a"])
+        assert time.monotonic() - start < 2
+        assert "timed out" in _one_line_naming(exc, f"127.0.0.1:{server.port}")
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    store.close()
+
+
+def test_bad_uris_are_clear_store_errors(server: Valkey) -> None:
+    for uri, words in [
+        (server.url(bogus="1"), "unknown redis store parameter"),
+        (server.url(timeout="0"), "timeout"),
+        (server.url(timeout="soon"), "soon"),
+        (server.url(capacity="lots"), "lots"),
+        (server.url(path="/x"), "database"),
+        (server.url(ssl_ca_certs="/ca.pem"), "rediss://"),
+    ]:
+        with pytest.raises(StoreError, match=words):
+            open_store(uri)
+
+
+# -- authentication --------------------------------------------------------------------
+
+
+def test_password_in_uri_authenticates_and_a_wrong_one_is_clear() -> None:
+    server = Valkey("--requirepass", "s3cret")
+    try:
+        port = server.port
+        for uri in [f"redis://:s3cret@127.0.0.1:{port}/0", f"redis://default:s3cret@127.0.0.1:{port}"]:
+            with open_store(uri) as store:
+                assert store.put_many([("k", [b"v"])]) == [True]
+                assert store.get_many(["k"]) == [b"v"]
+                assert "s3cret" not in store.uri
+        for uri in [f"redis://:wrong@127.0.0.1:{port}", f"redis://127.0.0.1:{port}"]:
+            with pytest.raises(StoreError) as exc:
+                open_store(uri)
+            msg = _one_line_naming(exc, f"127.0.0.1:{port}")
+            assert "auth" in msg.lower(), msg
+    finally:
+        server.stop()
+
+
+# -- sharing a server ------------------------------------------------------------------
+
+
+def test_prefixes_isolate_stores_and_other_data_on_the_server(server: Valkey) -> None:
+    client = redis.Redis(port=server.port)
+    client.set("someone-elses", b"data")
+    with open_store(server.url()) as default, open_store(server.url(prefix="other:")) as other:
+        assert isinstance(default, RedisStore) and default.prefix == "pv:"
+        default.put_many([("k", [b"default"])])
+        other.put_many([("k", [b"other"]), ("j", [b"1"])])
+        assert default.get_many(["k"]) == [b"default"]
+        assert other.get_many(["k"]) == [b"other"]
+        assert list(default.scan()) == [("k", 7)]
+        assert (default.stats().objects, other.stats().objects) == (1, 2)
+        assert default.delete_many(["j"]) == 0
+    assert client.get("pv:k") == b"default" and client.get("someone-elses") == b"data"
+    client.close()
+
+
+def test_glob_characters_in_a_prefix_match_only_themselves(server: Valkey) -> None:
+    with open_store(server.url(prefix="a*[x]?:")) as odd, open_store(server.url(prefix="ab[x]z:")) as near:
+        odd.put_many([("k", [b"1"])])
+        near.put_many([("k", [b"22"])])
+        assert list(odd.scan()) == [("k", 1)]
+        assert list(near.scan()) == [("k", 2)]
+
+
+def test_capacity_defaults_to_the_servers_maxmemory(server: Valkey) -> None:
+    client = redis.Redis(port=server.port)
+    with open_store(server.url()) as store:
+        assert store.stats().capacity is None  # maxmemory 0: unbounded
+        client.config_set("maxmemory", 64 << 20)
+        assert store.stats().capacity == 64 << 20
+    with open_store(server.url(capacity="1GiB")) as store:
+        assert store.stats().capacity == 1 << 30
+    client.close()
+
+
+# -- a full server ---------------------------------------------------------------------
+
+
+def test_full_server_without_eviction_refuses_puts_without_raising() -> None:
+    server = Valkey("--maxmemory", "3mb", "--maxmemory-policy", "noeviction")
+    try:
+        with open_store(server.url()) as store:
+            results = store.put_many([(f"k/{i}", [bytes(100_000)]) for i in range(60)])
+            assert results[0] is True and results[-1] is False  # 6 MB does not fit in 3 MB
+            assert store.put_if_absent("late", bytes(100_000)) is False
+            stored = [f"k/{i}" for i, ok in enumerate(results) if ok]
+            assert store.exists_many(stored) == [True] * len(stored)
+            assert store.stats().objects == len(stored)
+    finally:
+        server.stop()
+
+
+OBJ = 120 << 10
+
+
+def test_eviction_bounds_bytes_and_evicted_keys_read_missing_everywhere(
+    store_uri_factory: Callable[..., str],
+) -> None:
+    """What Redis eviction does guarantee (the conformance suite's LRU-order tests are skipped)."""
+    with open_store(store_uri_factory("redis", capacity="8MiB")) as store:
+        keys = [f"cap/{i}" for i in range(150)]  # ~18 MiB through an 8 MiB budget
+        for i, key in enumerate(keys):
+            assert store.put_many([(key, [bytes([i % 251]) * OBJ])]) == [True]
+            assert store.stats().bytes <= 8 << 20
+        stats = store.stats()
+        assert stats.evictions > 0 and stats.bytes > 4 << 20
+        present = store.exists_many(keys)
+        assert stats.objects == sum(present)
+        gone = [k for k, here in zip(keys, present, strict=True) if not here]
+        assert store.get_many(gone) == [None] * len(gone)
+        assert store.get_into(gone, [memoryview(bytearray(OBJ)) for _ in gone]) == [None] * len(gone)
+        # Reply buffers count toward maxmemory, so reads may evict too: a key reads whole or
+        # missing, never torn. (One at a time keeps those buffers small.)
+        for i, key in enumerate(keys):
+            if present[i]:
+                assert store.get_many([key]) in ([bytes([i % 251]) * OBJ], [None])
+
+
+# -- the vault over an evicting server -------------------------------------------------
+
+BS = 8
+
+
+def _big_layout() -> CacheLayout:
+    """Blocks of 128 KiB, so a few prompts overflow a small server."""
+    attn = CacheGroup.uniform(GroupKind.FULL_ATTENTION, [TensorSpec((2, BS, 2048), "float32")], 1)
+    state = CacheGroup.uniform(GroupKind.STATE, [TensorSpec((64, 64), "float32")], 1)
+    return CacheLayout(model="t", block_size=BS, groups=(attn, state), tp_size=1)
+
+
+def _fill(vault: Vault, tokens: list[int]) -> list[int]:
+    """Save and publish boundaries at 16 tokens and at the end (as tests/test_vault.py does)."""
+    hashes = vault.hashes(tokens)
+    n = len(tokens) // BS
+    caps = [StateCapture(1, b, 200 + b, None) for b in (16, len(tokens))]
+    d = plan_saves(vault.layout, len(tokens), {0: list(range(1, n + 1))}, caps)
+
+    def read(ref: ObjectRef, block_id: int) -> bytes:
+        nbytes = vault.layout.groups[ref.group].nbytes(ref.rank)
+        return np.full(nbytes // 4, block_id + 0.5, np.float32).tobytes()
+
+    acks: list[RankAck] = vault.save(0, hashes, d.publishable, read)
+    return [p.tokens for p in d.publishable if vault.publish(hashes, p.tokens, acks) is None]
+
+
+def test_vault_never_returns_a_boundary_whose_objects_were_evicted() -> None:
+    server = Valkey("--maxmemory", "6mb", "--maxmemory-policy", "allkeys-lru")
+    try:
+        with open_store(server.url()) as store:
+            vault = Vault(store, _big_layout())
+            prompts = [[p * 1000 + t for t in range(64)] for p in range(30)]  # ~1 MiB each
+            for tokens in prompts:
+                _fill(vault, tokens)
+            assert store.stats().evictions > 0
+            hits = 0
+            for tokens in prompts:
+                hashes = vault.hashes([*tokens, 7])
+                hit = vault.lookup(hashes, len(tokens) + 1)
+                if hit:
+                    hits += 1
+                    refs = vault.needed(hashes, hit)
+                    assert all(store.exists_many([r.key for r in refs])), f"hit {hit} on evicted objects"
+                    # The load itself may push the full server to evict more (reply buffers count
+                    # against maxmemory): a miss then, never bytes that do not verify.
+                    loaded = vault.load(refs)
+                    assert set(loaded.failed.values()) <= {"missing"}
+            assert 0 < hits < len(prompts) * 2  # some prompts were evicted, recent ones still hit
+            # Evict everything: no lookup may hit any more.
+            redis.Redis(port=server.port).flushall()
+            assert all(vault.lookup(vault.hashes([*t, 7]), len(t) + 1) == 0 for t in prompts)
+    finally:
+        server.stop()
+
+
+# -- cluster ---------------------------------------------------------------------------
+
+
+def test_cluster_uri_on_a_one_node_cluster(tmp_path: Path) -> None:
+    server = Valkey("--cluster-enabled", "yes", "--dir", str(tmp_path))
+    try:
+        client = redis.Redis(port=server.port)
+        client.execute_command("CLUSTER", "ADDSLOTSRANGE", 0, 16383)
+        deadline = time.monotonic() + 10
+        while b"cluster_state:ok" not in client.execute_command("CLUSTER", "INFO"):
+            assert time.monotonic() < deadline, "cluster did not become ready"
+            time.sleep(0.05)
+        client.close()
+        with open_store(f"redis+cluster://127.0.0.1:{server.port}?prefix=c:") as store:
+            keys = [f"k/{i}" for i in range(50)]  # spread over many slots
+            assert store.put_many([(k, [k.encode()]) for k in keys]) == [True] * 50
+            assert store.get_many(keys) == [k.encode() for k in keys]
+            assert store.put_if_absent("k/0", b"again") is False
+            assert sorted(store.scan("k/")) == sorted((k, len(k)) for k in keys)
+            assert store.delete_many(keys[:10]) == 10
+            stats = store.stats()
+            assert (stats.objects, stats.bytes) == (40, sum(len(k) for k in keys[10:]))
+    finally:
+        server.stop()
