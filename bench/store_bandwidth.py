@@ -7,7 +7,8 @@ Without ``--uri`` a fresh local store is made under /dev/shm and removed at the 
 objects have random sizes in [min, max] and add up to ``total``; source and destination
 buffers are written once before any timing so no figure pays for first-touch page faults.
 Each figure is the best of ``--repeat`` rounds. The first put round creates the store's
-slabs and is reported on its own as the cold put. The last line printed is one JSON object.
+slabs and is reported on its own as the cold put. ``get+checksum`` adds the xxh3 pass the
+codec makes over every payload on load. The last line printed is one JSON object.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from prefixvault.codec import checksum
 from prefixvault.stores import Store, open_store
 from prefixvault.units import format_size, parse_size
 
@@ -92,12 +94,20 @@ def run(store: Store, sizes: list[int], batch: int, repeat: int) -> dict[str, fl
         for idx in batches:
             store.get_into([keys[i] for i in idx], [dst[bounds[i][0] : bounds[i][1]].data for i in idx])
 
+    def get_and_checksum() -> None:  # what a verified load costs: the codec hashes every payload
+        for idx in batches:
+            views = [dst[bounds[i][0] : bounds[i][1]].data for i in idx]
+            store.get_into([keys[i] for i in idx], views)
+            for v in views:
+                checksum(v)
+
     memcpy_s = best_seconds(memcpy, repeat)
     cold_s = best_seconds(put, 1)
     put_s = best_seconds(put, repeat)
     dst[:] = 1
     get_s = best_seconds(get, repeat)
     verified = bool(np.array_equal(src, dst))
+    checked_s = best_seconds(get_and_checksum, repeat)
     store.delete_many(keys)
     memcpy_gbps = gbps(total, memcpy_s)
     put_gbps = gbps(total, put_s)
@@ -109,6 +119,8 @@ def run(store: Store, sizes: list[int], batch: int, repeat: int) -> dict[str, fl
         "cold_put_gbps": round(gbps(total, cold_s), 3),
         "put_ratio": round(put_gbps / memcpy_gbps, 3),
         "get_ratio": round(get_gbps / memcpy_gbps, 3),
+        "get_checksum_gbps": round(gbps(total, checked_s), 3),
+        "get_checksum_ratio": round(gbps(total, checked_s) / memcpy_gbps, 3),
         "stored_all": stored_all,
         "verified": verified,
     }
@@ -148,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         ("memcpy", result["memcpy_gbps"], 1.0, None),
         ("put_many", result["put_gbps"], result["put_ratio"], TARGETS["put_ratio"]),
         ("get_into", result["get_gbps"], result["get_ratio"], TARGETS["get_ratio"]),
+        ("get+checksum", result["get_checksum_gbps"], result["get_checksum_ratio"], None),
         ("cold put", result["cold_put_gbps"], None, None),
     ]
     for name, rate, ratio, target in rows:
