@@ -116,7 +116,3 @@ class KeySpace:
 
     def layout(self) -> str:
         return f"{self.prefix}layout"
-
-    @property
-    def record_prefix(self) -> str:
-        return f"{self.prefix}r/"

@@ -32,6 +32,19 @@ def check_key(key: str) -> str:
     return key
 
 
+def copy_into(data: Buffer, buf: memoryview) -> int:
+    """Copy an object into a caller's buffer as ``get_into`` promises; return its size.
+
+    An object larger than the buffer is not copied at all: the caller sees the size and
+    treats the object as invalid.
+    """
+    dst = buf if buf.ndim == 1 and buf.format == "B" else buf.cast("B")
+    n = len(data)
+    if n <= dst.nbytes:
+        dst[:n] = data
+    return n
+
+
 @dataclass(frozen=True)
 class StoreStats:
     objects: int

@@ -10,7 +10,7 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
 
-from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_key
+from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_key, copy_into
 from prefixvault.units import parse_size
 
 
@@ -109,10 +109,7 @@ class MemoryStore(Store):
             if data is None:
                 out.append(None)
                 continue
-            dst = buf if buf.ndim == 1 and buf.format == "B" else buf.cast("B")
-            if len(data) <= dst.nbytes:
-                dst[: len(data)] = data
-            out.append(len(data))
+            out.append(copy_into(data, buf))
         return out
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:

@@ -22,7 +22,7 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_key
+from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_key, copy_into
 from prefixvault.units import parse_size
 
 SCHEMES = ("redis", "rediss", "redis+cluster")
@@ -203,10 +203,7 @@ class RedisStore(Store):
             if data is None:
                 out.append(None)
                 continue
-            dst = buf if buf.ndim == 1 and buf.format == "B" else buf.cast("B")
-            if len(data) <= dst.nbytes:
-                dst[: len(data)] = data
-            out.append(len(data))
+            out.append(copy_into(data, buf))
         return out
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:

@@ -18,7 +18,7 @@ import numpy as np
 from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheLayout
 from prefixvault.vault import ObjectRef, Vault
-from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, SaveSpec
+from prefixvault.vllm.metadata import LoadSpec, SaveSpec
 
 log = logging.getLogger("vllm.prefixvault")
 
@@ -156,6 +156,3 @@ class WorkerSide:
         done, failed = self._finished_loads, self._failed_loads
         self._finished_loads, self._failed_loads = set(), set()
         return done, failed
-
-    def handle(self, meta: PrefixVaultMetadata) -> None:
-        """Nothing to do per metadata yet; kept for symmetry with vLLM's hooks."""
