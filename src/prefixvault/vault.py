@@ -273,9 +273,10 @@ class Vault:
         headers = [self.expected_header(r) for r in refs]
         sizes = [HEADER_SIZE + h.length for h in headers]
         total = sum(sizes)
-        if staging is None or staging.nbytes < total:
-            staging = np.empty(total, dtype=np.uint8)
-        buf = staging.data.cast("B")
+        if staging is not None and staging.nbytes >= total:
+            buf = staging.data.cast("B")
+        else:  # memory the store can fill directly, where it has such memory
+            buf = self.store.staging_buffer(total) or np.empty(total, dtype=np.uint8).data.cast("B")
         views, off = [], 0
         for s in sizes:
             views.append(buf[off : off + s])

@@ -6,6 +6,7 @@
 ``redis://[[user]:password@]host:port[/db]?prefix=pv:&timeout=5&capacity=8GiB``  Redis/Valkey server
 ``rediss://...?ssl_ca_certs=ca.pem&ssl_cert_reqs=required``  the same over TLS
 ``redis+cluster://host:port``            Redis/Valkey cluster (same parameters)
+``mooncake://master:50051?protocol=tcp&segment=0``  Mooncake Store (or ?config=FILE / MOONCAKE_CONFIG_PATH)
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import shutil
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_key
+from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable, check_key
 
-__all__ = ["Buffer", "Store", "StoreError", "StoreStats", "check_key", "default_local_dir", "open_store"]
+__all__ = ["Buffer", "Store", "StoreError", "StoreStats", "StoreUnavailable", "check_key",
+           "default_local_dir", "open_store", "open_store_or_retry"]
 
 #: Room /dev/shm must have free for the default local store to live there.
 SHM_MIN_FREE = 1 << 30
@@ -60,5 +62,27 @@ def open_store(uri: str) -> Store:
         except ImportError as exc:
             raise StoreError(f"{scheme}:// needs redis-py: pip install 'prefixvault[redis]': {exc}") from None
         return RedisStore.from_uri(uri, params)
-    known = "memory://, local:///path, redis://host:port, rediss://host:port, redis+cluster://host:port"
+    if scheme == "mooncake":
+        try:
+            from prefixvault.stores.mooncake import MooncakeStore
+        except ImportError as exc:
+            raise StoreError(f"mooncake:// needs Mooncake: pip install 'prefixvault[mooncake]': {exc}"
+                             ) from None
+        return MooncakeStore.from_uri(uri, params)
+    known = "mooncake://host:port, memory://, local:///path, redis://host:port, rediss://host:port, redis+cluster://host:port"
     raise StoreError(f"unknown store URI {uri!r}: expected one of {known}")
+
+
+def open_store_or_retry(uri: str) -> Store:
+    """Open a store for a serving engine: bad configuration still fails here, but a store that
+    is down only costs hits until it is back (calls fail fast and the open is retried)."""
+    try:
+        return open_store(uri)
+    except StoreUnavailable as exc:
+        import logging
+
+        from prefixvault.stores.retrying import RetryingStore
+
+        logging.getLogger("vllm.prefixvault").error(
+            "prefixvault: store %s is unavailable (%s); serving without it until it is back", uri, exc)
+        return RetryingStore(uri, open_store, exc)

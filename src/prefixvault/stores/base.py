@@ -25,6 +25,10 @@ class StoreError(Exception):
     """A store could not do what was asked (bad URI, unreachable, full, corrupt index)."""
 
 
+class StoreUnavailable(StoreError):
+    """The store is configured right but cannot be reached now (server down, timed out)."""
+
+
 def check_key(key: str) -> str:
     """Reject keys a store could not hold faithfully."""
     if not key or len(key) > MAX_KEY_LEN or not KEY_CHARS.issuperset(key):
@@ -67,8 +71,9 @@ class Store(abc.ABC):
         """Store each object as the concatenation of its parts (header + payload, say).
 
         Returns, for each item, True once the object is visible to every process that
-        shares the store, False if it could not be stored (full, error). An existing
-        object under the same key is replaced atomically.
+        shares the store, False if it could not be stored (full, error, or empty where a
+        store cannot hold empty objects: the vault never writes one). An existing object
+        under the same key is replaced atomically.
         """
 
     @abc.abstractmethod
@@ -105,6 +110,11 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def stats(self) -> StoreStats:
         """Objects, bytes and capacity right now."""
+
+    def staging_buffer(self, nbytes: int) -> memoryview | None:
+        """Memory that ``get_into`` can fill with no copy (registered with a transfer engine),
+        valid until the store's next call; None where any memory is as good."""
+        return None
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources; the store's data stays."""

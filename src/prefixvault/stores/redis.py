@@ -13,6 +13,7 @@ under ``maxmemory`` with an LRU policy it evicts (approximately LRU, server-wide
 from __future__ import annotations
 
 import contextlib
+import ssl
 from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
@@ -22,7 +23,15 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_key, copy_into
+from prefixvault.stores.base import (
+    Buffer,
+    Store,
+    StoreError,
+    StoreStats,
+    StoreUnavailable,
+    check_key,
+    copy_into,
+)
 from prefixvault.units import parse_size
 
 SCHEMES = ("redis", "rediss", "redis+cluster")
@@ -38,6 +47,16 @@ _SSL_PARAMS = ("ssl_ca_certs", "ssl_cert_reqs")
 def _glob_escape(text: str) -> str:
     """Escape SCAN MATCH metacharacters so a prefix matches only itself."""
     return "".join("\\" + c if c in "*?[]\\" else c for c in text)
+
+
+def _is_tls_error(exc: BaseException) -> bool:
+    """Whether a connection failed in the TLS handshake (redis-py wraps ssl.SSLError)."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLError) or "SSL:" in str(seen):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _one_line(exc: BaseException) -> str:
@@ -84,11 +103,11 @@ class RedisStore(Store):
             raise StoreError(f"bad redis store URI {uri!r}: {exc}") from None
         if not timeout > 0:
             raise StoreError(f"bad redis store URI {uri!r}: timeout must be > 0 seconds")
-        ssl = {k: params.pop(k) for k in _SSL_PARAMS if k in params}
+        tls = {k: params.pop(k) for k in _SSL_PARAMS if k in params}
         if params:
             raise StoreError(f"unknown redis store parameter(s): {', '.join(sorted(params))}")
-        if ssl and scheme != "rediss":
-            raise StoreError(f"bad redis store URI {uri!r}: {', '.join(ssl)} need rediss://")
+        if tls and scheme != "rediss":
+            raise StoreError(f"bad redis store URI {uri!r}: {', '.join(tls)} need rediss://")
         host, port, where = cls._address(uri, parts)
         kwargs: dict[str, Any] = {
             "host": host,
@@ -102,7 +121,7 @@ class RedisStore(Store):
             "retry": Retry(NoBackoff(), 0),
         }
         if scheme == "rediss":
-            kwargs.update(ssl=True, **ssl)
+            kwargs.update(ssl=True, **tls)
         client: redis.Redis | redis.cluster.RedisCluster
         try:
             if scheme == "redis+cluster":
@@ -115,7 +134,7 @@ class RedisStore(Store):
                     raise StoreError(f"bad redis store URI {uri!r}: database must be a number, got {db!r}")
                 client = redis.Redis(db=int(db), **kwargs)
         except redis.RedisError as exc:  # the cluster client connects while it is built
-            raise StoreError(f"redis store {where}: cannot reach server: {_one_line(exc)}") from None
+            raise StoreUnavailable(f"redis store {where}: cannot reach server: {_one_line(exc)}") from None
         safe_uri = parts._replace(netloc=f"{where}").geturl() if parts.password else uri
         return cls(client, uri=safe_uri, where=where, prefix=prefix, capacity=capacity)
 
@@ -139,9 +158,13 @@ class RedisStore(Store):
         except redis.AuthenticationError as exc:
             raise StoreError(f"redis store {self.where}: authentication failed: {_one_line(exc)}") from None
         except redis.TimeoutError as exc:
-            raise StoreError(f"redis store {self.where}: {doing}: timed out ({_one_line(exc)})") from None
+            raise StoreUnavailable(f"redis store {self.where}: {doing}: timed out ({_one_line(exc)})"
+                                   ) from None
         except redis.ConnectionError as exc:
-            raise StoreError(f"redis store {self.where}: {doing}: {_one_line(exc)}") from None
+            if _is_tls_error(exc):  # wrong CA or certificate: configuration, not an outage
+                raise StoreError(f"redis store {self.where}: TLS handshake failed: {_one_line(exc)}"
+                                 ) from None
+            raise StoreUnavailable(f"redis store {self.where}: {doing}: {_one_line(exc)}") from None
         except redis.RedisError as exc:
             raise StoreError(f"redis store {self.where}: {doing}: {_one_line(exc)}") from None
 

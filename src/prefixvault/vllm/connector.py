@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from prefixvault.stores import open_store
+from prefixvault.stores import open_store_or_retry
 from prefixvault.vault import Vault
 from prefixvault.vllm.config import ConnectorSettings
 from prefixvault.vllm.layout import build_layout
@@ -43,7 +43,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
         self.layout = build_layout(vllm_config, kv_cache_config, self.settings.model_id)
-        self.vault = Vault(open_store(self.settings.store), self.layout, self.settings.namespace)
+        self.vault = Vault(open_store_or_retry(self.settings.store), self.layout, self.settings.namespace)
         self._snapshot = Snapshot()
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None

@@ -1,0 +1,591 @@
+"""A store on Mooncake Store: ``mooncake_master`` plus the clients that hold its memory.
+
+Objects move between this process and the segments that hold them through the transfer
+engine (TCP here, RDMA where the hardware has it), always from or into memory registered
+with the engine: this store owns one registered staging arena, and a caller that asks for
+``staging_buffer`` gets memory inside it, so its loads land with no copy on this side.
+
+Where data lives. Mooncake keeps objects in the segments that clients mount. An engine that
+mounts a segment (``segment=4GiB``, Mooncake's "embedded" mode) takes its objects with it
+when it exits. The default is ``segment=0`` ("standalone-store" in vLLM's words): engines
+mount nothing and the objects live in a separate, long-lived ``mooncake_client`` process
+that mounts the memory, so a consumer finds what a producer left after the producer is gone.
+
+``mooncake://MASTER_HOST:PORT?protocol=tcp&segment=0&timeout=5``
+``mooncake://?config=/path/mooncake.json`` or bare ``mooncake://`` with ``MOONCAKE_CONFIG_PATH``
+set (the JSON file vLLM's Mooncake connectors read).
+
+Behaviour that differs from the local store, on purpose:
+- objects are at least one byte (Mooncake refuses empty objects; put reports False);
+- ``delete_many`` removes past Mooncake's read lease (``force``): a reader racing a delete
+  may get bytes that fail the codec's checksum, which the vault counts as a miss;
+- a master restart forgets every object (unless the master runs with HA/snapshots);
+- eviction is the master's (approximate LRU at a high watermark), not exact LRU.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import numpy as np
+
+from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable, check_key
+from prefixvault.units import parse_size
+
+log = logging.getLogger("prefixvault.stores.mooncake")
+
+DEFAULT_MASTER_PORT = 50051
+DEFAULT_ADMIN_PORT = 9003  # mooncake_master --metrics_port: its HTTP admin and metrics server
+DEFAULT_TIMEOUT = 5.0
+DEFAULT_PREFIX = "pv/"
+DEFAULT_STAGING = 128 << 20
+DEFAULT_LOCAL_BUFFER = 16 << 20
+#: Staging offsets are aligned to this many bytes.
+ALIGN = 64
+#: Keys per admin request while scanning.
+SCAN_CHUNK = 200
+
+# Mooncake's error codes (mooncake-store types.h) that this store tells apart.
+BUFFER_OVERFLOW = -600
+#: No complete replica right now (another client is replacing the object): not readable.
+REPLICA_NOT_READY = -703
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+
+_PARAMS = ("protocol", "device", "segment", "buffer", "staging", "host", "metadata", "admin",
+           "timeout", "capacity", "prefix", "config")  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """What one Mooncake client is set up with; equal configs share one client per process."""
+
+    master: str
+    local_hostname: str
+    metadata_server: str
+    protocol: str
+    device: str
+    segment: int
+    local_buffer: int
+    timeout: float
+
+
+def _is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def _advertised_host(master_host: str, master_port: int) -> str:
+    """The address peers reach this client at: loopback for a loopback master, else
+    ``VLLM_HOST_IP`` if set, else the address this machine uses to reach the master."""
+    if _is_loopback(master_host):
+        return "127.0.0.1"
+    if os.environ.get("VLLM_HOST_IP"):
+        return os.environ["VLLM_HOST_IP"]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((master_host, master_port))
+        return str(s.getsockname()[0])
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _split_hostport(text: str, default_port: int, what: str) -> tuple[str, int]:
+    host, _, port = text.rpartition(":")
+    if not host:
+        host, port = text, str(default_port)
+    if not port.isdigit() or not host:
+        raise StoreError(f"bad mooncake {what} address {text!r}: expected host:port")
+    return host.strip("[]"), int(port)
+
+
+def _check_reachable(host: str, port: int, timeout: float, what: str) -> None:
+    """Fail in seconds: Mooncake's own setup retries an unreachable master for minutes."""
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as exc:
+        raise StoreUnavailable(
+            f"mooncake store: {what} {host}:{port} is not reachable ({exc.strerror or exc}); "
+            "start mooncake_master or fix the address"
+        ) from None
+
+
+def _set_timeouts(timeout: float) -> None:
+    """Bound Mooncake's RPCs and TCP transfers by our timeout (unless the user set them)."""
+    ms, sec = str(max(1, int(timeout * 1000))), str(max(1, round(timeout)))
+    for name, value in (("MC_RPC_TIMEOUT_MS", ms), ("MC_RPC_CONNECT_TIMEOUT_MS", ms),
+                        ("MC_TCP_PROGRESS_TIMEOUT_SEC", sec), ("MC_TCP_STATUS_TIMEOUT_SEC", sec),
+                        ("MC_STORE_CLIENT_SETUP_RETRIES", "1")):  # fmt: skip
+        os.environ.setdefault(name, value)
+
+
+class _Deadline:
+    """Runs calls into Mooncake on one worker thread and stops waiting after a deadline.
+
+    Mooncake bounds most waits by the timeouts set above, but not all (a handshake with a
+    stalled peer waits a minute per object). A call that overruns is left to finish on its
+    own; until it does, every new call fails at once instead of queueing behind it, so at
+    most one call is ever stuck and no caller waits longer than its deadline. Nothing else
+    touches the staging arena meanwhile, so a late transfer cannot land in memory in use.
+    """
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None]
+        self._jobs = queue.SimpleQueue()
+        # A daemon thread, not a ThreadPoolExecutor: an interpreter exiting must not wait for
+        # a call stuck inside Mooncake.
+        threading.Thread(target=self._work, name=name, daemon=True).start()
+        self._stuck: concurrent.futures.Future[Any] | None = None
+        self._stuck_what = ""
+
+    def _work(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            fn, future = job
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the waiting caller
+                future.set_exception(exc)
+
+    def run(self, what: str, seconds: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        if self._stuck is not None:
+            if not self._stuck.done():
+                raise StoreUnavailable(f"{self._stuck_what} has not returned; no new call until it does")
+            self._stuck = None
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self._jobs.put((lambda: fn(*args, **kwargs), future))
+        try:
+            return future.result(timeout=seconds)
+        except concurrent.futures.TimeoutError:
+            self._stuck, self._stuck_what = future, what
+            raise StoreUnavailable(f"{what} timed out after {seconds:.1f} s") from None
+
+    def close(self) -> None:
+        self._jobs.put(None)
+
+
+class _Client:
+    """One set-up Mooncake client and its registered staging arena, shared in a process."""
+
+    def __init__(self, config: ClientConfig, staging: int) -> None:
+        from mooncake.store import MooncakeDistributedStore
+
+        _set_timeouts(config.timeout)
+        self.config = config
+        self.deadline = _Deadline("mooncake")
+        self.api: Any = MooncakeDistributedStore()
+        rc = self.call("setup", 0, self.api.setup, config.local_hostname, config.metadata_server,
+                       config.segment, config.local_buffer, config.protocol, config.device, config.master)
+        if rc != 0:
+            raise StoreUnavailable(f"mooncake store {config.master}: client setup failed (code {rc})")
+        self.lock = threading.Lock()
+        self.users = 0
+        self.arena = np.empty(0, np.uint8)
+        self.grow(staging)
+
+    def call(self, what: str, nbytes: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """``fn(*args)`` within three timeouts (Mooncake's own bounds fire first; a reconnect
+        may take two), plus one timeout per GiB it moves."""
+        seconds = self.config.timeout * (3 + nbytes / (1 << 30))
+        return self.deadline.run(f"mooncake store {self.config.master}: {what}", seconds, fn, *args, **kwargs)
+
+    def grow(self, nbytes: int) -> None:
+        """Make the staging arena at least ``nbytes`` (registered, pages touched once)."""
+        if nbytes <= self.arena.nbytes:
+            return
+        if self.arena.nbytes:
+            self.call("unregister", 0, self.api.unregister_buffer, self.arena.ctypes.data)
+        arena = np.ones(nbytes, np.uint8)  # touch every page now, not during a transfer
+        rc = self.call("register", 0, self.api.register_buffer, arena.ctypes.data, arena.nbytes)
+        if rc != 0:
+            raise StoreError(f"mooncake store {self.config.master}: cannot register {nbytes} bytes "
+                             f"(code {rc})")
+        self.arena = arena
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            if self.arena.nbytes:
+                self.call("unregister", 0, self.api.unregister_buffer, self.arena.ctypes.data)
+            self.call("close", 0, self.api.close)
+        self.deadline.close()
+
+
+_clients: dict[ClientConfig, _Client] = {}
+_clients_lock = threading.Lock()
+
+
+def _acquire(config: ClientConfig, staging: int) -> _Client:
+    with _clients_lock:
+        client = _clients.get(config)
+        if client is None:
+            client = _clients[config] = _Client(config, staging)
+        with client.lock:
+            client.grow(staging)
+        client.users += 1
+        return client
+
+
+def _release(client: _Client) -> None:
+    with _clients_lock:
+        client.users -= 1
+        if client.users == 0 and _clients.get(client.config) is client:
+            del _clients[client.config]
+            client.close()
+
+
+def _bytes(buf: memoryview) -> memoryview:
+    return buf if buf.format == "B" and buf.ndim == 1 else buf.cast("B")
+
+
+def _aligned(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _chunks(sizes: Sequence[int], limit: int) -> Iterator[list[int]]:
+    """Indices grouped so that each group's aligned sizes fit ``limit`` (an oversize item alone)."""
+    group: list[int] = []
+    used = 0
+    for i, n in enumerate(sizes):
+        if group and used + _aligned(n) > limit:
+            yield group
+            group, used = [], 0
+        group.append(i)
+        used += _aligned(n)
+    if group:
+        yield group
+
+
+class MooncakeStore(Store):
+    """Objects under ``prefix + key`` in a Mooncake Store cluster."""
+
+    def __init__(self, client: _Client, *, uri: str, admin: str, prefix: str, capacity: int | None,
+                 timeout: float) -> None:  # fmt: skip
+        self.uri = uri
+        self.where = client.config.master
+        self.admin = admin
+        self.prefix = prefix
+        self.capacity = capacity
+        self.timeout = timeout
+        self._client: _Client | None = client
+
+    # -- opening -------------------------------------------------------------------------
+
+    @classmethod
+    def from_uri(cls, uri: str, params: dict[str, str]) -> MooncakeStore:
+        parts = urlsplit(uri)
+        params = dict(params)
+        unknown = sorted(set(params) - set(_PARAMS))
+        if unknown:
+            raise StoreError(f"unknown mooncake store parameter(s): {', '.join(unknown)}")
+        file_config = cls._file_config(parts.netloc, params.pop("config", None))
+        settings = {**file_config, **params}
+        try:
+            master_text = parts.netloc or str(settings.get("master_server_address", ""))
+            if not master_text:
+                raise StoreError("mooncake store: no master address: use mooncake://HOST:PORT, "
+                                 "?config=FILE or MOONCAKE_CONFIG_PATH")
+            host, port = _split_hostport(master_text, DEFAULT_MASTER_PORT, "master")
+            timeout = float(settings.get("timeout", DEFAULT_TIMEOUT))
+            if not timeout > 0:
+                raise ValueError("timeout must be > 0 seconds")
+            segment = parse_size(str(settings.get("segment", settings.get("global_segment_size", 0))))
+            local_buffer = parse_size(str(settings.get("buffer", settings.get("local_buffer_size",
+                                                                              DEFAULT_LOCAL_BUFFER))))
+            staging = parse_size(str(settings.get("staging", DEFAULT_STAGING)))
+            cap = settings.get("capacity")
+            capacity = parse_size(str(cap)) if cap else None
+        except ValueError as exc:
+            raise StoreError(f"bad mooncake store URI {uri!r}: {exc}") from None
+        protocol = str(settings.get("protocol", "tcp"))
+        if protocol not in ("tcp", "rdma"):
+            raise StoreError(f"bad mooncake store URI {uri!r}: protocol must be tcp or rdma, "
+                             f"got {protocol!r}")
+        admin_host, admin_port = _split_hostport(
+            str(settings.get("admin", f"{host}:{DEFAULT_ADMIN_PORT}")), DEFAULT_ADMIN_PORT, "admin")
+        _check_reachable(host, port, timeout, "master")
+        config = ClientConfig(
+            master=f"{host}:{port}",
+            local_hostname=str(settings.get("host", settings.get("local_hostname", "")))
+            or _advertised_host(host, port),
+            metadata_server=str(settings.get("metadata", settings.get("metadata_server", "P2PHANDSHAKE"))),
+            protocol=protocol,
+            device=str(settings.get("device", settings.get("device_name", ""))),
+            segment=segment,
+            local_buffer=local_buffer,
+            timeout=timeout,
+        )
+        try:
+            client = _acquire(config, staging)
+        except ImportError as exc:
+            raise StoreError(f"mooncake:// needs Mooncake: pip install 'prefixvault[mooncake]': {exc}"
+                             ) from None
+        prefix = str(settings.get("prefix", DEFAULT_PREFIX))
+        store = cls(client, uri=uri, admin=f"{admin_host}:{admin_port}", prefix=prefix,
+                    capacity=capacity, timeout=timeout)  # fmt: skip
+        if segment == 0 and store._master_capacity() == 0:
+            log.warning("mooncake store %s: no memory is mounted yet; puts fail until a mooncake_client "
+                        "(or an engine with segment=SIZE) mounts some", config.master)
+        return store
+
+    @staticmethod
+    def _file_config(netloc: str, path: str | None) -> dict[str, Any]:
+        """vLLM's Mooncake JSON config: from ``?config=`` or, for a bare URI, MOONCAKE_CONFIG_PATH."""
+        if path is None and not netloc:
+            path = os.environ.get("MOONCAKE_CONFIG_PATH")
+        if not path:
+            return {}
+        try:
+            data = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            raise StoreError(f"mooncake store: cannot read config file {path}: {exc}") from None
+        if not isinstance(data, dict):
+            raise StoreError(f"mooncake store: config file {path} must hold a JSON object")
+        return data
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _api(self) -> _Client:
+        if self._client is None:
+            raise StoreError(f"mooncake store {self.where}: closed")
+        return self._client
+
+    def _key(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    def _fits(self, size: int) -> bool:
+        return size > 0 and (self.capacity is None or size <= self.capacity)
+
+    def _fail(self, doing: str, code: int) -> StoreError:
+        return StoreError(f"mooncake store {self.where}: {doing} failed (code {code})")
+
+    def _admin_get(self, path: str) -> bytes:
+        try:
+            with urllib.request.urlopen(f"http://{self.admin}{path}", timeout=self.timeout) as resp:
+                body: bytes = resp.read()
+                return body
+        except (OSError, urllib.error.URLError) as exc:
+            raise StoreError(f"mooncake store {self.where}: master admin http://{self.admin}: {exc}"
+                             ) from None
+
+    def _metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for line in self._admin_get("/metrics").decode().splitlines():
+            if line and not line.startswith("#") and "{" not in line:
+                name, _, value = line.partition(" ")
+                with contextlib.suppress(ValueError):
+                    out[name] = float(value)
+        return out
+
+    def _master_capacity(self) -> int:
+        with contextlib.suppress(StoreError):
+            return int(self._metrics().get("master_total_capacity_bytes", 0))
+        return -1
+
+    # -- Store ---------------------------------------------------------------------------
+
+    def staging_buffer(self, nbytes: int) -> memoryview | None:
+        """Registered memory that ``get_into`` fills with no copy; valid until the next call."""
+        client = self._api()
+        with client.lock:
+            client.grow(nbytes)
+            return client.arena.data[:nbytes]
+
+    def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        names = [self._key(k) for k, _ in items]
+        sizes = [sum(memoryview(p).nbytes for p in parts) for _, parts in items]
+        out = [False] * len(items)
+        last = {name: i for i, name in enumerate(names)}  # a key twice in a batch: the last one wins
+        todo = [i for i, n in enumerate(sizes) if self._fits(n) and last[names[i]] == i]
+        client = self._api()
+        with client.lock:
+            for group in _chunks([sizes[i] for i in todo], client.arena.nbytes):
+                idx = [todo[g] for g in group]
+                client.grow(sum(_aligned(sizes[i]) for i in idx))
+                ptrs, off = [], 0
+                for i in idx:
+                    pos = off
+                    for part in items[i][1]:
+                        view = np.frombuffer(part, np.uint8) if memoryview(part).nbytes else None
+                        if view is not None:
+                            client.arena[pos : pos + view.nbytes] = view
+                            pos += view.nbytes
+                    ptrs.append(client.arena.ctypes.data + off)
+                    off += _aligned(sizes[i])
+                codes = client.call("put", sum(sizes[i] for i in idx), client.api.batch_upsert_from,
+                                    [names[i] for i in idx], ptrs, [sizes[i] for i in idx])
+                for i, code in zip(idx, codes, strict=True):
+                    out[i] = code == 0
+        for i, name in enumerate(names):
+            out[i] = out[last[name]]
+        return out
+
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        name = self._key(key)
+        view = np.frombuffer(data, np.uint8) if memoryview(data).nbytes else np.empty(0, np.uint8)
+        if not self._fits(view.nbytes):
+            return False
+        client = self._api()
+        with client.lock:
+            # A put session reserves the key at the master: of racing callers one gets it,
+            # the others hear OBJECT_ALREADY_EXISTS; the object is readable only after end.
+            (code,) = client.call("put", 0, client.api.batch_put_session_start, [name], [view.nbytes])
+            if code != 0:
+                return False
+            client.grow(view.nbytes)
+            client.arena[: view.nbytes] = view
+            (written,) = client.call("put", view.nbytes, client.api.batch_put_from_multi_buffer_ranges,
+                                     [name], [[client.arena.ctypes.data]], [[view.nbytes]], [[0]])
+            if written < 0:
+                client.call("put", 0, client.api.batch_put_session_revoke, [name])
+                return False
+            (ended,) = client.call("put", 0, client.api.batch_put_session_end, [name])
+            return bool(ended == 0)
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        names = [self._key(k) for k in keys]
+        out: list[int | None] = [None] * len(keys)
+        first = {name: i for i, name in reversed(list(enumerate(names)))}
+        if len(first) < len(names):  # Mooncake mishandles a key twice in one batch: fetch it once
+            once = sorted(first.values())
+            got = self.get_into([keys[i] for i in once], [buffers[i] for i in once])
+            for i, size in zip(once, got, strict=True):
+                out[i] = size
+            for i, name in enumerate(names):
+                j = first[name]
+                size = out[i] = out[j]
+                if i != j and size is not None and size <= min(buffers[i].nbytes, buffers[j].nbytes):
+                    _bytes(buffers[i])[:size] = _bytes(buffers[j])[:size]
+            return out
+        client = self._api()
+        with client.lock:
+            base, end = client.arena.ctypes.data, client.arena.ctypes.data + client.arena.nbytes
+            direct: list[tuple[int, int]] = []
+            staged: list[tuple[int, int]] = []
+            for i, buf in enumerate(buffers):
+                ptr = np.frombuffer(_bytes(buf), np.uint8).ctypes.data if buf.nbytes else 0
+                inside = buf.nbytes and base <= ptr and ptr + buf.nbytes <= end
+                (direct if inside else staged).append((i, ptr))
+            if direct:
+                self._get_direct(client, names, buffers, direct, out)
+            for group in _chunks([buffers[i].nbytes for i, _ in staged], client.arena.nbytes):
+                self._get_staged(client, names, buffers, [staged[g][0] for g in group], out)
+        return out
+
+    def _get_direct(self, client: _Client, names: list[str], buffers: Sequence[memoryview],
+                    direct: list[tuple[int, int]], out: list[int | None]) -> None:  # fmt: skip
+        sizes = [buffers[i].nbytes for i, _ in direct]
+        codes = client.call("get", sum(sizes), client.api.batch_get_into, [names[i] for i, _ in direct],
+                            [p for _, p in direct], sizes)
+        for (i, _), code in zip(direct, codes, strict=True):
+            out[i] = self._size_of(client, names[i], code)
+
+    def _get_staged(self, client: _Client, names: list[str], buffers: Sequence[memoryview],
+                    idx: list[int], out: list[int | None]) -> None:  # fmt: skip
+        sizes = [max(1, buffers[i].nbytes) for i in idx]
+        client.grow(sum(_aligned(n) for n in sizes))
+        offs, off = [], 0
+        for n in sizes:
+            offs.append(off)
+            off += _aligned(n)
+        codes = client.call("get", sum(sizes), client.api.batch_get_into, [names[i] for i in idx],
+                            [client.arena.ctypes.data + o for o in offs], sizes)
+        for i, o, code in zip(idx, offs, codes, strict=True):
+            size = self._size_of(client, names[i], code)
+            out[i] = size
+            if size is not None and 0 < size <= buffers[i].nbytes:
+                _bytes(buffers[i])[:size] = client.arena.data[o : o + size]
+
+    def _size_of(self, client: _Client, name: str, code: int) -> int | None:
+        if code >= 0:
+            return int(code)
+        if code in (OBJECT_NOT_FOUND, REPLICA_NOT_READY):
+            return None
+        if code == BUFFER_OVERFLOW:  # too big for the caller's buffer: say how big
+            size = int(client.call("get", 0, client.api.get_size, name))
+            return None if size == OBJECT_NOT_FOUND else size if size > 0 else None
+        raise self._fail(f"get {name}", code)
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        names = [self._key(k) for k in keys]
+        client = self._api()
+        with client.lock:
+            sizes = [int(client.call("get", 0, client.api.get_size, n)) for n in names]
+        for n, s in zip(names, sizes, strict=True):
+            if s < 0 and s not in (OBJECT_NOT_FOUND, REPLICA_NOT_READY):
+                raise self._fail(f"get {n}", s)
+        bufs = [memoryview(bytearray(max(s, 0))) for s in sizes]
+        want = [i for i, s in enumerate(sizes) if s > 0]
+        got = self.get_into([keys[i] for i in want], [bufs[i] for i in want])
+        out: list[bytes | None] = [None] * len(keys)
+        for i, size in zip(want, got, strict=True):
+            if size is not None and size == bufs[i].nbytes:
+                out[i] = bytes(bufs[i])
+        return out
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        names = [self._key(k) for k in keys]
+        if not names:
+            return []
+        client = self._api()
+        with client.lock:
+            codes = client.call("exists", 0, client.api.batch_is_exist, names)
+        if any(c < 0 for c in codes):
+            raise self._fail("exists", min(codes))
+        return [c == 1 for c in codes]
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        names = sorted({self._key(k) for k in keys})
+        if not names:
+            return 0
+        client = self._api()
+        with client.lock:
+            codes = client.call("delete", 0, client.api.batch_remove, names, force=True)
+        return sum(1 for c in codes if c == 0)
+
+    def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        start = self.prefix + prefix
+        names = sorted(n for n in self._admin_get("/get_all_keys").decode().split() if n.startswith(start))
+        return self._sizes(names)
+
+    def _sizes(self, names: list[str]) -> Iterator[tuple[str, int]]:
+        cut = len(self.prefix)
+        for at in range(0, len(names), SCAN_CHUNK):
+            chunk = names[at : at + SCAN_CHUNK]
+            query = urllib.parse.quote(",".join(chunk), safe=",")
+            try:
+                data = json.loads(self._admin_get(f"/batch_query_keys?keys={query}"))["data"]
+            except (ValueError, KeyError, TypeError) as exc:
+                raise StoreError(f"mooncake store {self.where}: bad admin answer: {exc}") from None
+            for name in chunk:
+                entry = data.get(name) or {}
+                values = entry.get("values") or []
+                if entry.get("ok") and values:
+                    yield name[cut:], int(values[0]["size_"])
+
+    def stats(self) -> StoreStats:
+        objects = size = 0
+        for _, n in self.scan():
+            objects += 1
+            size += n
+        metrics = self._metrics()
+        mounted = int(metrics.get("master_total_capacity_bytes", 0))
+        capacity = self.capacity if self.capacity is not None else mounted
+        return StoreStats(objects, size, capacity or None, int(metrics.get("master_evicted_key_count", 0)))
+
+    def close(self) -> None:
+        client, self._client = self._client, None
+        if client is not None:
+            _release(client)

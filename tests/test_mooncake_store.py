@@ -1,0 +1,204 @@
+"""Mooncake-specific behaviour on a real mooncake_master and mooncake_client (loopback only):
+where data lives, config forms, and faults of the master and of the memory holder.
+
+The conformance suite (test_store_conformance.py) covers the Store contract itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from prefixvault.stores import StoreError, open_store
+from prefixvault.testing.mooncake import MooncakeCluster, _free_port
+
+SPAWN = mp.get_context("spawn")
+TIMEOUT = 2.0
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[MooncakeCluster]:
+    c = MooncakeCluster(segment="64MiB", logs=tmp_path / "logs")
+    try:
+        yield c
+    finally:
+        c.stop()
+
+
+def blob(seed: int, n: int = 300_000) -> bytes:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8).tobytes()
+
+
+def _write_and_exit(uri: str, keys: list[str]) -> None:
+    with open_store(uri) as store:
+        assert store.put_many([(k, [blob(i)]) for i, k in enumerate(keys)]) == [True] * len(keys)
+
+
+def test_objects_outlive_the_process_that_wrote_them(cluster: MooncakeCluster) -> None:
+    """segment=0 (the default): the writer mounts nothing, the holder keeps its objects."""
+    uri = cluster.uri(prefix="outlive/", timeout=str(TIMEOUT))
+    p = SPAWN.Process(target=_write_and_exit, args=(uri, ["a", "b"]))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    with open_store(uri) as store:
+        assert store.get_many(["a", "b"]) == [blob(0), blob(1)]
+
+
+def test_embedded_segment_leaves_with_its_process(tmp_path: Path) -> None:
+    """segment=SIZE: objects live in the writer's own memory and go when it exits; a reader
+    then sees a miss, never an error or wrong bytes. This is why segment=0 is the default."""
+    c = MooncakeCluster(logs=tmp_path / "logs", holder=False)  # only the writer's own segment
+    try:
+        uri = c.uri(prefix="embedded/", segment="64MiB", timeout=str(TIMEOUT))
+        p = SPAWN.Process(target=_write_and_exit, args=(uri, ["a"]))
+        p.start()
+        p.join(60)
+        assert p.exitcode == 0
+        with open_store(c.uri(prefix="embedded/", timeout=str(TIMEOUT))) as store:
+            deadline = time.monotonic() + 30  # the master drops a departed client's segment
+            while store.exists_many(["a"]) != [False] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert store.exists_many(["a"]) == [False]
+            assert store.get_many(["a"]) == [None]
+    finally:
+        c.stop()
+
+
+def test_unreachable_master_fails_in_seconds_with_one_line() -> None:
+    port = _free_port()
+    t0 = time.monotonic()
+    with pytest.raises(StoreError, match=rf"master 127.0.0.1:{port} is not reachable") as err:
+        open_store(f"mooncake://127.0.0.1:{port}?timeout=1")
+    assert time.monotonic() - t0 < 5
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [
+        ("protocol=udp", "protocol must be tcp or rdma"),
+        ("timeout=0", "timeout must be > 0"),
+        ("segment=lots", "bad mooncake store URI"),
+        ("colour=blue", "unknown mooncake store parameter"),
+    ],
+)
+def test_bad_uris_are_one_line_errors(query: str, message: str) -> None:
+    with pytest.raises(StoreError, match=message):
+        open_store(f"mooncake://127.0.0.1:1?{query}")
+
+
+def test_vllm_style_config_file(cluster: MooncakeCluster, tmp_path: Path,
+                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """The JSON file vLLM's Mooncake connectors read works as ?config= and MOONCAKE_CONFIG_PATH."""
+    config = tmp_path / "mooncake.json"
+    config.write_text(json.dumps({
+        "local_hostname": "127.0.0.1", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
+        "device_name": "", "master_server_address": cluster.address, "global_segment_size": 0,
+        "local_buffer_size": "16MB",
+    }))  # fmt: skip
+    admin = f"admin=127.0.0.1:{cluster.admin_port}"
+    with open_store(f"mooncake://?config={config}&{admin}&prefix=cfg/") as store:
+        assert store.put_many([("x", [b"hello"])]) == [True]
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(config))
+    with open_store(f"mooncake://?{admin}&prefix=cfg/") as store:
+        assert store.get_many(["x"]) == [b"hello"]
+        assert [k for k, _ in store.scan()] == ["x"]
+    config.write_text("{not json")
+    with pytest.raises(StoreError, match="cannot read config file"):
+        open_store(f"mooncake://?{admin}")
+
+
+def test_stalled_holder_costs_a_timeout_not_a_hang(cluster: MooncakeCluster) -> None:
+    with open_store(cluster.uri(prefix="stall/", timeout=str(TIMEOUT))) as store:
+        assert store.put_many([("a", [blob(0)])]) == [True]
+        assert cluster.holder is not None
+        os.kill(cluster.holder.pid, signal.SIGSTOP)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(StoreError):
+                store.get_many(["a"])
+            assert time.monotonic() - t0 < 3 * TIMEOUT + 1
+            t0 = time.monotonic()
+            with contextlib.suppress(StoreError):
+                assert store.put_many([("b", [blob(1)])]) == [False]
+            assert time.monotonic() - t0 < 3 * TIMEOUT + 1
+            # A client that never met the holder first waits on a handshake, which Mooncake
+            # bounds only by a minute: the store's own deadline answers first.
+            fresh = open_store(cluster.uri(prefix="stall/", timeout=str(TIMEOUT), buffer="32MiB"))
+            t0 = time.monotonic()
+            with pytest.raises(StoreError):
+                fresh.get_many(["a"])
+            with pytest.raises(StoreError, match="no new call"):
+                fresh.get_many(["a"])  # the stuck call has not returned: fail at once
+            assert time.monotonic() - t0 < 3 * TIMEOUT + 1
+        finally:
+            os.kill(cluster.holder.pid, signal.SIGCONT)
+
+
+def test_killed_holder_gives_errors_then_misses(cluster: MooncakeCluster) -> None:
+    with open_store(cluster.uri(prefix="killed/", timeout=str(TIMEOUT))) as store:
+        assert store.put_many([("a", [blob(0)])]) == [True]
+        cluster.kill_holder()
+        t0 = time.monotonic()
+        try:
+            got = store.get_many(["a"])
+            assert got == [None]  # the master already forgot the segment
+        except StoreError:
+            pass  # the transfer to the dead holder failed
+        assert time.monotonic() - t0 < 3 * TIMEOUT + 1
+        assert store.put_many([("b", [blob(1)])]) == [False]  # no memory mounted anywhere
+
+
+def test_master_down_then_restarted(cluster: MooncakeCluster) -> None:
+    """Down: every call fails within the timeout. Restarted: the same store object works
+    again once the holder has re-mounted, and the old objects are gone (the master kept
+    them only in memory)."""
+    with open_store(cluster.uri(prefix="restart/", timeout=str(TIMEOUT))) as store:
+        assert store.put_many([("a", [blob(0)])]) == [True]
+        cluster.kill_master()
+        t0 = time.monotonic()
+        with pytest.raises(StoreError):
+            store.exists_many(["a"])
+        with pytest.raises(StoreError):
+            store.get_many(["a"])
+        with contextlib.suppress(StoreError):  # refused, or failed: never stored, never a hang
+            assert store.put_many([("b", [blob(1)])]) == [False]
+        assert time.monotonic() - t0 < 10 * TIMEOUT
+        cluster.start_master()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                if store.put_many([("b", [blob(1)])]) == [True]:
+                    break
+            except StoreError:
+                pass
+            time.sleep(0.2)
+        assert store.get_many(["a", "b"]) == [None, blob(1)]
+
+
+def test_object_evicted_under_a_record_gives_a_shorter_hit(cluster: MooncakeCluster) -> None:
+    """A record whose objects are gone yields a shorter hit (or none), never a wrong one."""
+    from test_vault import fill, layout
+
+    from prefixvault.vault import Vault
+
+    with open_store(cluster.uri(prefix="evict/", timeout=str(TIMEOUT))) as store:
+        vault = Vault(store, layout())
+        tokens = list(range(64))
+        assert fill(vault, tokens, [16, 40]) == [16, 40]
+        hashes = vault.hashes(tokens)
+        assert vault.lookup(hashes, len(tokens)) == 40
+        state_40 = [r.key for r in vault.needed(hashes, 40) if r.kind.name == "STATE"]
+        assert store.delete_many(state_40) == 1  # as the master's eviction would
+        assert vault.lookup(hashes, len(tokens)) == 16
+        assert vault.load(vault.needed(hashes, 16)).ok
