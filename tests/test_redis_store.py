@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from conftest import Valkey
 
 from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores import StoreError, open_store
 from prefixvault.stores.redis import RedisStore
+from prefixvault.testing.valkey import Valkey
 from prefixvault.vault import ObjectRef, RankAck, Vault
 
 
@@ -375,3 +375,22 @@ def test_plain_client_against_a_tls_port_fails_in_seconds(tls_server: tuple[int,
     with pytest.raises(StoreError):
         open_store(f"redis://127.0.0.1:{port}/0?timeout=1")
     assert time.monotonic() - start < 4
+
+
+def test_network_stall_mid_session_costs_one_timeout_per_call(server: Valkey) -> None:
+    """The wire stops delivering after the store is open (not the server): each call fails
+    within the timeout; nothing waits longer."""
+    from prefixvault.testing.netfault import FaultyLink
+
+    link = FaultyLink(server.port, b"$6\r\nEXISTS\r\n", "stall")
+    try:
+        with open_store(f"redis://127.0.0.1:{link.port}/0?prefix=stall:&timeout=0.5") as store:
+            assert store.put_many([("a", [b"x"])]) == [True]
+            for call in (lambda: store.exists_many(["a"]), lambda: store.get_many(["a"])):
+                start = time.monotonic()
+                with pytest.raises(StoreError, match="timed out"):
+                    call()
+                assert time.monotonic() - start < 1.5
+        assert link.tripped.is_set()
+    finally:
+        link.close()

@@ -76,6 +76,47 @@ def test_publish_lookup_load_round_trip() -> None:
     ]
 
 
+class LendingStore(MemoryStore):
+    """Lends memory as a store with registered buffers does, and records where puts came from."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lent = bytearray()
+        self.parts_in_lent: list[bool] = []
+
+    def staging_buffer(self, nbytes: int) -> memoryview | None:
+        if len(self.lent) < nbytes:
+            self.lent = bytearray(nbytes)
+        return memoryview(self.lent)[:nbytes]
+
+    def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        self.parts_in_lent += [all(isinstance(p, memoryview) and p.obj is self.lent for p in parts)
+                               for _, parts in items]  # fmt: skip
+        return super().put_many(items)
+
+
+def test_objects_are_built_in_lent_memory_when_the_engine_can_gather_into_it() -> None:
+    store = LendingStore()
+    vault = Vault(store, layout())
+    tokens = list(range(64))
+    hashes = vault.hashes(tokens)
+    tables = {0: list(range(1, 9)), 1: list(range(100, 108))}
+    d = plan_saves(vault.layout, len(tokens), tables, [StateCapture(2, 40, 240, None)])
+
+    def gather_into(ref: ObjectRef, block_id: int, out: memoryview) -> None:
+        out[:] = payload(ref, block_id)
+
+    acks = vault.save(0, hashes, d.publishable, payload, gather_into)
+    assert [vault.publish(hashes, p.tokens, acks) for p in d.publishable] == [None]
+    assert store.parts_in_lent and all(store.parts_in_lent)
+    assert vault.lookup(hashes, 64) == 40
+    loaded = vault.load(vault.needed(hashes, 40))
+    assert loaded.ok
+    for ref, got in loaded.payloads.items():  # loaded into lent memory, and verified there
+        block_id = 240 if ref.kind.name == "STATE" else tables[ref.group][ref.block_index]
+        assert bytes(got) == payload(ref, block_id)
+
+
 def test_lookup_leaves_a_token_and_respects_local_hits() -> None:
     vault = Vault(MemoryStore(), layout())
     tokens = list(range(64))

@@ -1,13 +1,17 @@
 """The seed scenario over a real Valkey server: producer and consumer engines in separate
-processes share the cache through Redis instead of the local directory."""
+processes share the cache through Redis instead of the local directory. Then faults on the
+wire: a stall mid-lookup and the server gone mid-get and mid-put."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import Valkey
-from vllm_support.seedlib import check, make_seed, run, spec
+from vllm_support.seedlib import Seed, check, make_seed, run, spec
+
+from prefixvault.testing.engine import Completion, identical
+from prefixvault.testing.valkey import Valkey
 
 pytestmark = pytest.mark.slow
 
@@ -22,3 +26,57 @@ def test_seed_scenario_over_redis(tmp_path: Path) -> None:
     run(seed, spec(seed, "kv_producer", [seed.producer] * len(salts), salts, store), tmp_path)
     got = run(seed, spec(seed, "kv_consumer", [c.tokens for c in seed.cases], salts, store), tmp_path)
     check(seed, cold, got)
+
+
+#: Faults on the wire between an engine and a real Valkey server, each at an exact point of
+#: the protocol: (engine role, the command that trips it, stall or drop).
+WIRE_FAULTS = {
+    "lookup-stalls": ("kv_consumer", b"$6\r\nEXISTS\r\n", "stall"),
+    "server-gone-mid-get": ("kv_consumer", b"$3\r\nGET\r\n", "drop"),
+    "server-gone-mid-put": ("kv_producer", b"$3\r\nSET\r\n", "drop"),
+}
+
+
+@pytest.fixture(scope="module")
+def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Seed, Valkey, list[Completion], Path]]:
+    """One server, the seed's crossing case run cold, and a producer that filled the server."""
+    tmp = tmp_path_factory.mktemp("wire")
+    server = Valkey()
+    try:
+        seed = make_seed("gdn-hybrid", tmp / "models")
+        case = seed.cases[1]
+        cold = run(seed, spec(seed, "cold", [case.tokens], [""]), tmp)
+        run(seed, spec(seed, "kv_producer", [seed.producer], [""], server.url(prefix="pv-wire:")), tmp)
+        yield seed, server, cold, tmp
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("fault", sorted(WIRE_FAULTS))
+def test_wire_fault_costs_hits_not_correctness(
+    fault: str, wire: tuple[Seed, Valkey, list[Completion], Path]
+) -> None:
+    """A network stall longer than the timeout, or a server gone mid-call: every request
+    completes, the consumer equals cold, no engine crashes."""
+    from prefixvault.testing.netfault import FaultyLink
+
+    seed, server, cold, tmp = wire
+    role, trigger, kind = WIRE_FAULTS[fault]
+    case = seed.cases[1]
+    prefix = "pv-wire:" if role == "kv_consumer" else f"pv-{fault}:"
+    link = FaultyLink(server.port, trigger, kind)
+    faulty = f"redis://127.0.0.1:{link.port}/0?prefix={prefix}&timeout=2"
+    try:
+        if role == "kv_producer":
+            produced = run(seed, spec(seed, "kv_producer", [seed.producer], [""], faulty), tmp / fault)
+            assert produced and produced[0].token_ids
+            consumer_store = server.url(prefix=prefix)
+        else:
+            consumer_store = faulty
+        got = run(seed, spec(seed, "kv_consumer", [case.tokens], [""], consumer_store), tmp / fault)
+        assert link.tripped.is_set(), f"{fault}: the fault never happened"
+        assert identical(cold[0], got[0]), f"{fault}: consumer differs from cold"
+        if role == "kv_producer":
+            assert got[0].cached_tokens == 0  # nothing was published past the failed put
+    finally:
+        link.close()

@@ -147,11 +147,14 @@ class Vault:
         hashes: Sequence[bytes],
         plans: Sequence[SavePlan],
         read: Callable[[ObjectRef, int], Buffer],
+        read_into: Callable[[ObjectRef, int, memoryview], None] | None = None,
     ) -> list[RankAck]:
         """Store this rank's objects for every plan; one ack per plan.
 
         ``read(ref, engine_block_id)`` returns the payload bytes of one object, gathered
-        from the engine's cache. KV blocks already in the store are not written again.
+        from the engine's cache; ``read_into`` (optional) gathers them into memory given,
+        which lets a store that lends registered memory put objects with no copy. KV blocks
+        already in the store are not written again.
         """
         wanted: dict[str, tuple[ObjectRef, int]] = {}
         per_plan: list[list[str]] = []
@@ -167,7 +170,7 @@ class Vault:
                 wanted[ref.key] = (ref, block_id)
                 keys.append(ref.key)
             per_plan.append(keys)
-        ok_keys = self._put_missing(list(wanted.values()), read)
+        ok_keys = self._put_missing(list(wanted.values()), read, read_into)
         acks = []
         for plan, keys in zip(plans, per_plan, strict=True):
             good = all(k in ok_keys for k in keys)
@@ -177,16 +180,30 @@ class Vault:
         return acks
 
     def _put_missing(
-        self, items: list[tuple[ObjectRef, int]], read: Callable[[ObjectRef, int], Buffer]
+        self,
+        items: list[tuple[ObjectRef, int]],
+        read: Callable[[ObjectRef, int], Buffer],
+        read_into: Callable[[ObjectRef, int, memoryview], None] | None,
     ) -> set[str]:
         blocks = [ref.key for ref, _ in items]
         present = {k for k, e in zip(blocks, self.store.exists_many(blocks), strict=True) if e}
         self.counters.put_skipped += len(present)
         todo = [(ref, bid) for ref, bid in items if ref.key not in present]
-        batch = []
-        for ref, block_id in todo:
-            header = self.expected_header(ref)
-            batch.append((ref.key, encode(header, read(ref, block_id))))
+        headers = [self.expected_header(ref) for ref, _ in todo]
+        lent = None
+        if read_into is not None and todo:
+            lent = self.store.staging_buffer(sum(HEADER_SIZE + h.length for h in headers))
+        batch: list[tuple[str, Sequence[Buffer]]] = []
+        off = 0
+        for (ref, block_id), header in zip(todo, headers, strict=True):
+            if lent is not None and read_into is not None:  # build the object in place
+                payload = lent[off + HEADER_SIZE : off + HEADER_SIZE + header.length]
+                read_into(ref, block_id, payload)
+                lent[off : off + HEADER_SIZE] = encode(header, payload)[0]
+                batch.append((ref.key, [lent[off : off + HEADER_SIZE + header.length]]))
+                off += HEADER_SIZE + header.length
+            else:
+                batch.append((ref.key, encode(header, read(ref, block_id))))
         results = self.store.put_many(batch) if batch else []
         ok = set(present)
         for (ref, _), stored in zip(todo, results, strict=True):

@@ -2,8 +2,9 @@
 
 Objects move between this process and the segments that hold them through the transfer
 engine (TCP here, RDMA where the hardware has it), always from or into memory registered
-with the engine: this store owns one registered staging arena, and a caller that asks for
-``staging_buffer`` gets memory inside it, so its loads land with no copy on this side.
+with the engine. This store owns two registered regions: one it copies ordinary memory
+through, and one it lends through ``staging_buffer``; objects a caller builds in lent memory
+are put, and objects got into it arrive, with no copy on this side (the vault does both).
 
 Where data lives. Mooncake keeps objects in the segments that clients mount. An engine that
 mounts a segment (``segment=4GiB``, Mooncake's "embedded" mode) takes its objects with it
@@ -138,7 +139,7 @@ class _Deadline:
     stalled peer waits a minute per object). A call that overruns is left to finish on its
     own; until it does, every new call fails at once instead of queueing behind it, so at
     most one call is ever stuck and no caller waits longer than its deadline. Nothing else
-    touches the staging arena meanwhile, so a late transfer cannot land in memory in use.
+    touches the registered regions meanwhile, so a late transfer cannot land in memory in use.
     """
 
     def __init__(self, name: str) -> None:
@@ -171,12 +172,16 @@ class _Deadline:
             self._stuck, self._stuck_what = future, what
             raise StoreUnavailable(f"{what} timed out after {seconds:.1f} s") from None
 
+    @property
+    def stuck(self) -> bool:
+        return self._stuck is not None and not self._stuck.done()
+
     def close(self) -> None:
         self._jobs.put(None)
 
 
 class _Client:
-    """One set-up Mooncake client and its registered staging arena, shared in a process."""
+    """One set-up Mooncake client and its registered regions, shared in a process."""
 
     def __init__(self, config: ClientConfig, staging: int) -> None:
         from mooncake.store import MooncakeDistributedStore
@@ -191,8 +196,11 @@ class _Client:
             raise StoreUnavailable(f"mooncake store {config.master}: client setup failed (code {rc})")
         self.lock = threading.Lock()
         self.users = 0
-        self.arena = np.empty(0, np.uint8)
-        self.grow(staging)
+        #: where this store copies objects it was handed in ordinary memory
+        self.arena = _Region(self, "staging")
+        #: what ``staging_buffer`` lends to callers, who fill it (or read it) in place
+        self.lent = _Region(self, "lent")
+        self.arena.grow(staging)
 
     def call(self, what: str, nbytes: int, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """``fn(*args)`` within three timeouts (Mooncake's own bounds fire first; a reconnect
@@ -200,25 +208,45 @@ class _Client:
         seconds = self.config.timeout * (3 + nbytes / (1 << 30))
         return self.deadline.run(f"mooncake store {self.config.master}: {what}", seconds, fn, *args, **kwargs)
 
-    def grow(self, nbytes: int) -> None:
-        """Make the staging arena at least ``nbytes`` (registered, pages touched once)."""
-        if nbytes <= self.arena.nbytes:
-            return
-        if self.arena.nbytes:
-            self.call("unregister", 0, self.api.unregister_buffer, self.arena.ctypes.data)
-        arena = np.ones(nbytes, np.uint8)  # touch every page now, not during a transfer
-        rc = self.call("register", 0, self.api.register_buffer, arena.ctypes.data, arena.nbytes)
-        if rc != 0:
-            raise StoreError(f"mooncake store {self.config.master}: cannot register {nbytes} bytes "
-                             f"(code {rc})")
-        self.arena = arena
-
     def close(self) -> None:
         with contextlib.suppress(Exception):
-            if self.arena.nbytes:
-                self.call("unregister", 0, self.api.unregister_buffer, self.arena.ctypes.data)
+            self.arena.release()
+            self.lent.release()
             self.call("close", 0, self.api.close)
         self.deadline.close()
+
+
+class _Region:
+    """Memory registered with the transfer engine, grown on demand, pages touched once."""
+
+    def __init__(self, client: _Client, name: str) -> None:
+        self.client = client
+        self.name = name
+        self.mem = np.empty(0, np.uint8)
+
+    @property
+    def base(self) -> int:
+        return int(self.mem.ctypes.data)
+
+    def holds(self, ptr: int, nbytes: int) -> bool:
+        return nbytes > 0 and self.mem.nbytes > 0 and self.base <= ptr <= self.base + self.mem.nbytes - nbytes
+
+    def grow(self, nbytes: int) -> None:
+        if nbytes <= self.mem.nbytes:
+            return
+        self.release()
+        mem = np.ones(nbytes, np.uint8)  # touch every page now, not during a transfer
+        c = self.client
+        rc = c.call("register", 0, c.api.register_buffer, mem.ctypes.data, mem.nbytes)
+        if rc != 0:
+            raise StoreError(f"mooncake store {c.config.master}: cannot register {nbytes} bytes "
+                             f"of {self.name} memory (code {rc})")
+        self.mem = mem
+
+    def release(self) -> None:
+        if self.mem.nbytes:
+            self.client.call("unregister", 0, self.client.api.unregister_buffer, self.base)
+            self.mem = np.empty(0, np.uint8)
 
 
 _clients: dict[ClientConfig, _Client] = {}
@@ -231,7 +259,7 @@ def _acquire(config: ClientConfig, staging: int) -> _Client:
         if client is None:
             client = _clients[config] = _Client(config, staging)
         with client.lock:
-            client.grow(staging)
+            client.arena.grow(staging)
         client.users += 1
         return client
 
@@ -395,11 +423,14 @@ class MooncakeStore(Store):
     # -- Store ---------------------------------------------------------------------------
 
     def staging_buffer(self, nbytes: int) -> memoryview | None:
-        """Registered memory that ``get_into`` fills with no copy; valid until the next call."""
+        """Registered memory lent to the caller: objects it builds there are put, and objects
+        got into it arrive, with no copy on this side. Valid until the next call that lends."""
         client = self._api()
         with client.lock:
-            client.grow(nbytes)
-            return client.arena.data[:nbytes]
+            if client.deadline.stuck:  # a late transfer may still land in lent memory
+                return None
+            client.lent.grow(nbytes)
+            return client.lent.mem.data[:nbytes]
 
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         names = [self._key(k) for k, _ in items]
@@ -409,19 +440,27 @@ class MooncakeStore(Store):
         todo = [i for i, n in enumerate(sizes) if self._fits(n) and last[names[i]] == i]
         client = self._api()
         with client.lock:
-            for group in _chunks([sizes[i] for i in todo], client.arena.nbytes):
-                idx = [todo[g] for g in group]
-                client.grow(sum(_aligned(sizes[i]) for i in idx))
+            where = {i: self._in_place(client, items[i][1], sizes[i]) for i in todo}
+            direct = {i: ptr for i, ptr in where.items() if ptr is not None}
+            copied = [i for i in todo if i not in direct]
+            groups = list(_chunks([sizes[i] for i in copied], client.arena.mem.nbytes)) or [[]]
+            for n, group in enumerate(groups):
+                idx = [copied[g] for g in group]
+                client.arena.grow(sum(_aligned(sizes[i]) for i in idx))
                 ptrs, off = [], 0
                 for i in idx:
                     pos = off
                     for part in items[i][1]:
                         view = np.frombuffer(part, np.uint8) if memoryview(part).nbytes else None
                         if view is not None:
-                            client.arena[pos : pos + view.nbytes] = view
+                            client.arena.mem[pos : pos + view.nbytes] = view
                             pos += view.nbytes
-                    ptrs.append(client.arena.ctypes.data + off)
+                    ptrs.append(client.arena.base + off)
                     off += _aligned(sizes[i])
+                if n == 0:  # objects already in registered memory go with the first batch
+                    idx, ptrs = [*direct, *idx], [*direct.values(), *ptrs]
+                if not idx:
+                    continue
                 codes = client.call("put", sum(sizes[i] for i in idx), client.api.batch_upsert_from,
                                     [names[i] for i in idx], ptrs, [sizes[i] for i in idx])
                 for i, code in zip(idx, codes, strict=True):
@@ -429,6 +468,21 @@ class MooncakeStore(Store):
         for i, name in enumerate(names):
             out[i] = out[last[name]]
         return out
+
+    @staticmethod
+    def _in_place(client: _Client, parts: Sequence[Buffer], size: int) -> int | None:
+        """Where an object lies whole in lent memory (its parts back to back), else None."""
+        start = end = None
+        for part in parts:
+            n = memoryview(part).nbytes
+            if not n:
+                continue
+            ptr = int(np.frombuffer(part, np.uint8).ctypes.data)
+            if end is not None and ptr != end:
+                return None
+            start = ptr if start is None else start
+            end = ptr + n
+        return start if start is not None and client.lent.holds(start, size) else None
 
     def put_if_absent(self, key: str, data: Buffer) -> bool:
         name = self._key(key)
@@ -442,10 +496,10 @@ class MooncakeStore(Store):
             (code,) = client.call("put", 0, client.api.batch_put_session_start, [name], [view.nbytes])
             if code != 0:
                 return False
-            client.grow(view.nbytes)
-            client.arena[: view.nbytes] = view
+            client.arena.grow(view.nbytes)
+            client.arena.mem[: view.nbytes] = view
             (written,) = client.call("put", view.nbytes, client.api.batch_put_from_multi_buffer_ranges,
-                                     [name], [[client.arena.ctypes.data]], [[view.nbytes]], [[0]])
+                                     [name], [[client.arena.base]], [[view.nbytes]], [[0]])
             if written < 0:
                 client.call("put", 0, client.api.batch_put_session_revoke, [name])
                 return False
@@ -471,16 +525,14 @@ class MooncakeStore(Store):
             return out
         client = self._api()
         with client.lock:
-            base, end = client.arena.ctypes.data, client.arena.ctypes.data + client.arena.nbytes
             direct: list[tuple[int, int]] = []
             staged: list[tuple[int, int]] = []
             for i, buf in enumerate(buffers):
-                ptr = np.frombuffer(_bytes(buf), np.uint8).ctypes.data if buf.nbytes else 0
-                inside = buf.nbytes and base <= ptr and ptr + buf.nbytes <= end
-                (direct if inside else staged).append((i, ptr))
+                ptr = int(np.frombuffer(_bytes(buf), np.uint8).ctypes.data) if buf.nbytes else 0
+                (direct if client.lent.holds(ptr, buf.nbytes) else staged).append((i, ptr))
             if direct:
                 self._get_direct(client, names, buffers, direct, out)
-            for group in _chunks([buffers[i].nbytes for i, _ in staged], client.arena.nbytes):
+            for group in _chunks([buffers[i].nbytes for i, _ in staged], client.arena.mem.nbytes):
                 self._get_staged(client, names, buffers, [staged[g][0] for g in group], out)
         return out
 
@@ -495,18 +547,18 @@ class MooncakeStore(Store):
     def _get_staged(self, client: _Client, names: list[str], buffers: Sequence[memoryview],
                     idx: list[int], out: list[int | None]) -> None:  # fmt: skip
         sizes = [max(1, buffers[i].nbytes) for i in idx]
-        client.grow(sum(_aligned(n) for n in sizes))
+        client.arena.grow(sum(_aligned(n) for n in sizes))
         offs, off = [], 0
         for n in sizes:
             offs.append(off)
             off += _aligned(n)
         codes = client.call("get", sum(sizes), client.api.batch_get_into, [names[i] for i in idx],
-                            [client.arena.ctypes.data + o for o in offs], sizes)
+                            [client.arena.base + o for o in offs], sizes)
         for i, o, code in zip(idx, offs, codes, strict=True):
             size = self._size_of(client, names[i], code)
             out[i] = size
             if size is not None and 0 < size <= buffers[i].nbytes:
-                _bytes(buffers[i])[:size] = client.arena.data[o : o + size]
+                _bytes(buffers[i])[:size] = client.arena.mem.data[o : o + size]
 
     def _size_of(self, client: _Client, name: str, code: int) -> int | None:
         if code >= 0:

@@ -59,6 +59,15 @@ def _is_tls_error(exc: BaseException) -> bool:
     return False
 
 
+def _one_value(parts: Sequence[Buffer]) -> bytes | memoryview:
+    """An object's parts as one SET value: a single part as it is (redis-py sends a buffer
+    without copying it), several joined."""
+    if len(parts) == 1:
+        part = parts[0]
+        return part if isinstance(part, bytes) else memoryview(part).cast("B")
+    return b"".join(parts)
+
+
 def _one_line(exc: BaseException) -> str:
     return " ".join(str(exc).split()) or type(exc).__name__
 
@@ -191,7 +200,7 @@ class RedisStore(Store):
     # -- Store -------------------------------------------------------------------------
 
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
-        prepared = [(self._key(key), b"".join(parts)) for key, parts in items]
+        prepared = [(self._key(key), _one_value(parts)) for key, parts in items]
         send = [(name, data) for name, data in prepared if self._fits(len(data))]
         done: dict[int, bool] = {}
         if send:

@@ -76,21 +76,25 @@ class WorkerSide:
     # -- save -------------------------------------------------------------------------------------
 
     def _gather(self, ref: ObjectRef, block_id: int) -> memoryview:
-        views = self._pages[ref.group]
-        out = np.empty(sum(v.shape[1] for v in views), np.uint8)
+        out = np.empty(sum(v.shape[1] for v in self._pages[ref.group]), np.uint8)
+        self._gather_into(ref, block_id, out.data)
+        return out.data
+
+    def _gather_into(self, ref: ObjectRef, block_id: int, dest: memoryview) -> None:
+        """Copy one object's payload out of the engine's pages into ``dest``."""
+        out = np.frombuffer(dest, np.uint8)
         off = 0
-        for v in views:
+        for v in self._pages[ref.group]:
             n = v.shape[1]
             out[off : off + n] = v[block_id]
             off += n
-        return out.data
 
     def save(self, specs: Sequence[SaveSpec]) -> None:
         if self.vault is None:
             return
         for spec in specs:
             try:
-                acks = self.vault.save(self.rank, spec.hashes, spec.plans, self._gather)
+                acks = self.vault.save(self.rank, spec.hashes, spec.plans, self._gather, self._gather_into)
                 for ack in acks:
                     if not ack.ok:
                         self.counters.save_errors += 1

@@ -1,0 +1,100 @@
+"""A TCP proxy on loopback that injects a network fault at an exact protocol point.
+
+Clients connect to the proxy instead of the server. Bytes pass both ways until a client sends
+a chunk containing ``trigger`` (say ``b"EXISTS"``, the first command of a lookup); from then
+on the proxy either stalls (holds every connection open and forwards nothing, like a network
+that stopped delivering) or drops (closes every connection and refuses new ones, like a
+server that died). For tests: the server and the client are real, only the wire misbehaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+from typing import Literal
+
+Fault = Literal["stall", "drop"]
+
+
+class FaultyLink:
+    """Forwards 127.0.0.1:``port`` to 127.0.0.1:``target`` until ``trigger`` is seen."""
+
+    def __init__(self, target: int, trigger: bytes, fault: Fault) -> None:
+        self.target = target
+        self.trigger = trigger
+        self.fault = fault
+        self.tripped = threading.Event()
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._conns: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if self.tripped.is_set() and self.fault == "drop":
+                client.close()
+                continue
+            try:
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self._conns += [client, server]
+            threading.Thread(target=self._pump, args=(client, server), daemon=True).start()
+
+    def _pump(self, client: socket.socket, server: socket.socket) -> None:
+        peer = {client: server, server: client}
+        try:
+            while not self._closed:
+                ready, _, _ = select.select([client, server], [], [], 0.1)
+                for src in ready:
+                    if self.tripped.is_set():
+                        if self.fault == "drop":
+                            return
+                        continue  # stalled: read nothing, forward nothing
+                    data = src.recv(1 << 20)
+                    if not data:
+                        return
+                    if src is client and self.trigger in data:
+                        self._trip()
+                        if self.fault == "drop":
+                            return
+                        continue  # the triggering command never reaches the server
+                    peer[src].sendall(data)
+                if self.tripped.is_set() and self.fault == "stall":
+                    threading.Event().wait(0.1)
+        except OSError:
+            pass
+        finally:
+            if self.fault == "drop" or self._closed:
+                for s in (client, server):
+                    with contextlib.suppress(OSError):
+                        s.close()
+
+    def _trip(self) -> None:
+        self.tripped.set()
+        if self.fault == "drop":
+            with contextlib.suppress(OSError):
+                self._listener.close()
+            with self._lock:
+                for s in self._conns:
+                    with contextlib.suppress(OSError):
+                        s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.close()
+        with self._lock:
+            for s in self._conns:
+                with contextlib.suppress(OSError):
+                    s.close()
