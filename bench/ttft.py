@@ -197,9 +197,13 @@ def mooncake_status() -> str | None:
     if importlib.util.find_spec("mooncake") is None:
         return ("the `mooncake` Python package (mooncake-transfer-engine) is not installed in this "
                 "environment, and the connector also needs a running mooncake_master")
-    if shutil.which("mooncake_master") is None:
-        return "the `mooncake` package is installed but no mooncake_master binary is on PATH"
-    return "running it needs a mooncake_master and a MOONCAKE_CONFIG_PATH, which this bench does not start"
+    import torch
+
+    if not torch.cuda.is_available():
+        # vLLM 0.32's store worker records a torch.cuda.Event before every save
+        # (kv_connector/v1/mooncake/store/worker.py), so it cannot save on a CPU engine.
+        return "vLLM's MooncakeStoreConnector needs CUDA (its worker records a torch.cuda.Event per save)"
+    return "not wired up in this bench yet: it needs a mooncake_master and a MOONCAKE_CONFIG_PATH"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -249,13 +249,17 @@ def _fill(vault: Vault, tokens: list[int]) -> list[int]:
 
 
 def test_vault_never_returns_a_boundary_whose_objects_were_evicted() -> None:
-    server = Valkey("--maxmemory", "6mb", "--maxmemory-policy", "allkeys-lru")
+    server = Valkey("--maxmemory", "6mb", "--maxmemory-policy", "allkeys-lru", "--maxmemory-samples", "64")
     try:
         with open_store(server.url()) as store:
             vault = Vault(store, _big_layout())
             prompts = [[p * 1000 + t for t in range(64)] for p in range(30)]  # ~1 MiB each
-            for tokens in prompts:
+            for tokens in prompts[:-1]:
                 _fill(vault, tokens)
+            # Redis's LRU clock ticks once a second: let the older objects age a tick, so that
+            # the last prompt's writes evict them rather than each other.
+            time.sleep(1.1)
+            _fill(vault, prompts[-1])
             assert store.stats().evictions > 0
             hits = 0
             for tokens in prompts:
