@@ -127,20 +127,26 @@ def test_stalled_holder_costs_a_timeout_not_a_hang(cluster: MooncakeCluster) -> 
             t0 = time.monotonic()
             with pytest.raises(StoreError):
                 store.get_many(["a"])
-            assert time.monotonic() - t0 < 3 * TIMEOUT + 1
+            assert time.monotonic() - t0 < 3 * TIMEOUT + 3
             t0 = time.monotonic()
             with contextlib.suppress(StoreError):
                 assert store.put_many([("b", [blob(1)])]) == [False]
-            assert time.monotonic() - t0 < 3 * TIMEOUT + 1
+            assert time.monotonic() - t0 < 3 * TIMEOUT + 3
             # A client that never met the holder first waits on a handshake, which Mooncake
             # bounds only by a minute: the store's own deadline answers first.
             fresh = open_store(cluster.uri(prefix="stall/", timeout=str(TIMEOUT), buffer="32MiB"))
-            t0 = time.monotonic()
-            with pytest.raises(StoreError):
-                fresh.get_many(["a"])
-            with pytest.raises(StoreError, match="no new call"):
-                fresh.get_many(["a"])  # the stuck call has not returned: fail at once
-            assert time.monotonic() - t0 < 3 * TIMEOUT + 1
+            try:
+                t0 = time.monotonic()
+                with pytest.raises(StoreError):
+                    fresh.get_many(["a"])
+                with pytest.raises(StoreError, match="no new call"):
+                    fresh.get_many(["a"])  # the stuck call has not returned: fail at once
+                with pytest.raises(StoreError, match="no new call"):
+                    fresh.put_many([("c", [blob(2)])])  # nor touch memory it may still use
+                assert fresh.staging_buffer(1000) is None
+                assert time.monotonic() - t0 < 3 * TIMEOUT + 3
+            finally:
+                fresh.close()
         finally:
             os.kill(cluster.holder.pid, signal.SIGCONT)
 
@@ -155,7 +161,7 @@ def test_killed_holder_gives_errors_then_misses(cluster: MooncakeCluster) -> Non
             assert got == [None]  # the master already forgot the segment
         except StoreError:
             pass  # the transfer to the dead holder failed
-        assert time.monotonic() - t0 < 3 * TIMEOUT + 1
+        assert time.monotonic() - t0 < 3 * TIMEOUT + 3
         assert store.put_many([("b", [blob(1)])]) == [False]  # no memory mounted anywhere
 
 

@@ -273,7 +273,7 @@ def test_vault_never_returns_a_boundary_whose_objects_were_evicted() -> None:
                     # against maxmemory): a miss then, never bytes that do not verify.
                     loaded = vault.load(refs)
                     assert set(loaded.failed.values()) <= {"missing"}
-            assert 0 < hits < len(prompts) * 2  # some prompts were evicted, recent ones still hit
+            assert 0 < hits < len(prompts)  # some prompts were evicted, recent ones still hit
             # Evict everything: no lookup may hit any more.
             redis.Redis(port=server.port).flushall()
             assert all(vault.lookup(vault.hashes([*t, 7]), len(t) + 1) == 0 for t in prompts)

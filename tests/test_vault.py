@@ -113,6 +113,7 @@ def test_objects_are_built_in_lent_memory_when_the_engine_can_gather_into_it() -
     loaded = vault.load(vault.needed(hashes, 40))
     assert loaded.ok
     for ref, got in loaded.payloads.items():  # loaded into lent memory, and verified there
+        assert got.obj is store.lent
         block_id = 240 if ref.kind.name == "STATE" else tables[ref.group][ref.block_index]
         assert bytes(got) == payload(ref, block_id)
 

@@ -132,6 +132,7 @@ def test_holder_stalled_while_the_producer_saves(
     try:
         produced, metrics = engine(seed, "kv_producer", [seed.cases[1].tokens], store, workdir / "save-stall")
         assert identical(cold[1], produced[0])
+        assert metrics.get("save_errors", 0) >= 1, metrics  # the puts really met the stall
         assert metrics.get("records_published", 0) == 0, metrics
     finally:
         os.kill(pid, signal.SIGCONT)

@@ -286,7 +286,10 @@ class Vault:
     # -- load --------------------------------------------------------------------------------------
 
     def load(self, refs: Sequence[ObjectRef], staging: np.ndarray | None = None) -> Loaded:
-        """Fetch and verify objects; bad ones are counted, removed from the store and reported."""
+        """Fetch and verify objects; bad ones are counted, removed from the store and reported.
+
+        Payloads may be views of memory the store lent: use them before the next call on the
+        same store."""
         headers = [self.expected_header(r) for r in refs]
         sizes = [HEADER_SIZE + h.length for h in headers]
         total = sum(sizes)

@@ -62,7 +62,8 @@ ALIGN = 64
 SCAN_CHUNK = 200
 
 # Mooncake's error codes (mooncake-store types.h) that this store tells apart.
-BUFFER_OVERFLOW = -600
+#: What a get into a buffer smaller than the object answers (Mooncake's INVALID_PARAMS).
+INVALID_PARAMS = -600
 #: No complete replica right now (another client is replacing the object): not readable.
 REPLICA_NOT_READY = -703
 OBJECT_NOT_FOUND = -704
@@ -176,6 +177,10 @@ class _Deadline:
     def stuck(self) -> bool:
         return self._stuck is not None and not self._stuck.done()
 
+    @property
+    def stuck_what(self) -> str:
+        return self._stuck_what
+
     def close(self) -> None:
         self._jobs.put(None)
 
@@ -209,11 +214,20 @@ class _Client:
         return self.deadline.run(f"mooncake store {self.config.master}: {what}", seconds, fn, *args, **kwargs)
 
     def close(self) -> None:
+        if self.deadline.stuck:
+            # The stuck call may still write into our regions: keep them (and the client)
+            # alive for the life of the process rather than free memory under it.
+            _RETIRED.append(self)
+            return
         with contextlib.suppress(Exception):
             self.arena.release()
             self.lent.release()
             self.call("close", 0, self.api.close)
         self.deadline.close()
+
+
+#: Clients closed while a call was stuck inside Mooncake; never freed.
+_RETIRED: list[_Client] = []
 
 
 class _Region:
@@ -383,6 +397,13 @@ class MooncakeStore(Store):
 
     # -- internals -----------------------------------------------------------------------
 
+    @staticmethod
+    def _usable(client: _Client) -> None:
+        """Refuse before touching registered memory that a stuck call may still be using."""
+        if client.deadline.stuck:
+            raise StoreUnavailable(f"mooncake store {client.config.master}: {client.deadline.stuck_what} "
+                                   "has not returned; no new call until it does")
+
     def _api(self) -> _Client:
         if self._client is None:
             raise StoreError(f"mooncake store {self.where}: closed")
@@ -429,7 +450,12 @@ class MooncakeStore(Store):
         with client.lock:
             if client.deadline.stuck:  # a late transfer may still land in lent memory
                 return None
-            client.lent.grow(nbytes)
+            try:
+                if nbytes > client.lent.mem.nbytes:
+                    client.lent.grow(max(nbytes, 2 * client.lent.mem.nbytes))
+            except (StoreError, MemoryError) as exc:  # ordinary memory will do, one copy dearer
+                log.warning("mooncake store %s: cannot lend %d bytes: %s", self.where, nbytes, exc)
+                return None
             return client.lent.mem.data[:nbytes]
 
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
@@ -440,6 +466,7 @@ class MooncakeStore(Store):
         todo = [i for i, n in enumerate(sizes) if self._fits(n) and last[names[i]] == i]
         client = self._api()
         with client.lock:
+            self._usable(client)
             where = {i: self._in_place(client, items[i][1], sizes[i]) for i in todo}
             direct = {i: ptr for i, ptr in where.items() if ptr is not None}
             copied = [i for i in todo if i not in direct]
@@ -493,38 +520,48 @@ class MooncakeStore(Store):
         with client.lock:
             # A put session reserves the key at the master: of racing callers one gets it,
             # the others hear OBJECT_ALREADY_EXISTS; the object is readable only after end.
+            self._usable(client)
             (code,) = client.call("put", 0, client.api.batch_put_session_start, [name], [view.nbytes])
             if code != 0:
                 return False
-            client.arena.grow(view.nbytes)
-            client.arena.mem[: view.nbytes] = view
-            (written,) = client.call("put", view.nbytes, client.api.batch_put_from_multi_buffer_ranges,
-                                     [name], [[client.arena.base]], [[view.nbytes]], [[0]])
-            if written < 0:
-                client.call("put", 0, client.api.batch_put_session_revoke, [name])
-                return False
-            (ended,) = client.call("put", 0, client.api.batch_put_session_end, [name])
-            return bool(ended == 0)
+            ended = -1
+            try:
+                client.arena.grow(view.nbytes)
+                client.arena.mem[: view.nbytes] = view
+                (written,) = client.call("put", view.nbytes, client.api.batch_put_from_multi_buffer_ranges,
+                                         [name], [[client.arena.base]], [[view.nbytes]], [[0]])
+                if written >= 0:
+                    (ended,) = client.call("put", 0, client.api.batch_put_session_end, [name])
+            finally:
+                if ended != 0:  # never leave the key reserved by a session nobody will end
+                    with contextlib.suppress(StoreError):
+                        client.call("put", 0, client.api.batch_put_session_revoke, [name])
+            return ended == 0
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
         names = [self._key(k) for k in keys]
         out: list[int | None] = [None] * len(keys)
-        first = {name: i for i, name in reversed(list(enumerate(names)))}
-        if len(first) < len(names):  # Mooncake mishandles a key twice in one batch: fetch it once
-            once = sorted(first.values())
-            got = self.get_into([keys[i] for i in once], [buffers[i] for i in once])
-            for i, size in zip(once, got, strict=True):
-                out[i] = size
+        if len(set(names)) < len(names):  # Mooncake mishandles a key twice in one batch
+            # Fetch each key once, into the largest of its buffers, then copy to the others
+            # that can hold it; a buffer too small gets the size and no bytes, as promised.
+            largest: dict[str, int] = {}
             for i, name in enumerate(names):
-                j = first[name]
-                size = out[i] = out[j]
+                if name not in largest or buffers[i].nbytes > buffers[largest[name]].nbytes:
+                    largest[name] = i
+            once = sorted(largest.values())
+            got = dict(zip(once, self.get_into([keys[i] for i in once], [buffers[i] for i in once]),
+                           strict=True))  # fmt: skip
+            for i, name in enumerate(names):
+                j = largest[name]
+                size = out[i] = got[j]
                 if i != j and size is not None and size <= min(buffers[i].nbytes, buffers[j].nbytes):
                     _bytes(buffers[i])[:size] = _bytes(buffers[j])[:size]
             return out
         client = self._api()
         with client.lock:
+            self._usable(client)
             direct: list[tuple[int, int]] = []
             staged: list[tuple[int, int]] = []
             for i, buf in enumerate(buffers):
@@ -542,7 +579,7 @@ class MooncakeStore(Store):
         codes = client.call("get", sum(sizes), client.api.batch_get_into, [names[i] for i, _ in direct],
                             [p for _, p in direct], sizes)
         for (i, _), code in zip(direct, codes, strict=True):
-            out[i] = self._size_of(client, names[i], code)
+            out[i] = self._size_of(client, names[i], code, buffers[i].nbytes)
 
     def _get_staged(self, client: _Client, names: list[str], buffers: Sequence[memoryview],
                     idx: list[int], out: list[int | None]) -> None:  # fmt: skip
@@ -555,19 +592,21 @@ class MooncakeStore(Store):
         codes = client.call("get", sum(sizes), client.api.batch_get_into, [names[i] for i in idx],
                             [client.arena.base + o for o in offs], sizes)
         for i, o, code in zip(idx, offs, codes, strict=True):
-            size = self._size_of(client, names[i], code)
+            size = self._size_of(client, names[i], code, buffers[i].nbytes)
             out[i] = size
             if size is not None and 0 < size <= buffers[i].nbytes:
                 _bytes(buffers[i])[:size] = client.arena.mem.data[o : o + size]
 
-    def _size_of(self, client: _Client, name: str, code: int) -> int | None:
+    def _size_of(self, client: _Client, name: str, code: int, buffer_size: int) -> int | None:
         if code >= 0:
             return int(code)
         if code in (OBJECT_NOT_FOUND, REPLICA_NOT_READY):
             return None
-        if code == BUFFER_OVERFLOW:  # too big for the caller's buffer: say how big
+        if code == INVALID_PARAMS:  # too big for the caller's buffer: say how big
             size = int(client.call("get", 0, client.api.get_size, name))
-            return None if size == OBJECT_NOT_FOUND else size if size > 0 else None
+            # Only a size the buffer cannot hold is an answer: anything else means the object
+            # changed in between, and nothing was copied.
+            return size if size > buffer_size else None
         raise self._fail(f"get {name}", code)
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:

@@ -50,10 +50,11 @@ def _glob_escape(text: str) -> str:
 
 
 def _is_tls_error(exc: BaseException) -> bool:
-    """Whether a connection failed in the TLS handshake (redis-py wraps ssl.SSLError)."""
+    """Whether the server's certificate did not verify (configuration, not an outage; a
+    connection cut mid-handshake while a server restarts is not this)."""
     seen: BaseException | None = exc
     while seen is not None:
-        if isinstance(seen, ssl.SSLError) or "SSL:" in str(seen):
+        if isinstance(seen, ssl.SSLCertVerificationError) or "CERTIFICATE_VERIFY_FAILED" in str(seen):
             return True
         seen = seen.__cause__ or seen.__context__
     return False
@@ -142,7 +143,11 @@ class RedisStore(Store):
                 if not db.isdigit():
                     raise StoreError(f"bad redis store URI {uri!r}: database must be a number, got {db!r}")
                 client = redis.Redis(db=int(db), **kwargs)
-        except redis.RedisError as exc:  # the cluster client connects while it is built
+        except redis.AuthenticationError as exc:  # the cluster client connects while it is built
+            raise StoreError(f"redis store {where}: authentication failed: {_one_line(exc)}") from None
+        except redis.RedisError as exc:
+            if _is_tls_error(exc):
+                raise StoreError(f"redis store {where}: TLS handshake failed: {_one_line(exc)}") from None
             raise StoreUnavailable(f"redis store {where}: cannot reach server: {_one_line(exc)}") from None
         safe_uri = parts._replace(netloc=f"{where}").geturl() if parts.password else uri
         return cls(client, uri=safe_uri, where=where, prefix=prefix, capacity=capacity)

@@ -1,5 +1,8 @@
 """A store that is not reachable yet: every call fails fast until an open succeeds.
 
+While the store is down, the first call after each ``RETRY_INTERVAL`` tries to open it (that
+call waits up to the store's own timeout); every other call fails at once.
+
 An engine must start and serve (cold) while its store is down; it picks the store up once
 the server is back. Bad configuration is not this: it still fails at start, in one line.
 """
@@ -10,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from prefixvault.stores.base import Buffer, Store, StoreStats, StoreUnavailable
+from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable
 
 #: Seconds between attempts to open the store while it is unavailable.
 RETRY_INTERVAL = 5.0
@@ -20,7 +23,7 @@ class RetryingStore(Store):
     """Opens the real store on first use after ``RETRY_INTERVAL``; until then raises
     StoreUnavailable, which every caller already treats as a miss or a failed save."""
 
-    def __init__(self, uri: str, opener: Callable[[str], Store], first_error: StoreUnavailable,
+    def __init__(self, uri: str, opener: Callable[[str], Store], first_error: StoreError,
                  interval: float = RETRY_INTERVAL) -> None:  # fmt: skip
         self.uri = uri
         self._opener = opener
@@ -33,17 +36,20 @@ class RetryingStore(Store):
     def _real(self) -> Store:
         if self._store is not None:
             return self._store
-        with self._lock:
+        # One caller at a time tries to open; the others fail at once instead of waiting.
+        if time.monotonic() < self._next_try or not self._lock.acquire(blocking=False):
+            raise StoreUnavailable(f"store not open yet: {self._error}")
+        try:
             if self._store is None:
-                if time.monotonic() < self._next_try:
-                    raise StoreUnavailable(f"store not open yet: {self._error}")
                 try:
                     self._store = self._opener(self.uri)
-                except StoreUnavailable as exc:
+                except StoreError as exc:  # down again, or now refusing us: try later either way
                     self._error = exc
                     self._next_try = time.monotonic() + self._interval
-                    raise
+                    raise StoreUnavailable(f"store not open yet: {exc}") from None
             return self._store
+        finally:
+            self._lock.release()
 
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         return self._real().put_many(items)

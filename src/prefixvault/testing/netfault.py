@@ -53,6 +53,7 @@ class FaultyLink:
 
     def _pump(self, client: socket.socket, server: socket.socket) -> None:
         peer = {client: server, server: client}
+        tail = b""  # the client's last bytes, so a trigger split across reads is still seen
         try:
             while not self._closed:
                 ready, _, _ = select.select([client, server], [], [], 0.1)
@@ -64,7 +65,10 @@ class FaultyLink:
                     data = src.recv(1 << 20)
                     if not data:
                         return
-                    if src is client and self.trigger in data:
+                    if src is client:
+                        seen = tail + data
+                        tail = seen[-len(self.trigger) :]
+                    if src is client and self.trigger in seen:
                         self._trip()
                         if self.fault == "drop":
                             return
@@ -72,7 +76,7 @@ class FaultyLink:
                     peer[src].sendall(data)
                 if self.tripped.is_set() and self.fault == "stall":
                     threading.Event().wait(0.1)
-        except OSError:
+        except (OSError, ValueError):  # ValueError: a socket closed under select by close()
             pass
         finally:
             if self.fault == "drop" or self._closed:
