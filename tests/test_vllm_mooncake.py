@@ -13,13 +13,12 @@ import os
 import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from vllm_support.seedlib import IN_PROCESS, SUPPORT, Seed, check, make_seed, run, spec
+from vllm_support.seedlib import Seed, check, make_seed, run, run_with_metrics, spec
 
 from prefixvault.stores import open_store
-from prefixvault.testing.engine import Completion, completions, identical, run_engine
+from prefixvault.testing.engine import Completion, identical
 from prefixvault.testing.mooncake import MooncakeCluster
 
 pytestmark = pytest.mark.slow
@@ -59,11 +58,7 @@ def cluster(workdir: Path, request: pytest.FixtureRequest) -> Iterator[MooncakeC
 
 def engine(seed: Seed, role: str, prompts: list[list[int]], store: str, workdir: Path
            ) -> tuple[list[Completion], dict[str, float]]:  # fmt: skip
-    env = {**IN_PROCESS, "PYTHONPATH": SUPPORT + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    out = run_engine(spec(seed, role, prompts, [""] * len(prompts), store), workdir / seed.profile,
-                     env=env, timeout=600)
-    metrics: dict[str, Any] = out.get("metrics", {})
-    return completions(out), metrics
+    return run_with_metrics(seed, spec(seed, role, prompts, [""] * len(prompts), store), workdir)
 
 
 def test_seed_scenario_over_mooncake(seed: Seed, cold: list[Completion], cluster: MooncakeCluster,

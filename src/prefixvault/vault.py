@@ -206,11 +206,11 @@ class Vault:
                 batch.append((ref.key, encode(header, read(ref, block_id))))
         results = self.store.put_many(batch) if batch else []
         ok = set(present)
-        for (ref, _), stored in zip(todo, results, strict=True):
+        for (ref, _), header, stored in zip(todo, headers, results, strict=True):
             if stored:
                 ok.add(ref.key)
                 self.counters.put_keys += 1
-                self.counters.put_bytes += HEADER_SIZE + self.expected_header(ref).length
+                self.counters.put_bytes += HEADER_SIZE + header.length
             else:
                 self.counters.put_failed += 1
         return ok

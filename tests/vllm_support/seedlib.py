@@ -84,11 +84,19 @@ def spec(seed: Seed, role: str, prompts: list[list[int]], salts: list[str], stor
                       store=store, salts=salts, **kw)
 
 
-def run(seed: Seed, engine_spec: EngineSpec, workdir: Path, env: dict[str, str] | None = None
-        ) -> list[Completion]:
+def run_with_metrics(seed: Seed, engine_spec: EngineSpec, workdir: Path, env: dict[str, str] | None = None
+                     ) -> tuple[list[Completion], dict[str, float]]:
+    """The engine's completions and the connector's counters (see testing.engine)."""
     merged = {**IN_PROCESS, "PYTHONPATH": SUPPORT + os.pathsep + os.environ.get("PYTHONPATH", ""),
               **(env or {})}
-    return completions(run_engine(engine_spec, workdir / seed.profile, env=merged, timeout=600))
+    out = run_engine(engine_spec, workdir / seed.profile, env=merged, timeout=600)
+    metrics: dict[str, float] = out.get("metrics", {})
+    return completions(out), metrics
+
+
+def run(seed: Seed, engine_spec: EngineSpec, workdir: Path, env: dict[str, str] | None = None
+        ) -> list[Completion]:
+    return run_with_metrics(seed, engine_spec, workdir, env)[0]
 
 
 def check(seed: Seed, cold: list[Completion], got: list[Completion]) -> None:

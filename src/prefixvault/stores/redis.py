@@ -191,16 +191,19 @@ class RedisStore(Store):
     def _fits(self, size: int) -> bool:
         return self.capacity is None or size <= self.capacity
 
-    def _get(self, keys: Sequence[str]) -> list[bytes | None]:
+    def _each(self, doing: str, command: str, keys: Sequence[str]) -> list[Any]:
+        """One pipelined round trip of ``command`` on every key (works across cluster slots)."""
         names = [self._key(k) for k in keys]
         if not names:
             return []
-        with self._errors("get"):
+        with self._errors(doing):
             pipe = self._pipeline()
             for name in names:
-                pipe.get(name)
-            values: list[bytes | None] = pipe.execute()
-        return values
+                getattr(pipe, command)(name)
+            return list(pipe.execute())
+
+    def _get(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._each("get", "get", keys)
 
     # -- Store -------------------------------------------------------------------------
 
@@ -247,24 +250,10 @@ class RedisStore(Store):
         return self._get(keys)
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
-        names = [self._key(k) for k in keys]
-        if not names:
-            return []
-        with self._errors("exists"):
-            pipe = self._pipeline()
-            for name in names:
-                pipe.exists(name)
-            return [bool(n) for n in pipe.execute()]
+        return [bool(n) for n in self._each("exists", "exists", keys)]
 
     def delete_many(self, keys: Sequence[str]) -> int:
-        names = [self._key(k) for k in keys]
-        if not names:
-            return 0
-        with self._errors("delete"):
-            pipe = self._pipeline()  # one DEL per key: works across cluster slots too
-            for name in names:
-                pipe.delete(name)
-            return sum(int(n) for n in pipe.execute())
+        return sum(int(n) for n in self._each("delete", "delete", keys))
 
     def _sizes(self, names: list[bytes]) -> Iterator[tuple[str, int]]:
         """(key without prefix, size) of the names that still exist, one round trip per chunk."""

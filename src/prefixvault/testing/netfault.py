@@ -68,11 +68,11 @@ class FaultyLink:
                     if src is client:
                         seen = tail + data
                         tail = seen[-len(self.trigger) :]
-                    if src is client and self.trigger in seen:
-                        self._trip()
-                        if self.fault == "drop":
-                            return
-                        continue  # the triggering command never reaches the server
+                        if self.trigger in seen:
+                            self._trip()
+                            if self.fault == "drop":
+                                return
+                            continue  # the triggering command never reaches the server
                     peer[src].sendall(data)
                 if self.tripped.is_set() and self.fault == "stall":
                     threading.Event().wait(0.1)
