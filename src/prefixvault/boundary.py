@@ -6,10 +6,14 @@ cache group, what that group needs to resume at b is really there:
 - full attention: the KV blocks of every token before b, none of them the null block;
 - sliding window: the KV blocks inside the window before b, none of them the null block;
 - recurrent state: a state the engine reports it captured *exactly* at b, in a real
-  (non-null) block, reported in the step being saved (a later step may have reused the block).
+  (non-null) block, reported in the step being saved (a later step may have reused the block),
+  and b is where the request's chunk of that step ended.
 
 The engine's reports are the source of truth. A position in a state block table is not:
-engines fill positions they kept no state for with the null block.
+engines fill positions they kept no state for with the null block. Nor is an offer for a
+boundary strictly inside the step's chunk: a recurrent kernel leaves one state, at the end of
+the chunk, and vLLM (0.32, align mode) offers a block as the state at the block's end even
+when the chunk that last wrote it ended mid-block (docs/architecture.md, "Under load").
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ class Refusal(StrEnum):
 
     NULL_BLOCK = "null_block"
     NOT_CAPTURED = "not_captured"
+    INSIDE_CHUNK = "inside_chunk"
     STALE = "stale"
     NOT_ALIGNED = "not_aligned"
     NOT_COMPUTED = "not_computed"
@@ -48,6 +53,17 @@ class StateCapture:
     tokens: int
     block_id: int
     step: int | None = None
+
+
+@dataclass(frozen=True)
+class StepChunk:
+    """The engine computed tokens [start, end) of the request in the step being saved.
+
+    A state is exact only at ``end``: that is where the step's recurrent update stopped.
+    """
+
+    start: int
+    end: int
 
 
 @dataclass(frozen=True)
@@ -92,13 +108,15 @@ def plan_saves(
     captures: Iterable[StateCapture],
     step: int | None = None,
     candidates: Iterable[int] | None = None,
+    chunk: StepChunk | None = None,
 ) -> BoundaryDecision:
     """Decide, from the engine's reports, which boundaries can be published now.
 
     ``block_tables`` maps each attention group to its block ids by block index;
     ``captures`` are the state reports; ``candidates`` are the boundaries to consider
     (default: every aligned boundary for attention-only layouts, every captured token
-    count for layouts with state).
+    count for layouts with state); ``chunk`` is what the request computed in ``step``
+    (engines that report it get the chunk-end guard on every state).
     """
     bs = layout.block_size
     state_groups = [i for i, g in enumerate(layout.groups) if g.is_state]
@@ -113,7 +131,7 @@ def plan_saves(
     publishable: list[SavePlan] = []
     refused: list[tuple[int, Refusal]] = []
     for b in sorted(set(candidates)):
-        plan_or_refusal = _plan_one(layout, b, computed_tokens, block_tables, by_boundary, step)
+        plan_or_refusal = _plan_one(layout, b, computed_tokens, block_tables, by_boundary, step, chunk)
         if isinstance(plan_or_refusal, SavePlan):
             publishable.append(plan_or_refusal)
         else:
@@ -128,6 +146,7 @@ def _plan_one(
     block_tables: Mapping[int, Sequence[int]],
     captures: Mapping[tuple[int, int], StateCapture],
     step: int | None,
+    chunk: StepChunk | None,
 ) -> SavePlan | Refusal:
     bs = layout.block_size
     if b <= 0 or b % bs:
@@ -141,6 +160,10 @@ def _plan_one(
             cap = captures.get((gi, b))
             if cap is None:
                 return Refusal.NOT_CAPTURED
+            if chunk is not None and b != chunk.end:
+                # Inside the chunk: the block may hold the state at another position.
+                # Before it: written in an earlier step, which this step cannot vouch for.
+                return Refusal.INSIDE_CHUNK if chunk.start < b < chunk.end else Refusal.STALE
             if cap.block_id == NULL_BLOCK_ID:
                 return Refusal.NULL_BLOCK
             if step is not None and cap.step is not None and cap.step != step:

@@ -117,13 +117,18 @@ def connector_metrics(llm: Any) -> dict[str, float]:
 
 
 def run_engine(
-    spec: EngineSpec, workdir: Path, env: Mapping[str, str] | None = None, timeout: float = 900
+    spec: EngineSpec, workdir: Path, env: Mapping[str, str] | None = None, timeout: float = 900,
+    module: str = "prefixvault.testing.engine", extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Run ``spec`` in a fresh process; raise RuntimeError with the log tail if it fails."""
+    """Run ``spec`` in a fresh process; raise RuntimeError with the log tail if it fails.
+
+    ``module`` is the runner (``python -m MODULE SPEC.json OUT.json``); ``extra`` adds
+    fields of its own to the spec file.
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     stamp = f"{spec.role}-{time.monotonic_ns()}"
     spec_path, out_path, log_path = (workdir / f"{stamp}.{s}" for s in ("spec.json", "out.json", "log"))
-    spec_path.write_text(json.dumps(asdict(spec)))
+    spec_path.write_text(json.dumps({**asdict(spec), **(extra or {})}))
     full_env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
@@ -134,7 +139,7 @@ def run_engine(
     }
     with open(log_path, "w") as log:
         proc = subprocess.run(
-            [sys.executable, "-m", "prefixvault.testing.engine", str(spec_path), str(out_path)],
+            [sys.executable, "-m", module, str(spec_path), str(out_path)],
             stdout=log,
             stderr=subprocess.STDOUT,
             env=full_env,

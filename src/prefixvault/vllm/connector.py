@@ -22,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from prefixvault.stores import open_store_or_retry
 from prefixvault.vault import Vault
+from prefixvault.vllm.alignment import ChunkAlignment
 from prefixvault.vllm.config import ConnectorSettings
 from prefixvault.vllm.layout import build_layout
 from prefixvault.vllm.metadata import PrefixVaultMetadata
@@ -53,6 +54,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                 ktc.kv_load_failure_policy = "recompute"
             self.scheduler = SchedulerSide(self.settings, self.layout, self.vault,
                                            load=ktc.is_kv_consumer, save=ktc.is_kv_producer)
+            self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
+                                            enabled=any(g.is_state for g in self.layout.groups))
             log.info("prefixvault: %s on %s, namespace %s, layout %s, block size %d, capture %s",
                      ktc.kv_role, self.settings.store, self.settings.namespace,
                      self.vault.fingerprint.hex()[:12], self.layout.block_size, self.settings.capture.value)
@@ -74,6 +77,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
+        self.alignment.check()  # before vLLM splits this request's first chunk
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
@@ -82,6 +86,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self.scheduler is not None
+        self.alignment.check()
         return self.scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:

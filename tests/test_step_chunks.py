@@ -1,0 +1,132 @@
+"""The chunk-end guard: a state is published only where the step's chunk ended.
+
+vLLM (0.32, align mode) offers a state block as the state at the block's end even when the
+chunk that last wrote the block ended mid-block, so the block holds the state at another
+token count. These tests drive the scheduler side with scheduler outputs built here, from a
+simulated engine that behaves that way, and check every state it plans to save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from prefixvault.boundary import NULL_BLOCK_ID, Refusal, StateCapture, StepChunk, plan_saves
+from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
+from prefixvault.stores.memory import MemoryStore
+from prefixvault.vault import Vault
+from prefixvault.vllm.config import ConnectorSettings
+from prefixvault.vllm.scheduler import SchedulerSide
+
+BS = 4
+LAYOUT = CacheLayout(
+    model="chunks", block_size=BS,
+    groups=(CacheGroup.uniform(GroupKind.FULL_ATTENTION, [TensorSpec((8,), "uint8")], 1),
+            CacheGroup.uniform(GroupKind.STATE, [TensorSpec((8,), "uint8")], 1)),
+)
+
+
+def test_a_state_offered_inside_the_chunk_is_refused() -> None:
+    tables = {0: [1, 2, 3]}
+    inside = plan_saves(LAYOUT, 10, tables, [StateCapture(1, 8, 9, 1)], 1, [8], StepChunk(6, 10))
+    assert inside.refused == ((8, Refusal.INSIDE_CHUNK),) and not inside.publishable
+    earlier = plan_saves(LAYOUT, 10, tables, [StateCapture(1, 4, 9, 1)], 1, [4], StepChunk(6, 10))
+    assert earlier.refused == ((4, Refusal.STALE),)
+    at_end = plan_saves(LAYOUT, 8, tables, [StateCapture(1, 8, 9, 1)], 1, [8], StepChunk(6, 8))
+    assert [p.tokens for p in at_end.publishable] == [8]
+
+
+@dataclass
+class _Engine:
+    """A hybrid engine in align mode whose chunks may end anywhere (as vLLM CPU servers do).
+
+    Each request has a state block table; a chunk [s, e) reads its initial state from index
+    (s-1)//BS and leaves the state at e in index (e-1)//BS. Every block boundary b in (s, e]
+    whose block is real is offered as "the state at b" — whatever that block holds.
+    """
+
+    next_id: int = 1
+    holds: dict[int, int] = field(default_factory=dict)  # state block id -> token count of its state
+
+    def new_block(self) -> int:
+        self.next_id += 1
+        return self.next_id
+
+    def run_chunk(self, table: list[int], start: int, end: int) -> list[tuple[int, int, int]]:
+        while len(table) < (end - 1) // BS + 1:
+            table.append(NULL_BLOCK_ID)
+        last = (end - 1) // BS
+        if table[last] == NULL_BLOCK_ID:
+            table[last] = self.new_block()
+        self.holds[table[last]] = end
+        return [(1, table[b // BS - 1], b) for b in range(start // BS * BS + BS, end + 1, BS)
+                if table[b // BS - 1] != NULL_BLOCK_ID]
+
+
+def _side() -> SchedulerSide:
+    vault = Vault(MemoryStore(), LAYOUT, "t")
+    return SchedulerSide(ConnectorSettings(), LAYOUT, vault, load=False, save=True)
+
+
+def _output(chunks: dict[str, tuple[int, int]], offers: dict[str, list[tuple[int, int, int]]],
+            tables: dict[str, dict[int, list[int]]], new: set[str]) -> Any:
+    cached = [r for r in chunks if r not in new]
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=r, num_computed_tokens=chunks[r][0]) for r in new],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=cached,
+                                              num_computed_tokens=[chunks[r][0] for r in cached]),
+        num_scheduled_tokens={r: e - s for r, (s, e) in chunks.items()},
+        kv_connector_block_state=SimpleNamespace(boundary_state_offloads=offers,
+                                                 get_block_ids=lambda r: (tables[r][0], tables[r][1])),
+    )
+
+
+@st.composite
+def schedules(draw: st.DrawFn) -> list[tuple[int, list[int]]]:
+    """Per request: prompt length and its chunk ends (anywhere, the last one at the prompt end)."""
+    out = []
+    for _ in range(draw(st.integers(1, 3))):
+        n = draw(st.integers(2, 40))
+        ends = sorted(draw(st.sets(st.integers(1, n - 1), max_size=8)) | {n})
+        out.append((n, ends))
+    return out
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(plan=schedules(), data=st.data())
+def test_every_planned_state_is_the_state_at_its_boundary(plan: list[tuple[int, list[int]]],
+                                                          data: st.DataObject) -> None:
+    side, engine = _side(), _Engine()
+    reqs = {f"r{i}": SimpleNamespace(request_id=f"r{i}", prompt_token_ids=list(range(n)), num_tokens=n,
+                                     lora_request=None, cache_salt=None, mm_features=None)
+            for i, (n, _) in enumerate(plan)}
+    for r in reqs.values():
+        side.get_num_new_matched_tokens(r, 0)
+    pending = {f"r{i}": list(ends) for i, (_, ends) in enumerate(plan)}
+    done = dict.fromkeys(pending, 0)
+    tables = {r: {0: [], 1: []} for r in pending}
+    saw_inside = False
+    while any(pending.values()):
+        # Several requests per step, in an order the test draws.
+        step = [r for r in pending if pending[r] and data.draw(st.booleans())] or \
+            [next(r for r in pending if pending[r])]
+        chunks, offers = {}, {}
+        for r in step:
+            start, end = done[r], pending[r].pop(0)
+            chunks[r] = (start, end)
+            tables[r][0].extend(engine.new_block() for _ in range(len(tables[r][0]), (end - 1) // BS + 1))
+            offers[r] = engine.run_chunk(tables[r][1], start, end)
+            saw_inside |= any(start < t < end for _, _, t in offers[r])
+            done[r] = end
+        new = {r for r in step if chunks[r][0] == 0}
+        meta = side.build_connector_meta(_output(chunks, offers, tables, new))
+        for spec in meta.saves:
+            for p in spec.plans:
+                for _, block_id in p.states:
+                    assert engine.holds.get(block_id) == p.tokens, (spec.req_id, p.tokens, chunks)
+    refused = side.counters.refused.get(Refusal.INSIDE_CHUNK.value, 0)
+    assert refused > 0 or not saw_inside
