@@ -79,6 +79,14 @@ def run_seed(model: Path, profile: str, seed: int, args: argparse.Namespace, wor
     def wrong(texts: list[str]) -> list[int]:
         return [i for i in invariant if texts[i] != ref[i]]
 
+    def where(texts: list[str]) -> list[str]:
+        """For each wrong request: characters equal to the reference before it diverged / length."""
+        def same(a: str, b: str) -> int:
+            diff = (k for k, (x, y) in enumerate(zip(a, b, strict=False)) if x != y)
+            return next(diff, min(len(a), len(b)))
+
+        return [f"{same(texts[i], ref[i])}/{len(ref[i])}" for i in wrong(texts)]
+
     own, _ = serve("vllm_own", plain, [load, load])
     out["vllm_own_pass1_wrong"] = wrong(own[0])
     out["vllm_own_pass2_wrong"] = wrong(own[1])
@@ -86,6 +94,8 @@ def run_seed(model: Path, profile: str, seed: int, args: argparse.Namespace, wor
     _, prod_metrics = serve("producer", serve_command(name, store, "kv_producer", extra=flags), [load])
     (cons,), cons_metrics = serve("consumer", serve_command(name, store, "kv_consumer", extra=flags), [load])
     out["consumer_wrong"] = wrong(cons)
+    out["consumer_diverged_at"] = where(cons)
+    out["vllm_own_diverged_at"] = where(own[1])
     out["consumer_external_hit_tokens"] = cons_metrics["vllm:external_prefix_cache_hits_total"]
     out["producer_refused"] = prod_metrics["vllm:prefixvault_refused_total"]
     return out
@@ -102,9 +112,11 @@ def main() -> None:
     p.add_argument("--output", type=int, default=64)
     p.add_argument("--prompts", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--workdir", default="", help="keep servers' logs and results here")
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="pv-concurrency-") as tmp:
-        work = Path(tmp)
+        work = Path(args.workdir or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         model = build_model(args.profile, work / "model", seed=0)
         rows = []
         for seed in args.seeds:
@@ -119,6 +131,9 @@ def main() -> None:
         "invariant": sum(r["invariant"] for r in rows),
         "vllm_own_wrong": sum(len(r["vllm_own_pass2_wrong"]) for r in rows),
         "consumer_wrong": sum(len(r["consumer_wrong"]) for r in rows),
+        # The seed bug's symptom: wrong from the first generated character on.
+        "vllm_own_wrong_from_start": sum(d.startswith("0/") for r in rows for d in r["vllm_own_diverged_at"]),
+        "consumer_wrong_from_start": sum(d.startswith("0/") for r in rows for d in r["consumer_diverged_at"]),
     }
     print(json.dumps(summary))
     sys.exit(0)

@@ -88,3 +88,27 @@ def test_help_lists_the_commands() -> None:
     assert res.exit_code == 0
     for cmd in ("demo", "stats", "audit"):
         assert cmd in res.output
+
+
+def test_watch_rejects_bad_options_in_one_line(tmp_path: Path) -> None:
+    for args in (["--tolerance", "-1"], ["--interval", "0"], ["--namespace", "a b"]):
+        cmd = ["watch", "--store", "memory://cli-watch", "--cold", "http://127.0.0.1:9", *args]
+        res = runner.invoke(app, cmd)
+        assert res.exit_code == 2 and "Traceback" not in res.output, args
+    res = runner.invoke(app, ["watch", "--store", f"local://{tmp_path}/none", "--cold", "http://127.0.0.1:9"])
+    assert res.exit_code == 2 and "does not exist" in res.output
+
+
+def test_samples_round_trip_and_live_beside_their_record() -> None:
+    from prefixvault.samples import VerifySample, pending_samples, write_sample
+
+    vault = _fill("memory://cli-samples")
+    record = vault.keys.record(vault.hashes(list(range(16)))[1])
+    sample = VerifySample(list(range(16)), 8, record, [3, 4], 1.5, "host:1")
+    assert write_sample(vault.store, sample)
+    (key, got), = list(pending_samples(vault.store, "cli"))
+    assert got == sample and key.startswith(record.rsplit("/r/", 1)[0] + "/v/")
+    vault.store.put_many([(key + "x", [b"{not json"])])
+    assert sorted(v is None for _, v in pending_samples(vault.store)) == [False, True]
+    res = runner.invoke(app, ["stats", "--store", "memory://cli-samples"])
+    assert "sample" in res.output

@@ -20,7 +20,9 @@ def test_settings_defaults_and_policies() -> None:
 @pytest.mark.parametrize(
     "extra,needle",
     [({"stor": "x"}, "unknown kv_connector_extra_config"), ({"capture": "sometimes"}, "capture must be"),
-     ({"capture": "interval"}, "positive capture_interval"), ({"namespace": "a b"}, "invalid namespace")],
+     ({"capture": "interval"}, "positive capture_interval"), ({"namespace": "a b"}, "invalid namespace"),
+     ({"verify_sample": 1.5}, "verify_sample must be"),
+     ({"verify_sample": "often"}, "verify_sample must be")],
 )
 def test_settings_errors_are_clear(extra: dict[str, str], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

@@ -281,6 +281,53 @@ def verify(
     raise typer.Exit(0 if ok else 1)
 
 
+@app.command()
+def watch(
+    store: StoreOpt,
+    cold: Annotated[str, typer.Option(help="Base URL of a server without the cache")],
+    namespace: Annotated[str, typer.Option(help="Only this namespace's samples (default: all)")] = "",
+    tolerance: Annotated[
+        float, typer.Option(help="Logprob margin under which a different token is a near tie")
+    ] = 0.05,
+    follow: Annotated[bool, typer.Option(help="Keep watching; check new samples every --interval s")] = False,
+    interval: Annotated[float, typer.Option(help="Seconds between passes with --follow")] = 10.0,
+    timeout: Annotated[float, typer.Option(help="Seconds to wait for one cold request")] = 300,
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per pass")] = False,
+) -> None:
+    """Recompute consumers' verification samples cold; quarantine records that disagree."""
+    import json
+    import logging
+
+    from prefixvault.keys import check_namespace
+    from prefixvault.verify import VerifyError
+    from prefixvault.watch import watch_once
+
+    if not 0 <= tolerance < float("inf") or not 0 < interval < float("inf") or not 0 < timeout < float("inf"):
+        raise _fail("--tolerance must be >= 0, --interval and --timeout > 0")
+    try:
+        if namespace:
+            check_namespace(namespace)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    logging.basicConfig(level=logging.WARNING, format="%(message)s")
+    s = _open_existing(store)
+    out = Console(quiet=json_out)
+    while True:
+        try:
+            report = watch_once(s, cold, namespace or None, tolerance, timeout)
+        except VerifyError as e:
+            raise _fail(str(e)) from None
+        out.print(f"checked {report.checked} samples: {report.agreed} agree with cold, "
+                  f"{len(report.quarantined)} records quarantined, {report.unreadable} unreadable")
+        if json_out:
+            print(json.dumps({"checked": report.checked, "agreed": report.agreed,
+                              "quarantined": [v.sample.record for v in report.quarantined],
+                              "unreadable": report.unreadable}), flush=True)
+        if not follow:
+            raise typer.Exit(1 if report.quarantined else 0)
+        time.sleep(interval)
+
+
 def main() -> None:
     try:
         app()

@@ -98,6 +98,8 @@ def summarize(store: Store) -> StoreSummary:
                 kind = "state" if rest[0] == "s" else "attention"
         elif rest == ["layout"]:
             kind = "layout"
+        elif rest[0] == "v" and len(rest) == 2:
+            kind = "sample"
         else:
             kind = "unknown"
         s.by_kind[kind] += 1

@@ -30,11 +30,12 @@ class ConnectorSettings:
     capture: CapturePolicy = CapturePolicy.STEPS
     capture_interval: int = 0
     model_id: str = ""  # overrides the model name in the layout fingerprint
+    verify_sample: float = 0.0  # fraction of restored greedy requests written as verification samples
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
-        known = {"store", "namespace", "capture", "capture_interval", "model_id"}
+        known = {"store", "namespace", "capture", "capture_interval", "model_id", "verify_sample"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -54,10 +55,18 @@ class ConnectorSettings:
         if policy is CapturePolicy.INTERVAL and interval <= 0:
             raise ValueError("prefixvault: capture 'interval' needs a positive capture_interval")
         namespace = check_namespace(str(extra.get("namespace", "default")))
+        try:
+            verify_sample = float(extra.get("verify_sample", 0.0))
+        except (TypeError, ValueError):
+            verify_sample = -1.0
+        if not 0.0 <= verify_sample <= 1.0:
+            raise ValueError(f"prefixvault: verify_sample must be a number in [0, 1], got "
+                             f"{extra.get('verify_sample')!r}")
         return cls(
             store=str(extra.get("store", "local://")),
             namespace=namespace,
             capture=policy,
             capture_interval=interval,
             model_id=str(extra.get("model_id", "")),
+            verify_sample=verify_sample,
         )

@@ -145,7 +145,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         totals.update({f"rejected:{k}": v for k, v in c.rejected.items()})
         if self.scheduler is not None:
             s = self.scheduler.counters
-            totals.update(lookups=s.lookups, lookup_errors=s.lookup_errors, hit_tokens=s.hit_tokens)
+            totals.update(lookups=s.lookups, lookup_errors=s.lookup_errors, hit_tokens=s.hit_tokens,
+                          verify_samples=s.samples, verify_sample_errors=s.sample_errors)
             totals.update({f"refused:{k}": v for k, v in s.refused.items()})
         if self.worker is not None:
             w = self.worker.counters

@@ -7,12 +7,17 @@ request (records, then objects); a store error is a miss, never a failed request
 from __future__ import annotations
 
 import logging
+import os
+import random
+import socket
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from prefixvault.boundary import StateCapture, StepChunk, plan_saves
 from prefixvault.keys import ExtraKeys, MultimodalItem
 from prefixvault.layout import CacheLayout
+from prefixvault.samples import SAMPLE_TOKENS, VerifySample, write_sample
 from prefixvault.vault import Vault
 from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
 from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, SaveSpec
@@ -53,6 +58,8 @@ class SchedulerCounters:
     hit_tokens: int = 0
     refused: dict[str, int] = field(default_factory=dict)
     plans: int = 0
+    samples: int = 0
+    sample_errors: int = 0
 
 
 class SchedulerSide:
@@ -206,4 +213,22 @@ class SchedulerSide:
         return True
 
     def request_finished(self, request: Any) -> None:
-        self._reqs.pop(request.request_id, None)
+        st = self._reqs.pop(request.request_id, None)
+        rate = self.settings.verify_sample
+        if st is None or not st.loaded or rate <= 0 or self.vault is None or random.random() >= rate:
+            return
+        params = getattr(request, "sampling_params", None)
+        output = list(getattr(request, "output_token_ids", None) or [])[:SAMPLE_TOKENS]
+        if params is None or getattr(params, "temperature", 1.0) != 0 or not output:
+            return  # only greedy requests can be checked against a cold run
+        try:
+            record = self.vault.keys.record(self._hashes(st, st.loaded)[-1])
+            sample = VerifySample(st.prompt, st.loaded, record, output, time.time(),
+                                  f"{socket.gethostname()}:{os.getpid()}")
+            if write_sample(self.vault.store, sample):
+                self.counters.samples += 1
+                return
+        except Exception as e:  # a sample is best effort; never an error in the engine
+            log.warning("prefixvault: verification sample for request %s not written: %s",
+                        request.request_id, e)
+        self.counters.sample_errors += 1

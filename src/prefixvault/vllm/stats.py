@@ -25,6 +25,8 @@ COUNTERS: dict[str, str] = {
     "hit_tokens": "Prompt tokens restored from the store",
     "load_failures": "Requests whose load failed and were recomputed",
     "save_errors": "Boundaries whose objects could not all be stored",
+    "verify_samples": "Restored requests written as verification samples (verify_sample)",
+    "verify_sample_errors": "Verification samples that could not be written",
 }
 LABELLED = {"refused": "Boundaries refused, by reason", "rejected": "Objects rejected on load, by reason"}
 

@@ -1,0 +1,67 @@
+"""Verification samples: what a consumer restored and generated, for a cold recomputation.
+
+Why: the boundary rule proves that a state was reported at its boundary, not that the engine
+computed it right (vLLM's own bugs have broken that). A consumer with ``verify_sample=R``
+writes, for a fraction R of greedy requests it restored, the prompt, the restored boundary,
+the record that published it and the first tokens it generated. ``prefixvault watch``
+recomputes them on a cold server and quarantines the record of any that disagree, so that an
+operator learns of a wrong state before users do.
+
+A sample is a small JSON object under ``{ns}/{layout}/v/{id}``; it is never a hit and
+never loaded into an engine.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+
+from prefixvault.stores import Store
+
+#: Output tokens a sample keeps: enough to see a wrong state, small next to the prompt.
+SAMPLE_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class VerifySample:
+    prompt: list[int]  # token ids the engine computed the request from
+    hit: int  # tokens restored from the store
+    record: str  # key of the boundary record that published ``hit``
+    output: list[int]  # first greedy tokens the restored request generated
+    created: float  # unix time
+    engine: str = ""  # who restored it (host:pid), for the quarantine log
+
+    def encode(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def decode(cls, blob: bytes) -> VerifySample:
+        data = json.loads(blob)
+        return cls(prompt=[int(t) for t in data["prompt"]], hit=int(data["hit"]), record=str(data["record"]),
+                   output=[int(t) for t in data["output"]], created=float(data["created"]),
+                   engine=str(data.get("engine", "")))
+
+
+def sample_key(record_key: str) -> str:
+    """A fresh sample key beside the record's own namespace and layout."""
+    prefix = record_key.rsplit("/r/", 1)[0]
+    return f"{prefix}/v/{time.time_ns():x}-{os.getpid():x}-{os.urandom(4).hex()}"
+
+
+def write_sample(store: Store, sample: VerifySample) -> bool:
+    return store.put_many([(sample_key(sample.record), [sample.encode()])])[0]
+
+
+def pending_samples(store: Store, namespace: str | None = None) -> Iterator[tuple[str, VerifySample | None]]:
+    """Every sample in the store (of one namespace if given); None for one that does not decode."""
+    keys = [k for k, _ in store.scan(f"{namespace}/" if namespace else "") if k.split("/")[2:3] == ["v"]]
+    for key, blob in zip(keys, store.get_many(keys), strict=True):
+        if blob is None:
+            continue  # taken by another watcher
+        try:
+            yield key, VerifySample.decode(blob)
+        except (ValueError, KeyError, TypeError):
+            yield key, None
