@@ -80,7 +80,10 @@ def _mooncake_uri(tmp: Path, tag: str, capacity: str | None) -> str:
     its own pair whose holder mounts exactly the capacity."""
     if capacity is None:
         if not _shared_mooncake:
-            _shared_mooncake.append(MooncakeCluster())
+            # 1 GiB: the same-key writer tests upsert ~1 MiB objects for 0.8 s while readers hold
+            # 10 s leases, so superseded versions pile up (~0.5 GiB here) on top of what earlier
+            # tests left; with 512 MiB those upserts were refused for lack of space.
+            _shared_mooncake.append(MooncakeCluster(segment="1GiB"))
         return _shared_mooncake[0].uri(prefix=f"{tag}/")
     segment = max(parse_size(capacity), 16 << 20)  # mooncake_client mounts at least 16 MiB
     return MooncakeCluster(segment=str(segment)).uri(prefix=f"{tag}/", capacity=capacity)
