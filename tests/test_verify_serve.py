@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import pytest
 
 from prefixvault.serve import engine_flags, vllm_command
 from prefixvault.testing.models import build_model, engine_kwargs
+from prefixvault.testing.servers import wait_ready
 
 pytestmark = pytest.mark.slow
 PROFILE = "shortconv-hybrid"
@@ -67,16 +67,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     try:
         deadline = time.monotonic() + 600
         for k, url in urls.items():
-            while True:
-                if procs[k].poll() is not None:
-                    raise RuntimeError(f"{k} server exited: {(root / f'{k}.log').read_text()[-3000:]}")
-                try:
-                    urllib.request.urlopen(f"{url}/v1/models", timeout=5).read()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{k} server did not start") from None
-                    time.sleep(1)
+            wait_ready(procs[k], url, root / f"{k}.log", deadline)
         urls["log_dir"] = str(root)
         yield urls
     finally:

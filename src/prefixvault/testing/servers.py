@@ -40,6 +40,20 @@ def server_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
             "TOKENIZERS_PARALLELISM": "false", **(extra or {})}
 
 
+def wait_ready(proc: subprocess.Popen[bytes], url: str, log: Path, deadline: float) -> None:
+    """Wait until the server at ``url`` answers, failing with its log tail if it exits first."""
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-3000:]}")
+        try:
+            urllib.request.urlopen(f"{url}/health", timeout=2).read()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server did not start in time; log {log}") from None
+            time.sleep(1)
+
+
 @contextmanager
 def server(command: Sequence[str], log: Path, env: Mapping[str, str] | None = None,
            timeout: float = 600) -> Iterator[str]:
@@ -50,17 +64,7 @@ def server(command: Sequence[str], log: Path, env: Mapping[str, str] | None = No
                                 stdout=out, stderr=subprocess.STDOUT)
         url = f"http://127.0.0.1:{port}"
         try:
-            deadline = time.monotonic() + timeout
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}: {log.read_text()[-3000:]}")
-                try:
-                    urllib.request.urlopen(f"{url}/health", timeout=2).read()
-                    break
-                except OSError:
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"server did not start in {timeout:.0f} s; log {log}") from None
-                    time.sleep(1)
+            wait_ready(proc, url, log, time.monotonic() + timeout)
             yield url
         finally:
             proc.terminate()
