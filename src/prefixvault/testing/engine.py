@@ -82,10 +82,7 @@ def _run(spec: EngineSpec) -> dict[str, Any]:
         t = time.perf_counter()
         results = llm.generate(batch, params, use_tqdm=False)
         ttfts.append(time.perf_counter() - t)
-        for r in results:
-            c = r.outputs[0]
-            lps = [{int(k): float(v.logprob) for k, v in d.items()} for d in (c.logprobs or [])]
-            outs.append(asdict(Completion(list(c.token_ids), lps, int(r.num_cached_tokens or 0), c.text)))
+        outs.extend(asdict(completion_of(r)) for r in results)
     return {
         "completions": outs,
         "start_s": started,
@@ -94,6 +91,13 @@ def _run(spec: EngineSpec) -> dict[str, Any]:
         "max_num_batched_tokens": int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens),
         "metrics": connector_metrics(llm),
     }
+
+
+def completion_of(result: Any) -> Completion:
+    """A finished ``vllm.RequestOutput`` as a Completion."""
+    c = result.outputs[0]
+    lps = [{int(k): float(v.logprob) for k, v in d.items()} for d in (c.logprobs or [])]
+    return Completion(list(c.token_ids), lps, int(result.num_cached_tokens or 0), c.text)
 
 
 def connector_metrics(llm: Any) -> dict[str, float]:

@@ -25,6 +25,8 @@ from typing import Any
 from prefixvault.testing.engine import (
     Completion,
     EngineSpec,
+    completion_of,
+    completions,
     connector_metrics,
     kv_transfer_config,
     run_engine,
@@ -72,11 +74,6 @@ class StaggeredRun:
     offers: list[Offer] = field(default_factory=list)
     metrics: dict[str, float] = field(default_factory=dict)
     block_size: int = 0  # of the engine's KV cache groups
-
-    def prefill_chunks(self, req: int, prompt_tokens: int) -> list[tuple[int, int]]:
-        """[start, end) of each chunk of request ``req`` that computed prompt tokens."""
-        return [(c.start, min(c.start + c.tokens, prompt_tokens)) for c in self.chunks
-                if c.req == req and c.start < prompt_tokens]
 
     def chunk_ends(self, req: int) -> set[int]:
         """Token counts at which request ``req``'s chunks ended."""
@@ -161,10 +158,7 @@ def run(spec: EngineSpec, arrivals: Arrivals) -> StaggeredRun:
         for r in engine.step():
             if not r.finished:
                 continue
-            c = r.outputs[0]
-            lps = [{int(k): float(v.logprob) for k, v in d.items()} for d in (c.logprobs or [])]
-            results[_req(r.request_id)] = Completion(list(c.token_ids), lps, int(r.num_cached_tokens or 0),
-                                                    c.text)
+            results[_req(r.request_id)] = completion_of(r)
             in_flight -= 1
             ready_at = max(ready_at, step + (waits[queued] if queued < len(waits) else 0))
         step += 1
@@ -174,10 +168,9 @@ def run(spec: EngineSpec, arrivals: Arrivals) -> StaggeredRun:
 
 
 def load(out: dict[str, Any]) -> StaggeredRun:
-    comps = [Completion(c["token_ids"], [{int(k): v for k, v in d.items()} for d in c["logprobs"]],
-                        c["cached_tokens"], c.get("text", "")) for c in out["completions"]]
-    return StaggeredRun(comps, [Chunk(**c) for c in out["chunks"]], [Offer(**o) for o in out["offers"]],
-                        dict(out.get("metrics", {})), int(out.get("block_size", 0)))
+    return StaggeredRun(completions(out), [Chunk(**c) for c in out["chunks"]],
+                        [Offer(**o) for o in out["offers"]], dict(out.get("metrics", {})),
+                        int(out.get("block_size", 0)))
 
 
 def run_staggered(spec: EngineSpec, arrivals: Arrivals, workdir: Path,
