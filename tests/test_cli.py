@@ -24,14 +24,14 @@ def _fill(uri: str) -> Vault:
     vault = Vault(open_store(uri), CacheLayout(model="cli", block_size=4, groups=(attn, state)), "cli")
     tokens = list(range(16))
     hashes = vault.hashes(tokens)
-    d = plan_saves(vault.layout, 16, {0: [1, 2, 3, 4]}, [StateCapture(1, 8, 5), StateCapture(1, 16, 6)])
+    d = plan_saves(vault.layout, 16, {0: [1, 2, 3, 4]}, [StateCapture(1, 8, 5, 1), StateCapture(1, 16, 6, 1)],
+                   step=1)
 
     def read(ref: ObjectRef, block_id: int) -> bytes:
         return bytes([block_id]) * vault.layout.groups[ref.group].nbytes(0)
 
     acks = vault.save(0, hashes, d.publishable, read)
-    for p in d.publishable:
-        vault.publish(hashes, p.tokens, acks)
+    assert all(why is None for why in vault.publish(hashes, acks).values())
     return vault
 
 

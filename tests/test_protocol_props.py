@@ -27,7 +27,7 @@ from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores.base import Buffer
 from prefixvault.stores.memory import MemoryStore
-from prefixvault.vault import ObjectRef, RankAck, Vault
+from prefixvault.vault import ObjectRef, Vault
 
 BS = 4
 PAYLOAD = 8  # bytes per object
@@ -99,6 +99,12 @@ def test_lookup_returns_exactly_the_longest_resumable_boundary(
             for r in range(layout.world_size):
                 memory[(gi, r, bid)] = truth("kv", gi, r, prompt, (i + 1) * BS) if bid else bytes(PAYLOAD)
         tables[gi] = table
+    # The prompt runs in chunks; step k computes chunk k and reports its captures in step k.
+    chunk = data.draw(st.sampled_from([BS, 2 * BS, 3 * BS, n_blocks * BS]))
+
+    def step_of(b: int) -> int:
+        return (b - 1) // chunk + 1
+
     for gi, g in enumerate(layout.groups):
         if not g.is_state:
             continue
@@ -108,13 +114,9 @@ def test_lookup_returns_exactly_the_longest_resumable_boundary(
                 continue
             bid = NULL_BLOCK_ID if what == "null" else next_id
             next_id += 1
-            captures.append(StateCapture(gi, b, bid, step=0 if what == "stale" else 1))
+            captures.append(StateCapture(gi, b, bid, step=step_of(b) - 1 if what == "stale" else step_of(b)))
             for r in range(layout.world_size):
                 memory[(gi, r, bid)] = truth("state", gi, r, prompt, b) if bid else bytes(PAYLOAD)
-
-    decision = plan_saves(
-        layout, len(prompt), tables, captures, step=1, candidates=range(BS, n_blocks * BS + 1, BS)
-    )
 
     def read(rank: int) -> object:
         def _read(ref: ObjectRef, block_id: int) -> bytes:
@@ -123,10 +125,22 @@ def test_lookup_returns_exactly_the_longest_resumable_boundary(
 
         return _read
 
-    acks: list[RankAck] = []
-    for r in range(layout.world_size):
-        acks += vault.save(r, hashes, decision.publishable, read(r))  # type: ignore[arg-type]
-    published = [p.tokens for p in decision.publishable if vault.publish(hashes, p.tokens, acks) is None]
+    # The production path: plans list the blocks after the last boundary handed to the store,
+    # and every rank saves and then publishes on its own, as the connector's workers do.
+    published: set[int] = set()
+    parent = 0
+    for start in range(0, n_blocks * BS, chunk):
+        end = min(start + chunk, n_blocks * BS)
+        step = step_of(end)
+        decision = plan_saves(layout, end, tables, [c for c in captures if start < c.tokens <= end],
+                              step=step, candidates=range(max(start, parent) + BS, end + 1, BS), since=parent)
+        for r in range(layout.world_size):
+            acks = vault.save(r, hashes, decision.publishable, read(r))  # type: ignore[arg-type]
+            for b, why in vault.publish(hashes, acks, parent).items():
+                if why is None:
+                    published.add(b)
+        if decision.publishable:
+            parent = max(p.tokens for p in decision.publishable)
     if failing_rank is not None:
         assert not published, "a boundary was published although a rank failed to write"
 
@@ -150,7 +164,7 @@ def test_lookup_returns_exactly_the_longest_resumable_boundary(
         for gi, g in enumerate(layout.groups):
             if g.is_state:
                 caps = [c for c in captures if c.group == gi and c.tokens == b]
-                if not caps or caps[-1].block_id == NULL_BLOCK_ID or caps[-1].step != 1:
+                if not caps or caps[-1].block_id == NULL_BLOCK_ID or caps[-1].step != step_of(b):
                     return False
             else:
                 first = 0 if g.kind is GroupKind.FULL_ATTENTION else max(0, b - (g.window or 0)) // BS
@@ -204,3 +218,8 @@ def test_refusal_reasons() -> None:
     assert dict(d.refused) == {16: Refusal.NULL_BLOCK}
     d = plan_saves(layout, 8, {0: [1, 2]}, [], candidates=[8])
     assert dict(d.refused) == {8: Refusal.NOT_CAPTURED}
+    # Fail closed: a capture, or a save, whose step is unknown is not evidence.
+    d = plan_saves(layout, 8, {0: [1, 2]}, [StateCapture(1, 8, 5, None)], step=1, candidates=[8])
+    assert dict(d.refused) == {8: Refusal.STALE}
+    d = plan_saves(layout, 8, {0: [1, 2]}, [StateCapture(1, 8, 5, 1)], candidates=[8])
+    assert dict(d.refused) == {8: Refusal.STALE}

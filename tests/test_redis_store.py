@@ -237,15 +237,15 @@ def _fill(vault: Vault, tokens: list[int]) -> list[int]:
     """Save and publish boundaries at 16 tokens and at the end (as tests/test_vault.py does)."""
     hashes = vault.hashes(tokens)
     n = len(tokens) // BS
-    caps = [StateCapture(1, b, 200 + b, None) for b in (16, len(tokens))]
-    d = plan_saves(vault.layout, len(tokens), {0: list(range(1, n + 1))}, caps)
+    caps = [StateCapture(1, b, 200 + b, 1) for b in (16, len(tokens))]
+    d = plan_saves(vault.layout, len(tokens), {0: list(range(1, n + 1))}, caps, step=1)
 
     def read(ref: ObjectRef, block_id: int) -> bytes:
         nbytes = vault.layout.groups[ref.group].nbytes(ref.rank)
         return np.full(nbytes // 4, block_id + 0.5, np.float32).tobytes()
 
     acks: list[RankAck] = vault.save(0, hashes, d.publishable, read)
-    return [p.tokens for p in d.publishable if vault.publish(hashes, p.tokens, acks) is None]
+    return sorted(b for b, why in vault.publish(hashes, acks).items() if why is None)
 
 
 def test_vault_never_returns_a_boundary_whose_objects_were_evicted() -> None:
@@ -398,3 +398,16 @@ def test_network_stall_mid_session_costs_one_timeout_per_call(server: Valkey) ->
         assert link.tripped.is_set()
     finally:
         link.close()
+
+
+def test_touch_resets_the_servers_idle_clock_and_exists_does_not(server: Valkey) -> None:
+    """Hits touch what they use: TOUCH updates the key's LRU clock, EXISTS leaves it alone."""
+    store = open_store(server.url(prefix="touch:"))
+    assert store.put_many([("a", [b"x"]), ("b", [b"y"])]) == [True, True]
+    time.sleep(2.2)  # OBJECT IDLETIME counts whole seconds
+    r = redis.Redis(host="127.0.0.1", port=server.port)
+    assert store.exists_many(["a", "b"]) == [True, True]
+    assert store.touch_many(["a", "missing"]) == [True, False]
+    assert r.object("idletime", "touch:a") == 0
+    assert r.object("idletime", "touch:b") >= 2
+    store.close()

@@ -15,7 +15,14 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from prefixvault.boundary import NULL_BLOCK_ID, Refusal, StateCapture, StepChunk, plan_saves
+from prefixvault.boundary import (
+    NULL_BLOCK_ID,
+    Refusal,
+    StateCapture,
+    StepChunk,
+    plan_saves,
+    step_end_captures,
+)
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
@@ -130,3 +137,85 @@ def test_every_planned_state_is_the_state_at_its_boundary(plan: list[tuple[int, 
                     assert engine.holds.get(block_id) == p.tokens, (spec.req_id, p.tokens, chunks)
     refused = side.counters.refused.get(Refusal.INSIDE_CHUNK.value, 0)
     assert refused > 0 or not saw_inside
+
+
+# -- SchedulerSide, step by step, on scheduler outputs built here -----------------------------
+
+
+def _request(rid: str, n: int) -> Any:
+    return SimpleNamespace(request_id=rid, prompt_token_ids=list(range(100, 100 + n)), num_tokens=n,
+                           lora_request=None, cache_salt=None, mm_features=None)
+
+
+def _planned(meta: Any) -> dict[str, list[tuple[int, tuple[tuple[int, int], ...]]]]:
+    return {s.req_id: [(p.tokens, p.states) for p in s.plans] for s in meta.saves}
+
+
+def test_step_end_capture_needs_a_block_aligned_end_inside_the_prompt() -> None:
+    tables = {1: [7, 8, 9]}
+    assert step_end_captures(LAYOUT, StepChunk(0, 8), 10, tables, 3) == [StateCapture(1, 8, 8, 3)]
+    assert step_end_captures(LAYOUT, StepChunk(4, 12), 12, tables, 3) == [StateCapture(1, 12, 9, 3)]
+    assert step_end_captures(LAYOUT, StepChunk(0, 6), 10, tables, 3) == []  # mid-block
+    assert step_end_captures(LAYOUT, StepChunk(8, 12), 10, tables, 3) == []  # past the prompt
+    assert step_end_captures(LAYOUT, StepChunk(8, 16), 20, tables, 3) == [StateCapture(1, 16, 0, 3)]
+
+
+def test_chunk_ends_and_the_last_chunk_publish_their_states() -> None:
+    side = _side()
+    req = _request("a", 12)
+    side.get_num_new_matched_tokens(req, 0)
+    tables = {"a": {0: [11, 12], 1: [0, 21]}}
+    meta = side.build_connector_meta(_output({"a": (0, 8)}, {}, tables, {"a"}))
+    assert _planned(meta) == {"a": [(8, ((1, 21),))]}
+    assert meta.saves[0].parent == 0
+    tables["a"] = {0: [11, 12, 13], 1: [0, 21, 22]}
+    meta = side.build_connector_meta(_output({"a": (8, 12)}, {}, tables, set()))
+    # The last chunk ends at the prompt's end: its state is exact (for longer prompts).
+    assert _planned(meta) == {"a": [(12, ((1, 22),))]}
+    assert meta.saves[0].parent == 8 and meta.saves[0].plans[0].blocks == ((0, 2, 13),)
+
+
+def test_resumed_after_preemption_never_publishes_a_state_holding_outputs() -> None:
+    side = _side()
+    req = _request("p", 10)
+    side.get_num_new_matched_tokens(req, 0)
+    # Preempted, then resumed: prompt (10) + 3 output tokens recomputed in one chunk [0, 13).
+    tables = {"p": {0: [1, 2, 3, 4], 1: [0, 5, 0, 6]}}
+    offers = {"p": [(1, 5, 8), (1, 6, 16)]}  # 8 inside the chunk; 16 past everything
+    meta = side.build_connector_meta(_output({"p": (0, 13)}, offers, tables, {"p"}))
+    assert meta.saves == []
+    assert side.counters.refused == {Refusal.INSIDE_CHUNK.value: 1}
+    # Resumed in chunks: [0, 8) ends inside the prompt (exact), [8, 13) runs past it.
+    side = _side()
+    side.get_num_new_matched_tokens(req, 0)
+    meta = side.build_connector_meta(_output({"p": (0, 8)}, {}, tables, {"p"}))
+    assert _planned(meta) == {"p": [(8, ((1, 5),))]}
+    meta = side.build_connector_meta(_output({"p": (8, 13)}, {"p": [(1, 6, 12)]}, tables, set()))
+    assert meta.saves == []
+
+
+def test_several_requests_in_one_step_and_one_finishing() -> None:
+    side = _side()
+    a, b = _request("a", 9), _request("b", 20)
+    for r in (a, b):
+        side.get_num_new_matched_tokens(r, 0)
+    tables = {"a": {0: [1, 2], 1: [0, 3]}, "b": {0: [4, 5, 6], 1: [0, 0, 7]}}
+    meta = side.build_connector_meta(_output({"a": (0, 8), "b": (0, 12)}, {}, tables, {"a", "b"}))
+    assert _planned(meta) == {"a": [(8, ((1, 3),))], "b": [(12, ((1, 7),))]}
+    # "a" computes its last token and finishes in this step; "b" goes on.
+    tables["b"] = {0: [4, 5, 6, 8], 1: [0, 0, 7, 9]}
+    meta = side.build_connector_meta(_output({"a": (8, 9), "b": (12, 16)}, {}, tables, set()))
+    assert _planned(meta) == {"b": [(16, ((1, 9),))]}
+    side.request_finished(a)
+    meta = side.build_connector_meta(_output({"a": (9, 10), "b": (16, 20)}, {}, tables, set()))
+    assert set(_planned(meta)) <= {"b"}  # a finished request is forgotten, never saved again
+
+
+def test_decode_steps_publish_nothing() -> None:
+    side = _side()
+    req = _request("d", 8)
+    side.get_num_new_matched_tokens(req, 0)
+    tables = {"d": {0: [1, 2, 3], 1: [0, 4, 5]}}
+    side.build_connector_meta(_output({"d": (0, 8)}, {}, tables, {"d"}))
+    for t in range(8, 13):
+        assert side.build_connector_meta(_output({"d": (t, t + 1)}, {}, tables, set())).saves == []

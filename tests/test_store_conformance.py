@@ -457,6 +457,21 @@ def test_recently_read_keys_survive_longer(store_kind: str, store_uri_factory: U
         assert untouched_left <= 150 - 40
 
 
+def test_touched_keys_survive_longer(store_kind: str, store_uri_factory: UriFactory) -> None:
+    """``touch_many`` answers as ``exists_many`` and counts as a use: what a hit touched stays."""
+    with open_store(store_uri_factory(store_kind, capacity="32MiB")) as store:
+        keys = [f"touch/{i}" for i in range(200)]
+        _fill(store, keys, lambda: None)
+        touched = keys[::4]
+        time.sleep(0.01)
+        assert store.touch_many([*touched, "touch/none"]) == [True] * len(touched) + [False]
+        _fill(store, [f"touch/new/{i}" for i in range(120)], lambda: None)
+        assert store.stats().evictions > 0
+        present = dict(zip(keys, store.exists_many(keys), strict=True))
+        assert all(present[k] for k in touched)
+        assert sum(present[k] for k in keys if k not in touched) <= 150 - 40
+
+
 def test_stats_capacity_matches_uri(store_kind: str, store_uri_factory: UriFactory) -> None:
     with open_store(store_uri_factory(store_kind, capacity="48MiB")) as store:
         assert store.stats().capacity == 48 << 20

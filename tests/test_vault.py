@@ -35,6 +35,10 @@ class CountingStore(MemoryStore):
         self.calls.append("exists")
         return super().exists_many(keys)
 
+    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+        self.calls.append("touch")
+        return super().touch_many(keys)
+
 
 def payload(ref: ObjectRef, block_id: int) -> bytes:
     n = 2 * BS * 4 * 4 if ref.kind.name == "BLOCK" else 64
@@ -45,12 +49,12 @@ def fill(vault: Vault, tokens: list[int], boundaries: list[int], world: int = 1)
     hashes = vault.hashes(tokens)
     n = len(tokens) // BS
     tables = {0: list(range(1, n + 1)), 1: list(range(100, 100 + n))}
-    caps = [StateCapture(2, b, 200 + b, None) for b in boundaries]
-    d = plan_saves(vault.layout, len(tokens), tables, caps)
+    caps = [StateCapture(2, b, 200 + b, 1) for b in boundaries]
+    d = plan_saves(vault.layout, len(tokens), tables, caps, step=1)
     acks: list[RankAck] = []
     for r in range(world):
         acks += vault.save(r, hashes, d.publishable, payload)
-    return [p.tokens for p in d.publishable if vault.publish(hashes, p.tokens, acks) is None]
+    return sorted(b for b, why in vault.publish(hashes, acks).items() if why is None)
 
 
 def test_publish_lookup_load_round_trip() -> None:
@@ -61,7 +65,7 @@ def test_publish_lookup_load_round_trip() -> None:
     store.calls.clear()
     hashes = vault.hashes([*tokens[:50], 999])
     assert vault.lookup(hashes, 51) == 40
-    assert store.calls == ["exists", "exists"]  # records, then objects: two round trips
+    assert store.calls == ["touch", "touch"]  # records, then objects: two round trips
     loaded = vault.load(vault.needed(hashes, 40))
     assert loaded.ok
     # full attention needs all 5 blocks, an 8-token window only the last, the state one object
@@ -101,13 +105,13 @@ def test_objects_are_built_in_lent_memory_when_the_engine_can_gather_into_it() -
     tokens = list(range(64))
     hashes = vault.hashes(tokens)
     tables = {0: list(range(1, 9)), 1: list(range(100, 108))}
-    d = plan_saves(vault.layout, len(tokens), tables, [StateCapture(2, 40, 240, None)])
+    d = plan_saves(vault.layout, len(tokens), tables, [StateCapture(2, 40, 240, 1)], step=1)
 
     def gather_into(ref: ObjectRef, block_id: int, out: memoryview) -> None:
         out[:] = payload(ref, block_id)
 
     acks = vault.save(0, hashes, d.publishable, payload, gather_into)
-    assert [vault.publish(hashes, p.tokens, acks) for p in d.publishable] == [None]
+    assert vault.publish(hashes, acks) == {40: None}
     assert store.parts_in_lent and all(store.parts_in_lent)
     assert vault.lookup(hashes, 64) == 40
     loaded = vault.load(vault.needed(hashes, 40))
@@ -132,12 +136,12 @@ def test_record_needs_every_rank() -> None:
     vault = Vault(MemoryStore(), layout(world=2))
     tokens = list(range(32))
     hashes = vault.hashes(tokens)
-    d = plan_saves(vault.layout, 32, {0: [1, 2, 3, 4], 1: [5, 6, 7, 8]}, [StateCapture(2, 32, 9)])
+    d = plan_saves(vault.layout, 32, {0: [1, 2, 3, 4], 1: [5, 6, 7, 8]}, [StateCapture(2, 32, 9, 1)], step=1)
     acks = vault.save(0, hashes, d.publishable, payload)
-    assert vault.publish(hashes, 32, acks) is Refusal.MISSING_RANK
+    assert vault.publish(hashes, acks) == {32: Refusal.MISSING_RANK}
     assert vault.lookup(hashes, 40) == 0
     acks += vault.save(1, hashes, d.publishable, payload)
-    assert vault.publish(hashes, 32, acks) is None
+    assert vault.publish(hashes, acks) == {32: None}
     assert vault.lookup(hashes + vault.hashes(list(range(40)))[4:], 40) == 32
 
 

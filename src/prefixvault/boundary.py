@@ -6,11 +6,14 @@ cache group, what that group needs to resume at b is really there:
 - full attention: the KV blocks of every token before b, none of them the null block;
 - sliding window: the KV blocks inside the window before b, none of them the null block;
 - recurrent state: a state the engine reports it captured *exactly* at b, in a real
-  (non-null) block, reported in the step being saved (a later step may have reused the block),
-  and b is where the request's chunk of that step ended.
+  (non-null) block, reported in the step being saved (a later step may have reused the block;
+  a capture or a save whose step is unknown is refused), and b is where the request's chunk
+  of that step ended.
 
-The engine's reports are the source of truth. A position in a state block table is not:
-engines fill positions they kept no state for with the null block. Nor is an offer for a
+The engine's reports are the source of truth. A position in a state block table is not
+(engines fill positions they kept no state for with the null block), except through
+``step_end_captures``, which states the one engine fact that makes a position evidence and
+guards it. Nor is an offer for a
 boundary strictly inside the step's chunk: a recurrent kernel leaves one state, at the end of
 the chunk, and vLLM (0.32, align mode) offers a block as the state at the block's end even
 when the chunk that last wrote it ended mid-block (docs/architecture.md, "Under load").
@@ -38,6 +41,7 @@ class Refusal(StrEnum):
     NOT_ALIGNED = "not_aligned"
     NOT_COMPUTED = "not_computed"
     MISSING_RANK = "missing_rank"
+    MISSING_OBJECT = "missing_object"  # the parent record and a block it covered are gone
     STORE_ERROR = "store_error"
 
 
@@ -64,6 +68,32 @@ class StepChunk:
 
     start: int
     end: int
+
+
+def step_end_captures(
+    layout: CacheLayout, chunk: StepChunk, prompt_tokens: int,
+    state_tables: Mapping[int, Sequence[int]], step: int,
+) -> list[StateCapture]:
+    """The engine fact behind step-end capture, with its guard.
+
+    In align mode a recurrent kernel leaves, after a step, the state at the end of the
+    request's chunk in the block at index ``chunk.end // block_size - 1`` of each state
+    group's table. That is the state at a prompt boundary only when the chunk ended on a
+    block boundary and inside the prompt: a request resumed after preemption recomputes
+    prompt + output tokens, and a chunk that ran past the prompt leaves a state that already
+    holds output tokens. Anything else gives no capture (never a guess).
+    """
+    bs = layout.block_size
+    end = chunk.end
+    if end % bs or not chunk.start < end <= prompt_tokens:
+        return []
+    out = []
+    for gi, group in enumerate(layout.groups):
+        if group.is_state:
+            table = state_tables.get(gi, ())
+            idx = end // bs - 1
+            out.append(StateCapture(gi, end, table[idx] if idx < len(table) else NULL_BLOCK_ID, step))
+    return out
 
 
 @dataclass(frozen=True)
@@ -109,6 +139,7 @@ def plan_saves(
     step: int | None = None,
     candidates: Iterable[int] | None = None,
     chunk: StepChunk | None = None,
+    since: int = 0,
 ) -> BoundaryDecision:
     """Decide, from the engine's reports, which boundaries can be published now.
 
@@ -116,7 +147,11 @@ def plan_saves(
     ``captures`` are the state reports; ``candidates`` are the boundaries to consider
     (default: every aligned boundary for attention-only layouts, every captured token
     count for layouts with state); ``chunk`` is what the request computed in ``step``
-    (engines that report it get the chunk-end guard on every state).
+    (engines that report it get the chunk-end guard on every state); ``since`` is a boundary
+    of the same prefix already handed to the store: KV blocks before it are the parent
+    record's, so plans list (and check) only the blocks from ``since`` on, and candidates up
+    to ``since`` are skipped. That keeps a step's plans as large as what the step computed,
+    not as the prompt.
     """
     bs = layout.block_size
     state_groups = [i for i, g in enumerate(layout.groups) if g.is_state]
@@ -130,8 +165,9 @@ def plan_saves(
         candidates = {t for (_, t) in by_boundary} if state_groups else aligned
     publishable: list[SavePlan] = []
     refused: list[tuple[int, Refusal]] = []
-    for b in sorted(set(candidates)):
-        plan_or_refusal = _plan_one(layout, b, computed_tokens, block_tables, by_boundary, step, chunk)
+    for b in sorted(t for t in set(candidates) if t > since):  # the others are already stored
+        plan_or_refusal = _plan_one(layout, b, computed_tokens, block_tables, by_boundary, step, chunk,
+                                    since // bs if since > 0 else 0)
         if isinstance(plan_or_refusal, SavePlan):
             publishable.append(plan_or_refusal)
         else:
@@ -147,6 +183,7 @@ def _plan_one(
     captures: Mapping[tuple[int, int], StateCapture],
     step: int | None,
     chunk: StepChunk | None,
+    first_block: int,
 ) -> SavePlan | Refusal:
     bs = layout.block_size
     if b <= 0 or b % bs:
@@ -166,12 +203,13 @@ def _plan_one(
                 return Refusal.INSIDE_CHUNK if chunk.start < b < chunk.end else Refusal.STALE
             if cap.block_id == NULL_BLOCK_ID:
                 return Refusal.NULL_BLOCK
-            if step is not None and cap.step is not None and cap.step != step:
-                return Refusal.STALE
+            if step is None or cap.step != step:
+                return Refusal.STALE  # fail closed: a capture of an unknown step is not evidence
             states.append((gi, cap.block_id))
             continue
         table = block_tables.get(gi, ())
-        for i in needed_blocks(group, b, bs):
+        need = needed_blocks(group, b, bs)
+        for i in range(max(need.start, first_block), need.stop):
             if i >= len(table):
                 return Refusal.NOT_COMPUTED
             if table[i] == NULL_BLOCK_ID:

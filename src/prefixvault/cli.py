@@ -104,7 +104,8 @@ def stats(store: StoreOpt) -> None:
 @app.command()
 def audit(
     store: StoreOpt,
-    repair: Annotated[bool, typer.Option("--repair", help="Remove broken records and bad objects")] = False,
+    repair: Annotated[bool, typer.Option(
+        "--repair", help="Remove records proven broken and bad objects; unverifiable ones stay")] = False,
 ) -> None:
     """Walk every record, verify every object it needs and report what is wrong."""
     from prefixvault.inventory import audit as run_audit
@@ -118,10 +119,13 @@ def audit(
         s.close()
     for f in report.findings:
         console.print(f"[red]broken[/] {f.record_key}: {f.problem} {f.object_key}".rstrip(), highlight=False)
+    for f in report.unverifiable:
+        console.print(f"[yellow]unverifiable[/] {f.record_key}: {f.problem} (kept)", highlight=False)
     broken = len(report.broken_records)
     console.print(
         f"records: {report.records}  objects checked: {report.objects_checked}  "
-        f"broken records: {broken}" + (f"  removed: {report.repaired}" if repair else "")
+        f"broken records: {broken}  unverifiable: {len(report.unverifiable)}"
+        + (f"  removed: {report.repaired}" if repair else "")
     )
     raise typer.Exit(1 if broken and not repair else 0)
 

@@ -88,8 +88,9 @@ def produce(uri: str, prompt: list[int], chunk: int) -> dict[str, object]:
     attn_table: list[int] = []
     state = np.zeros(STATE_SHAPE, np.float32)
     next_state_block = 1
-    published, refused = [], []
-    done = 0
+    published: list[int] = []
+    refused = []
+    done = parent = 0
     for step, start in enumerate(range(0, len(prompt), chunk)):
         end = min(start + chunk, len(prompt))
         for i in range(len(attn_table), end // BLOCK):
@@ -104,7 +105,7 @@ def produce(uri: str, prompt: list[int], chunk: int) -> dict[str, object]:
             captures.append(StateCapture(1, end, bid, step))
         # A naive connector would publish every block boundary; the rule decides instead.
         candidates = range(done + BLOCK, end // BLOCK * BLOCK + 1, BLOCK)
-        decision = plan_saves(layout, end, {0: attn_table}, captures, step, candidates)
+        decision = plan_saves(layout, end, {0: attn_table}, captures, step, candidates, since=parent)
 
         def read(ref: ObjectRef, block_id: int) -> memoryview:
             assert block_id != NULL_BLOCK_ID
@@ -112,9 +113,9 @@ def produce(uri: str, prompt: list[int], chunk: int) -> dict[str, object]:
             return np.ascontiguousarray(src[block_id]).data.cast("B")
 
         acks = vault.save(0, hashes, decision.publishable, read)
-        for plan in decision.publishable:
-            if vault.publish(hashes, plan.tokens, acks) is None:
-                published.append(plan.tokens)
+        ok = sorted(b for b, why in vault.publish(hashes, acks, parent).items() if why is None)
+        published.extend(ok)
+        parent = max([parent, *ok])
         for b, why in decision.refused:
             vault.refuse(why)
             refused.append((b, why.value))

@@ -7,12 +7,12 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from prefixvault.boundary import needed_blocks
 from prefixvault.codec import IntegrityError, decode
-from prefixvault.keys import KeySpace
-from prefixvault.layout import CacheLayout
+from prefixvault.layout import CacheLayout, GroupKind
 from prefixvault.records import BoundaryRecord
 from prefixvault.stores.base import Store
-from prefixvault.vault import Vault
+from prefixvault.vault import ObjectRef, Vault
 
 
 @dataclass
@@ -34,9 +34,13 @@ class AuditFinding:
 
 @dataclass
 class AuditReport:
+    """``findings`` prove records broken; ``unverifiable`` records could not be checked (no
+    layout, or a parent record that is gone) and are never removed."""
+
     records: int = 0
     objects_checked: int = 0
     findings: list[AuditFinding] = field(default_factory=list)
+    unverifiable: list[AuditFinding] = field(default_factory=list)
     repaired: int = 0
 
     @property
@@ -114,42 +118,142 @@ def _records(store: Store) -> Iterator[tuple[str, str, str]]:
             yield key, sp[0], sp[1]
 
 
-def audit(store: Store, repair: bool = False, batch: int = 64) -> AuditReport:
-    """Verify every record's objects (presence, header, checksum); optionally remove the broken."""
-    report = AuditReport()
-    layouts = load_layouts(store)
-    bad_objects: set[str] = set()
-    for rkey, ns, fp in list(_records(store)):
-        report.records += 1
-        layout = layouts.get((ns, fp))
-        if layout is None:
-            report.findings.append(AuditFinding(rkey, "layout unknown"))
-            continue
-        blob = store.get_many([rkey])[0]
-        if blob is None:
-            continue  # removed since the scan
-        try:
-            record = BoundaryRecord.decode(blob, layout.fingerprint())
-        except IntegrityError as e:
-            report.findings.append(AuditFinding(rkey, f"unreadable record ({e})"))
-            continue
-        vault = Vault(store, layout, ns)
-        if KeySpace(ns, layout.fingerprint()).record(record.boundary_hash) != rkey:
-            report.findings.append(AuditFinding(rkey, "record stored under another key"))
-            continue
-        refs = vault.needed(record.hashes, record.tokens)
-        for i in range(0, len(refs), batch):
-            chunk = refs[i : i + batch]
-            for ref, blob_ in zip(chunk, store.get_many([r.key for r in chunk]), strict=True):
-                report.objects_checked += 1
-                if blob_ is None:
-                    report.findings.append(AuditFinding(rkey, "missing object", ref.key))
+class _ScopeAudit:
+    """Audit of the records of one (namespace, layout): each record is checked for the
+    objects of its own segment, and inherits what its parent's check proved about the KV
+    blocks before it, so a chain of records is walked once, not once per record."""
+
+    def __init__(self, store: Store, layout: CacheLayout, namespace: str, report: AuditReport,
+                 batch: int) -> None:
+        self.store = store
+        self.vault = Vault(store, layout, namespace)
+        self.report = report
+        self.batch = batch
+        self.checked: dict[str, str | None] = {}  # object key -> problem, None when it verifies
+        self.bad_objects: set[str] = set()
+
+    def run(self, keys: list[str]) -> None:
+        records: dict[bytes, tuple[str, BoundaryRecord]] = {}
+        for i in range(0, len(keys), self.batch):
+            part = keys[i : i + self.batch]
+            for rkey, blob in zip(part, self.store.get_many(part), strict=True):
+                if blob is None:
+                    continue  # removed since the scan
+                self.report.records += 1
+                try:
+                    record = BoundaryRecord.decode(blob, self.vault.fingerprint)
+                except IntegrityError as e:
+                    self.report.findings.append(AuditFinding(rkey, f"unreadable record ({e})"))
+                    continue
+                if self.vault.keys.record(record.boundary_hash) != rkey:
+                    self.report.findings.append(AuditFinding(rkey, "record stored under another key"))
+                elif record.block_size != self.vault.layout.block_size:
+                    self.report.findings.append(AuditFinding(rkey, "record of another block size"))
+                else:
+                    records[record.boundary_hash] = (rkey, record)
+        # blocks_ok[h]: None = every KV block the record's boundary needs verifies, else the
+        # finding that proves one does not, or "?" when it cannot be known.
+        blocks_ok: dict[bytes, AuditFinding | str | None] = {}
+        for h, (rkey, record) in sorted(records.items(), key=lambda kv: kv[1][1].tokens):
+            blocks_ok[h] = self._check(rkey, record, records, blocks_ok)
+
+    def _chain(self, record: BoundaryRecord, records: dict[bytes, tuple[str, BoundaryRecord]],
+               first_needed: int) -> dict[int, bytes] | None:
+        """Block hashes by index from ``first_needed`` to the record's boundary, following
+        parents as far back as needed; None if a parent on the way is gone."""
+        out: dict[int, bytes] = {}
+        cur: BoundaryRecord | None = record
+        while cur is not None:
+            out.update(enumerate(cur.hashes, cur.first_block))
+            if cur.first_block <= first_needed or not cur.parent:
+                return out
+            found = records.get(cur.parent_hash)
+            cur = found[1] if found else None
+        return None
+
+    def _check(self, rkey: str, record: BoundaryRecord, records: dict[bytes, tuple[str, BoundaryRecord]],
+               blocks_ok: dict[bytes, AuditFinding | str | None]) -> AuditFinding | str | None:
+        """Check one record; return what it proves about its full-attention blocks (for the
+        records that extend it): None when they verify, a finding, or "?" when unknown."""
+        layout = self.vault.layout
+        bs = layout.block_size
+        n = record.tokens // bs
+        full: list[ObjectRef] = []  # full-attention blocks of the record's own segment
+        other: list[ObjectRef] = []  # sliding-window blocks and states
+        unknown = False
+        ranks = range(layout.world_size)
+        for gi, group in enumerate(layout.groups):
+            if group.is_state:
+                other.extend(self.vault.state_ref(gi, r, record.boundary_hash, n - 1) for r in ranks)
+                continue
+            need = needed_blocks(group, record.tokens, bs)
+            if group.kind is GroupKind.FULL_ATTENTION:
+                seg = enumerate(record.hashes, record.first_block)
+                full.extend(self.vault.block_ref(gi, r, h, i) for i, h in seg for r in ranks)
+                continue
+            chain = self._chain(record, records, need.start)
+            if chain is None:
+                unknown = True
+                continue
+            other.extend(self.vault.block_ref(gi, r, chain[i], i) for i in need for r in ranks)
+        has_full = bool(full)
+        inherited = blocks_ok.get(record.parent_hash, "?") if record.parent and has_full else None
+        own_full = self._verify(rkey, full)
+        if own_full is not None:
+            self.report.findings.append(own_full)
+            return own_full
+        problem = self._verify(rkey, other)
+        if problem is None and isinstance(inherited, AuditFinding):
+            problem = AuditFinding(rkey, f"extends a broken record ({inherited.problem})",
+                                   inherited.object_key)
+        if problem is not None:
+            self.report.findings.append(problem)
+        elif unknown or inherited == "?":
+            gone = AuditFinding(rkey, "a parent record is gone: earlier blocks unknown")
+            self.report.unverifiable.append(gone)
+        return inherited
+
+    def _verify(self, rkey: str, refs: list[ObjectRef]) -> AuditFinding | None:
+        todo = [r for r in refs if r.key not in self.checked]
+        for i in range(0, len(todo), self.batch):
+            part = todo[i : i + self.batch]
+            for ref, blob in zip(part, self.store.get_many([r.key for r in part]), strict=True):
+                self.report.objects_checked += 1
+                if blob is None:
+                    self.checked[ref.key] = "missing object"
                     continue
                 try:
-                    decode(blob_, vault.expected_header(ref))
+                    decode(blob, self.vault.expected_header(ref))
+                    self.checked[ref.key] = None
                 except IntegrityError as e:
-                    report.findings.append(AuditFinding(rkey, e.reason, ref.key))
-                    bad_objects.add(ref.key)
+                    self.checked[ref.key] = e.reason
+                    self.bad_objects.add(ref.key)
+        for ref in refs:
+            problem = self.checked.get(ref.key)
+            if problem is not None:
+                return AuditFinding(rkey, problem, ref.key)
+        return None
+
+
+def audit(store: Store, repair: bool = False, batch: int = 64) -> AuditReport:
+    """Verify every record's objects (presence, header, checksum); optionally remove what is
+    proven broken. A record that cannot be checked (its layout or a parent record is gone) is
+    reported as unverifiable and always kept: lookups still check its objects before a hit."""
+    report = AuditReport()
+    layouts = load_layouts(store)
+    scopes: dict[tuple[str, str], list[str]] = {}
+    for rkey, ns, fp in _records(store):
+        scopes.setdefault((ns, fp), []).append(rkey)
+    bad_objects: set[str] = set()
+    for (ns, fp), keys in sorted(scopes.items()):
+        layout = layouts.get((ns, fp))
+        if layout is None:
+            report.records += len(keys)
+            report.unverifiable.extend(AuditFinding(k, "layout unknown") for k in keys)
+            continue
+        scope = _ScopeAudit(store, layout, ns, report, batch)
+        scope.run(sorted(keys))
+        bad_objects |= scope.bad_objects
     if repair:
         broken = sorted(report.broken_records)
         report.repaired = store.delete_many(broken) if broken else 0

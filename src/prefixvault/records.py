@@ -2,8 +2,13 @@
 
 A record exists only if its boundary is resumable, so it is written last, after every
 object it needs was acknowledged by every rank, and never overwritten (put-if-absent).
-It lists the block hashes of its prefix so that an audit can find every object it needs
-without knowing the tokens.
+
+A record lists only its own segment of the hash chain: the block hashes after its *parent*
+(an earlier boundary of the same prefix whose record existed when this one was written) up
+to its own boundary. Its bytes therefore grow with the distance to its parent, not with the
+prompt, and an audit that follows parents finds every block hash of the prefix without
+knowing the tokens. ``parent == 0`` means the record lists the chain from the first block
+(version 1 records, which listed every hash, decode as such).
 """
 
 from __future__ import annotations
@@ -15,18 +20,32 @@ from dataclasses import dataclass
 from prefixvault.codec import IntegrityError, ObjectHeader, ObjectKind, decode, encode
 from prefixvault.stores.base import Buffer
 
+RECORD_VERSION = 2
+
 
 @dataclass(frozen=True)
 class BoundaryRecord:
     tokens: int
-    hashes: tuple[bytes, ...]  # h_0 .. h_{n-1}; the last one names the boundary
+    hashes: tuple[bytes, ...]  # h_first .. h_{n-1}: the blocks after the parent; the last names the boundary
     world_size: int
     producer: str = ""
     created: float = 0.0
+    parent: int = 0  # boundary (tokens) this record extends; 0: none, ``hashes`` start at block 0
+    parent_hash: bytes = b""  # the parent's boundary hash (names its record)
 
     @property
     def boundary_hash(self) -> bytes:
         return self.hashes[-1]
+
+    @property
+    def block_size(self) -> int:
+        """The block size implied by the segment (tokens it spans / hashes it lists)."""
+        return (self.tokens - self.parent) // len(self.hashes)
+
+    @property
+    def first_block(self) -> int:
+        """Index in the prefix's chain of the first hash listed."""
+        return self.parent // self.block_size
 
     def header(self, fingerprint: bytes, length: int) -> ObjectHeader:
         return ObjectHeader(
@@ -34,17 +53,18 @@ class BoundaryRecord:
         )
 
     def encode(self, fingerprint: bytes) -> bytes:
-        payload = json.dumps(
-            {
-                "v": 1,
-                "tokens": self.tokens,
-                "hashes": [h.hex() for h in self.hashes],
-                "world_size": self.world_size,
-                "producer": self.producer,
-                "created": self.created or time.time(),
-            },
-            separators=(",", ":"),
-        ).encode()
+        body: dict[str, object] = {
+            "v": RECORD_VERSION,
+            "tokens": self.tokens,
+            "hashes": [h.hex() for h in self.hashes],
+            "world_size": self.world_size,
+            "producer": self.producer,
+            "created": self.created or time.time(),
+        }
+        if self.parent:
+            body["parent"] = self.parent
+            body["parent_hash"] = self.parent_hash.hex()
+        payload = json.dumps(body, separators=(",", ":")).encode()
         return b"".join(bytes(p) for p in encode(self.header(fingerprint, len(payload)), payload))
 
     @classmethod
@@ -63,11 +83,18 @@ class BoundaryRecord:
                 world_size=int(body["world_size"]),
                 producer=str(body.get("producer", "")),
                 created=float(body.get("created", 0.0)),
+                parent=int(body.get("parent", 0)),
+                parent_hash=bytes.fromhex(str(body.get("parent_hash", ""))),
             )
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise IntegrityError("format", f"record body: {e}") from None
         if not rec.hashes:
             raise IntegrityError("format", "record lists no block hashes")
         if rec.boundary_hash != header.key_hash or rec.tokens != header.tokens:
             raise IntegrityError("identity", "record body does not match its header")
+        span = rec.tokens - rec.parent
+        if span <= 0 or rec.parent < 0 or span % len(rec.hashes) or rec.parent % (span // len(rec.hashes)):
+            raise IntegrityError("format", "record's segment does not fit its boundary and parent")
+        if bool(rec.parent) != bool(rec.parent_hash):
+            raise IntegrityError("format", "record names a parent without its hash, or the reverse")
         return rec

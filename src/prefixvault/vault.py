@@ -1,17 +1,22 @@
 """The vault protocol: save objects, publish records, look up hits and load verified bytes.
 
-Publish: every rank stores its objects and acknowledges; the coordinator writes the
-boundary record last, only when every rank acknowledged every object (invariant 1).
-Lookup: records first, then an existence check of every object the chosen record needs,
-in two batched round trips whatever the prompt length (invariant 2).
+Publish: every rank stores its objects; a record is written last, only when every object of
+every rank is acknowledged or seen in the store (invariant 1). A record lists its segment of
+the hash chain and points at the earlier record it extends, so record bytes and publish work
+grow with what a step computed, not with the prompt.
+Lookup: records first, then an existence check of every object the published candidates
+need, in two batched round trips whatever the prompt length, in time linear in the prompt
+(invariant 2).
 Load: every object is checked against the header the reader expects and its checksum
 before its payload is handed out; bad objects are counted and removed (invariant 3).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -21,9 +26,20 @@ import numpy as np
 from prefixvault.boundary import Refusal, SavePlan, choose_hit, max_resume_tokens, needed_blocks
 from prefixvault.codec import HEADER_SIZE, IntegrityError, ObjectHeader, ObjectKind, decode, encode
 from prefixvault.keys import ExtraKeys, KeySpace, chain_hashes
-from prefixvault.layout import CacheLayout
+from prefixvault.layout import CacheGroup, CacheLayout
 from prefixvault.records import BoundaryRecord
 from prefixvault.stores.base import Buffer, Store
+
+#: How often a publishing vault reads its stored layout back to check it (seconds).
+LAYOUT_VERIFY_S = 300.0
+
+
+def _is_layout(blob: bytes, expected: bytes) -> bool:
+    try:
+        decode(blob)
+    except IntegrityError:
+        return False
+    return blob == expected
 
 
 @dataclass(frozen=True)
@@ -62,6 +78,7 @@ class VaultCounters:
     get_bytes: int = 0
     get_failed: int = 0
     records_published: int = 0
+    layout_writes: int = 0
     records_existing: int = 0
     refused: Counter[str] = field(default_factory=Counter)
     rejected: Counter[str] = field(default_factory=Counter)
@@ -94,7 +111,7 @@ class Vault:
         self.fingerprint = layout.fingerprint()
         self.keys = KeySpace(namespace, self.fingerprint)
         self.counters = VaultCounters()
-        self._layout_saved = False
+        self._layout_verified: float | None = None  # monotonic time the stored layout was last read
 
     # -- naming -----------------------------------------------------------------------------
 
@@ -104,32 +121,42 @@ class Vault:
         return chain_hashes(token_ids, self.layout.block_size, extra, start)
 
     def needed(
-        self, hashes: Sequence[bytes], tokens: int, ranks: Iterable[int] | None = None
+        self, hashes: Sequence[bytes], tokens: int, ranks: Iterable[int] | None = None, since: int = 0
     ) -> list[ObjectRef]:
-        """Every object (all groups, the given ranks) needed to resume at ``tokens``."""
+        """Every object (all groups, the given ranks) needed to resume at ``tokens``; KV blocks
+        only from boundary ``since`` on (those before it are covered elsewhere: a parent record,
+        or the engine's own cache)."""
         bs = self.layout.block_size
         n = tokens // bs
         if tokens % bs or not 0 < n <= len(hashes):
             raise ValueError(f"boundary {tokens} is not a block boundary within {len(hashes)} blocks")
+        first = since // bs if 0 < since < tokens else 0
         refs: list[ObjectRef] = []
         for rank in range(self.layout.world_size) if ranks is None else ranks:
             for gi, group in enumerate(self.layout.groups):
                 if group.is_state:
                     refs.append(self._state_ref(gi, rank, hashes, n - 1))
                 else:
-                    blocks = needed_blocks(group, tokens, bs)
-                    refs.extend(self._block_ref(gi, rank, hashes, i) for i in blocks)
+                    need = needed_blocks(group, tokens, bs)
+                    refs.extend(self._block_ref(gi, rank, hashes, i)
+                                for i in range(max(first, need.start), need.stop))
         return refs
 
     def _block_ref(self, group: int, rank: int, hashes: Sequence[bytes], i: int) -> ObjectRef:
-        bs = self.layout.block_size
-        return ObjectRef(self.keys.block(group, rank, hashes[i]), ObjectKind.BLOCK, group, rank,
-                         hashes[i], (i + 1) * bs, i)
+        return self.block_ref(group, rank, hashes[i], i)
 
     def _state_ref(self, group: int, rank: int, hashes: Sequence[bytes], i: int) -> ObjectRef:
-        bs = self.layout.block_size
-        return ObjectRef(self.keys.state(group, rank, hashes[i]), ObjectKind.STATE, group, rank,
-                         hashes[i], (i + 1) * bs, i)
+        return self.state_ref(group, rank, hashes[i], i)
+
+    def block_ref(self, group: int, rank: int, block_hash: bytes, i: int) -> ObjectRef:
+        """KV block ``i`` (named by its chain hash) of an attention group on ``rank``."""
+        return ObjectRef(self.keys.block(group, rank, block_hash), ObjectKind.BLOCK, group, rank,
+                         block_hash, (i + 1) * self.layout.block_size, i)
+
+    def state_ref(self, group: int, rank: int, boundary_hash: bytes, i: int) -> ObjectRef:
+        """The state of a state group on ``rank`` at the end of block ``i``."""
+        return ObjectRef(self.keys.state(group, rank, boundary_hash), ObjectKind.STATE, group, rank,
+                         boundary_hash, (i + 1) * self.layout.block_size, i)
 
     def expected_header(self, ref: ObjectRef) -> ObjectHeader:
         """The header an object must carry to be used for ``ref``."""
@@ -215,35 +242,76 @@ class Vault:
                 self.counters.put_failed += 1
         return ok
 
-    # -- publish (coordinator) ------------------------------------------------------------------
+    # -- publish ------------------------------------------------------------------------------
 
-    def publish(self, hashes: Sequence[bytes], tokens: int, acks: Iterable[RankAck]) -> Refusal | None:
-        """Write the record of boundary ``tokens`` if every rank acknowledged it; else say why not."""
-        n = tokens // self.layout.block_size
-        acked = {a.rank for a in acks if a.ok and a.tokens == tokens and a.boundary_hash == hashes[n - 1]}
-        if acked != set(range(self.layout.world_size)):
-            self.counters.refused[Refusal.MISSING_RANK] += 1
-            return Refusal.MISSING_RANK
-        self._put_record(hashes, tokens)
-        return None
+    def publish(
+        self, hashes: Sequence[bytes], acks: Iterable[RankAck], parent: int = 0
+    ) -> dict[int, Refusal | None]:
+        """Write the records of the acknowledged boundaries that every rank has stored.
 
-    def publish_when_complete(self, hashes: Sequence[bytes], tokens: int) -> bool:
-        """Write the record of ``tokens`` if every object of every rank is stored.
-
-        For ranks that cannot exchange acknowledgements: each rank calls this after its own
-        puts were acknowledged, and the last one to finish sees every object and publishes.
+        ``acks`` are the answers of ``save`` (this rank's, or every rank's where a coordinator
+        gathers them). A rank without an ok ack for a boundary is checked in the store, so
+        ranks that cannot exchange acknowledgements each publish after their own puts: the
+        last to finish sees every object. ``parent`` is an earlier boundary of the same prefix
+        whose record covers the KV blocks the saves skipped (``plan_saves(since=parent)``);
+        if that record is gone, the blocks before it are checked in the store instead.
+        Returns, per boundary, None if its record exists now, else why not.
         """
-        if self.layout.world_size > 1:
-            keys = [r.key for r in self.needed(hashes, tokens)]
-            if not all(self.store.exists_many(keys)):
-                return False
-        self._put_record(hashes, tokens)
-        return True
+        bs = self.layout.block_size
+        world = set(range(self.layout.world_size))
+        acked: dict[int, set[int]] = {}
+        failed: set[int] = set()
+        for a in acks:
+            n = a.tokens // bs
+            if a.tokens % bs or not 0 < n <= len(hashes) or a.boundary_hash != hashes[n - 1]:
+                raise ValueError(f"ack for boundary {a.tokens} does not match the prefix given")
+            acked.setdefault(a.tokens, set())
+            if a.ok:
+                acked[a.tokens].add(a.rank)
+            else:
+                failed.add(a.tokens)
+        out: dict[int, Refusal | None] = {b: Refusal.STORE_ERROR for b in failed}
+        todo = sorted(b for b in acked if b not in failed and b > parent)
+        if not todo:
+            return out
+        # One round trip: the parent record, and every object of a rank that did not ack.
+        keys: list[str] = [self.keys.record(hashes[parent // bs - 1])] if parent else []
+        checks: dict[int, list[str]] = {}
+        for b in todo:
+            missing_ranks = sorted(world - acked[b])
+            if missing_ranks:
+                checks[b] = [r.key for r in self.needed(hashes, b, missing_ranks, since=parent)]
+                keys.extend(checks[b])
+        present = dict(zip(keys, self.store.exists_many(keys), strict=True)) if keys else {}
+        if parent and not present[keys[0]]:
+            # The parent's record is gone: publish from the first block if the blocks it
+            # covered are all still stored (one more round trip, only on this path).
+            early = sorted({r.key for r in self.needed(hashes, todo[0], since=0)
+                            if r.kind is ObjectKind.BLOCK and r.tokens <= parent})
+            if early and not all(self.store.exists_many(early)):
+                for b in todo:
+                    out[b] = Refusal.MISSING_OBJECT
+                    self.counters.refused[Refusal.MISSING_OBJECT] += 1
+                return out
+            parent = 0
+        for b in todo:
+            if not all(present[k] for k in checks.get(b, ())):
+                out[b] = Refusal.MISSING_RANK
+                self.counters.refused[Refusal.MISSING_RANK] += 1
+                continue
+            self._put_record(hashes, b, parent)
+            out[b] = None
+            parent = b
+        if any(why is None for why in out.values()):
+            self.keep_layout()  # after the records: never older than a record that needs it
+        return out
 
-    def _put_record(self, hashes: Sequence[bytes], tokens: int) -> None:
-        n = tokens // self.layout.block_size
-        self._save_layout()
-        record = BoundaryRecord(tokens, tuple(hashes[:n]), self.layout.world_size, producer_id())
+    def _put_record(self, hashes: Sequence[bytes], tokens: int, parent: int) -> None:
+        bs = self.layout.block_size
+        n = tokens // bs
+        record = BoundaryRecord(tokens, tuple(hashes[parent // bs : n]), self.layout.world_size,
+                                producer_id(), parent=parent,
+                                parent_hash=hashes[parent // bs - 1] if parent else b"")
         if self.store.put_if_absent(self.keys.record(hashes[n - 1]), record.encode(self.fingerprint)):
             self.counters.records_published += 1
         else:
@@ -253,33 +321,103 @@ class Vault:
         """Count boundaries the boundary rule refused (for metrics)."""
         self.counters.refused[reason] += count
 
-    def _save_layout(self) -> None:
-        if not self._layout_saved:
-            import json
+    # -- the layout object ---------------------------------------------------------------------
 
-            data = json.dumps(self.layout.to_json(), sort_keys=True).encode()
-            header = ObjectHeader(ObjectKind.LAYOUT, self.fingerprint, self.fingerprint, length=len(data))
-            self.store.put_if_absent(self.keys.layout(), b"".join(bytes(p) for p in encode(header, data)))
-            self._layout_saved = True
+    def layout_object(self) -> bytes:
+        """The stored form of the layout: what audits read to check records without an engine."""
+        data = json.dumps(self.layout.to_json(), sort_keys=True).encode()
+        header = ObjectHeader(ObjectKind.LAYOUT, self.fingerprint, self.fingerprint, length=len(data))
+        return b"".join(bytes(p) for p in encode(header, data))
+
+    def keep_layout(self, present: bool | None = None) -> None:
+        """Keep the layout object stored, valid, and as fresh as the records that need it.
+
+        One round trip: a read that verifies it (the first time, then every
+        ``LAYOUT_VERIFY_S``), else a touch; a missing or bad layout is written again. With
+        ``present`` (already known from a lookup's touch) a present layout costs nothing.
+        """
+        key = self.keys.layout()
+        now = time.monotonic()
+        corrupt = False
+        if self._layout_verified is None or now - self._layout_verified >= LAYOUT_VERIFY_S:
+            blob = self.store.get_many([key])[0]
+            corrupt = blob is not None and not _is_layout(blob, self.layout_object())
+            present = blob is not None
+            self._layout_verified = now
+        elif present is None:
+            present = self.store.touch_many([key])[0]
+        if corrupt:
+            self.store.put_many([(key, [self.layout_object()])])
+        elif not present:
+            self.store.put_if_absent(key, self.layout_object())
+        self.counters.layout_writes += corrupt or not present
 
     # -- lookup ----------------------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int = 0) -> int:
-        """Tokens of the longest published, still complete boundary beyond ``min_tokens``; 0 if none."""
+        """Tokens of the longest published, still complete boundary beyond ``min_tokens``; 0 if none.
+
+        Two round trips whatever the prompt length (records, then objects), and work linear
+        in the prompt: the objects of every published candidate are checked in one batch, and
+        prefix counts of missing blocks answer each candidate in constant time.
+        """
         self.counters.lookups += 1
         bs = self.layout.block_size
         limit = min(max_resume_tokens(prompt_tokens, bs), len(hashes) * bs)
         candidates = list(range(limit, min_tokens, -bs))
         if not candidates:
             return 0
-        record_keys = [self.keys.record(hashes[b // bs - 1]) for b in candidates]
-        published = [b for b, e in zip(candidates, self.store.exists_many(record_keys), strict=True) if e]
+        hexes = [h.hex() for h in hashes[: limit // bs]]
+        rprefix = self.keys.prefix + "r/"
+        # Touches: a hit keeps its records, objects and the layout fresh for the store's eviction.
+        record_keys = [rprefix + hexes[b // bs - 1] for b in candidates]
+        exists = self.store.touch_many([self.keys.layout(), *record_keys])
+        published = [b for b, e in zip(candidates, exists[1:], strict=True) if e]
+        if published and not exists[0]:
+            self.keep_layout(present=False)  # evicted or removed: write it again (rare)
         if not published:
             return 0
-        needs = {b: [r.key for r in self.needed(hashes, b)] for b in published}
-        union = sorted({k for keys in needs.values() for k in keys})
-        present = {k for k, e in zip(union, self.store.exists_many(union), strict=True) if e}
-        hit = choose_hit(published, prompt_tokens, bs, lambda b: all(k in present for k in needs[b]))
+        top, low = published[0] // bs, published[-1] // bs
+        # Per (group, rank): the block (or state) indices to check.
+        wanted: list[tuple[int, int, str, range | list[int]]] = []
+        for rank in range(self.layout.world_size):
+            for gi, group in enumerate(self.layout.groups):
+                if group.is_state:
+                    wanted.append((gi, rank, f"{self.keys.prefix}s/{gi}/{rank}/",
+                                   [b // bs - 1 for b in published]))
+                else:
+                    first = needed_blocks(group, low * bs, bs).start
+                    wanted.append((gi, rank, f"{self.keys.prefix}b/{gi}/{rank}/", range(first, top)))
+        keys = [prefix + hexes[i] for _, _, prefix, idx in wanted for i in idx]
+        flags = self.store.touch_many(keys)
+        # missing[g][i]: missing blocks of group g with index < i (over all ranks), for blocks;
+        # the set of boundaries whose state is missing, for states.
+        pos = 0
+        gaps: list[tuple[CacheGroup, int, list[int]]] = []  # (group, first index, prefix counts)
+        lost_states: set[int] = set()
+        for gi, _, _, idx in wanted:
+            got = flags[pos : pos + len(idx)]
+            pos += len(idx)
+            group = self.layout.groups[gi]
+            if group.is_state:
+                lost_states.update(i for i, ok in zip(idx, got, strict=True) if not ok)
+                continue
+            counts = [0]
+            for ok in got:
+                counts.append(counts[-1] + (not ok))
+            assert isinstance(idx, range)
+            gaps.append((group, idx.start, counts))
+
+        def resumable(b: int) -> bool:
+            if b // bs - 1 in lost_states:
+                return False
+            for group, first, counts in gaps:
+                need = needed_blocks(group, b, bs)
+                if counts[need.stop - first] - counts[need.start - first]:
+                    return False
+            return True
+
+        hit = choose_hit(published, prompt_tokens, bs, resumable)
         self.counters.hit_tokens += hit
         return hit
 

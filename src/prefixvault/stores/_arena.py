@@ -123,31 +123,50 @@ def stray_files(root: Path, known: set[int]) -> list[Path]:
 
 
 class Mappings:
-    """This process's mappings of slab files, made once and reused; not thread-safe."""
+    """This process's mappings of slab files, made once and reused; not thread-safe.
+
+    A mapped file cut short by someone else would kill the process with SIGBUS at the next
+    copy, so every view is handed out only after checking (fstat on a descriptor kept open)
+    that the file is still whole: a damaged slab is reported as gone, and its objects are
+    forgotten, at the cost of one fstat per object copied.
+    """
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self._maps: dict[int, Bytes] = {}
+        self._maps: dict[int, tuple[int, Bytes]] = {}  # slab id -> (descriptor, mapping)
 
     def view(self, slab_id: int, nbytes: int) -> Bytes | None:
-        """The slab's bytes as a writable uint8 array, or None if its file is gone."""
-        arr: Bytes | None = self._maps.get(slab_id)
-        if arr is not None and arr.nbytes >= nbytes:
-            return arr
+        """The slab's bytes as a writable uint8 array, or None if its file is gone or short."""
+        found = self._maps.get(slab_id)
+        if found is not None and found[1].nbytes >= nbytes:
+            fd, arr = found
+            if os.fstat(fd).st_size >= arr.nbytes:
+                return arr
+            self.forget(slab_id)  # cut short under us: never touch that mapping again
+            return None
         try:
             fd = os.open(slab_path(self.root, slab_id), os.O_RDWR | os.O_CLOEXEC)
         except FileNotFoundError:
             return None
         try:
             if os.fstat(fd).st_size < nbytes:
+                os.close(fd)
                 return None
             flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
             mm = mmap.mmap(fd, nbytes, flags=flags)
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         arr = np.frombuffer(mm, dtype=np.uint8)
-        self._maps[slab_id] = arr
+        self.forget(slab_id)
+        self._maps[slab_id] = (fd, arr)
         return arr
+
+    def forget(self, slab_id: int) -> None:
+        """Drop one slab's mapping (unmapped once no copy in flight holds a view)."""
+        found = self._maps.pop(slab_id, None)
+        if found is not None:
+            os.close(found[0])
 
     def retain(self, live: set[int]) -> None:
         """Forget mappings of slabs that no longer exist.
@@ -156,10 +175,11 @@ class Mappings:
         soon as no copy in flight still holds a view.
         """
         for slab_id in [s for s in self._maps if s not in live]:
-            del self._maps[slab_id]
+            self.forget(slab_id)
 
     def clear(self) -> None:
-        self._maps.clear()
+        for slab_id in list(self._maps):
+            self.forget(slab_id)
 
     def __len__(self) -> int:
         return len(self._maps)

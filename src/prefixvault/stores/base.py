@@ -9,6 +9,7 @@ at all, never a mix, even if a writer dies mid-put.
 from __future__ import annotations
 
 import abc
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
@@ -17,7 +18,6 @@ from typing import TypeAlias
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
 #: A key is ASCII, 1..250 characters, made of letters, digits and ``/._:-=``.
-KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789/._:-=")
 MAX_KEY_LEN = 250
 
 
@@ -29,9 +29,12 @@ class StoreUnavailable(StoreError):
     """The store is configured right but cannot be reached now (server down, timed out)."""
 
 
+_KEY = re.compile(rf"[A-Za-z0-9/._:=-]{{1,{MAX_KEY_LEN}}}")
+
+
 def check_key(key: str) -> str:
     """Reject keys a store could not hold faithfully."""
-    if not key or len(key) > MAX_KEY_LEN or not KEY_CHARS.issuperset(key):
+    if not isinstance(key, str) or _KEY.fullmatch(key) is None:
         raise ValueError(f"invalid store key {key!r}: use 1..{MAX_KEY_LEN} chars of [A-Za-z0-9/._:-=]")
     return key
 
@@ -98,6 +101,12 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key currently holds an object."""
+
+    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+        """``exists_many``, and the keys that exist count as just used for the store's
+        eviction: a hit keeps what it uses alive. Stores whose existence check already
+        counts as a use (Mooncake grants a lease) keep this default."""
+        return self.exists_many(keys)
 
     @abc.abstractmethod
     def delete_many(self, keys: Sequence[str]) -> int:

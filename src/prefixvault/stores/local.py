@@ -401,6 +401,15 @@ class _Tx:
         self._add_slots(slab_id, cls, nslots)
         return (slab_id, 0)
 
+    def lose_slab(self, slab_id: int, nbytes: int) -> None:
+        """Forget a slab whose file is gone or damaged, with its keys (not counted as evictions)."""
+        self.conn.execute("DELETE FROM keys WHERE slab = ?", (slab_id,))
+        self.conn.execute("DELETE FROM slots WHERE slab = ?", (slab_id,))
+        self.conn.execute("DELETE FROM slabs WHERE id = ?", (slab_id,))
+        self.slab_bytes -= nbytes
+        self.epoch += 1
+        self.doomed.append(_arena.slab_path(self.root, slab_id))
+
     def _drop_slab(self, slab_id: int, nbytes: int) -> None:
         self._empty_slab(slab_id)
         self.conn.execute("DELETE FROM slabs WHERE id = ?", (slab_id,))
@@ -657,8 +666,8 @@ class LocalStore(Store):
 
     # -- reads -----------------------------------------------------------------------
 
-    def _locate(self, keys: Sequence[str]) -> tuple[dict[str, _Loc], dict[int, Bytes]]:
-        """Where each key lives now, and this process's mapping of each slab involved."""
+    def _locate(self, keys: Sequence[str]) -> dict[str, _Loc]:
+        """Where each key lives now."""
         with self._lock:
             conn = self._db()
             found: dict[str, _Loc] = {}
@@ -674,13 +683,7 @@ class LocalStore(Store):
             epoch = conn.execute("SELECT value FROM meta WHERE name = 'epoch'").fetchone()[0]
             if epoch != self._epoch:
                 self._sync_maps(conn, epoch)
-            views: dict[int, Bytes] = {}
-            for loc in found.values():
-                if loc.slab is not None and loc.slab not in views and loc.nbytes is not None:
-                    view = self._maps.view(loc.slab, loc.nbytes)
-                    if view is not None:
-                        views[loc.slab] = view
-            return found, views
+            return found
 
     def _moved(self, checks: Sequence[tuple[str, _Loc]]) -> set[str]:
         """Keys that no longer name the slot they were read from."""
@@ -726,9 +729,10 @@ class LocalStore(Store):
             check_key(key)
         sizes: list[int | None] = [None] * len(keys)
         todo = list(range(len(keys)))
+        broken: dict[int, int] = {}  # slab id -> bytes, for slabs whose file is gone or short
         with self._guard("get"):
             for _ in range(READ_ATTEMPTS):
-                found, views = self._locate([keys[i] for i in todo])
+                found = self._locate([keys[i] for i in todo])
                 copied: list[tuple[int, _Loc]] = []
                 retry: list[int] = []
                 for i in todo:
@@ -740,9 +744,15 @@ class LocalStore(Store):
                     elif loc.data is not None or loc.size == 0:
                         take(i, np.frombuffer(loc.data or b"", dtype=np.uint8))
                         sizes[i] = loc.size
-                    elif loc.slab is not None and loc.slab in views and loc.slot is not None:
+                    elif loc.slab is not None and loc.slot is not None and loc.nbytes is not None:
+                        with self._lock:
+                            view = self._maps.view(loc.slab, loc.nbytes)
+                        if view is None:  # its file is gone or short, or the slab was dropped
+                            broken[loc.slab] = loc.nbytes
+                            retry.append(i)
+                            continue
                         start = loc.slot * loc.cls
-                        take(i, views[loc.slab][start : start + loc.size])
+                        take(i, view[start : start + loc.size])
                         copied.append((i, loc))
                     else:
                         retry.append(i)  # its slab went away after the lookup
@@ -757,8 +767,20 @@ class LocalStore(Store):
                     break
             for i in todo:
                 sizes[i] = None
+            if broken:
+                self._forget_slabs(broken)
             self._touch(keys[i] for i in range(len(keys)) if sizes[i] is not None)
         return sizes
+
+    def _forget_slabs(self, slabs: dict[int, int]) -> None:
+        """Drop slabs whose file is gone or cut short, with every key they hold (best effort):
+        lookups stop finding those keys, and the next save writes them again."""
+        with contextlib.suppress(sqlite3.Error, OSError), self._write() as tx:
+            for slab_id in slabs:
+                known = tx.conn.execute("SELECT nbytes FROM slabs WHERE id = ?", (slab_id,)).fetchone()
+                if known is None or self._maps.view(slab_id, int(known[0])) is not None:
+                    continue  # dropped already, or whole
+                tx.lose_slab(slab_id, int(known[0]))
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         if len(keys) != len(buffers):
@@ -791,6 +813,12 @@ class LocalStore(Store):
                     for r in conn.execute(f"SELECT key FROM keys WHERE key IN ({_marks(len(chunk))})", chunk)
                 )
         return [key in present for key in keys]
+
+    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+        found = self.exists_many(keys)
+        with self._guard("exists"):
+            self._touch(k for k, ok in zip(keys, found, strict=True) if ok)
+        return found
 
     def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         # Every key character sorts below DEL, so [prefix, prefix + DEL) is the prefix range.
@@ -861,12 +889,12 @@ class LocalStore(Store):
                         classes = [_arena.size_class(n, slab_size) for n in sizes]
                         if any(classes):
                             self._claim(keys, classes, claims, if_absent)
-                    self._copy(parts, sizes, claims)
+                    lost = self._copy(parts, sizes, claims)
                     with self._write() as tx:
                         for i, key in enumerate(keys):
                             if classes[i] == 0:
                                 ok[i] = tx.put_inline(key, b"".join(p.data for p in parts[i]), if_absent)
-                            elif i in claims:
+                            elif i in claims and i not in lost:
                                 ok[i] = tx.publish(key, sizes[i], claims[i], if_absent)
                     published = True
                 except (OSError, sqlite3.Error) as exc:
@@ -894,14 +922,18 @@ class LocalStore(Store):
                 if claim is not None:
                     claims[i] = claim
 
-    def _copy(self, parts: list[list[Bytes]], sizes: list[int], claims: dict[int, _Claim]) -> None:
-        """Fill claimed slots; no lock is held, so readers and other writers proceed."""
-        with self._lock:
-            views = {c.slab: self._maps.view(c.slab, c.nbytes) for c in claims.values()}
+    def _copy(self, parts: list[list[Bytes]], sizes: list[int], claims: dict[int, _Claim]) -> set[int]:
+        """Fill claimed slots (no index lock held, so readers and other writers proceed);
+        return the items whose slab file is gone or cut short (those slabs are forgotten)."""
+        lost: dict[int, int] = {}
+        failed: set[int] = set()
         for i, claim in claims.items():
-            view = views[claim.slab]
+            with self._lock:
+                view = self._maps.view(claim.slab, claim.nbytes)
             if view is None:
-                raise StoreError(f"local store {self.path}: slab {claim.slab} vanished mid-put")
+                lost[claim.slab] = claim.nbytes
+                failed.add(i)
+                continue
             start = claim.slot * claim.cls
             dst = view[start : start + sizes[i]]
             pos = 0
@@ -910,6 +942,9 @@ class LocalStore(Store):
                 if n:
                     np.copyto(dst[pos : pos + n], part)
                     pos += n
+        if lost:
+            self._forget_slabs(lost)
+        return failed
 
     def _abandon(self, claims: list[_Claim]) -> None:
         """Give back slots of a put that failed midway (best effort)."""

@@ -124,6 +124,12 @@ class MemoryStore(Store):
         with self._lock:
             return [key in self._data for key in keys]
 
+    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+        for key in keys:
+            check_key(key)
+        with self._lock:
+            return [self._lookup(key) is not None for key in keys]
+
     def delete_many(self, keys: Sequence[str]) -> int:
         for key in keys:
             check_key(key)

@@ -252,6 +252,10 @@ class RedisStore(Store):
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(n) for n in self._each("exists", "exists", keys)]
 
+    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+        # EXISTS leaves a key's LRU/LFU clock alone; TOUCH answers the same and updates it.
+        return [bool(n) for n in self._each("exists", "touch", keys)]
+
     def delete_many(self, keys: Sequence[str]) -> int:
         return sum(int(n) for n in self._each("delete", "delete", keys))
 

@@ -66,6 +66,9 @@ class RetryingStore(Store):
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return self._real().exists_many(keys)
 
+    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+        return self._real().touch_many(keys)
+
     def delete_many(self, keys: Sequence[str]) -> int:
         return self._real().delete_many(keys)
 

@@ -7,9 +7,13 @@ tensors they are given.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
+from prefixvault.identity import model_content
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, StateFamily, TensorSpec
+
+log = logging.getLogger("vllm.prefixvault")
 
 #: Bump when the way bytes are gathered from vLLM's tensors changes.
 ADAPTER_LAYOUT_VERSION = "1"
@@ -83,6 +87,11 @@ def build_layout(vllm_config: Any, kv_cache_config: Any, model_id: str = "") -> 
         raise ValueError(f"prefixvault: cache groups with different block sizes {sorted(block_sizes)}")
     mc = vllm_config.model_config
     version = f"vllm-{vllm.__version__}/{current_platform.device_type}/{ADAPTER_LAYOUT_VERSION}"
+    weights = model_content(str(mc.model), str(mc.revision) if mc.revision else None)
+    if weights is None:
+        log.warning("prefixvault: cannot read the files of %s to name its weights by content; a "
+                    "checkpoint replaced under the same name would reuse old caches (set model_id "
+                    "to a name that changes with the weights)", mc.model)
     return CacheLayout(
         model=model_id or str(mc.model),
         revision=str(mc.revision or ""),
@@ -91,5 +100,5 @@ def build_layout(vllm_config: Any, kv_cache_config: Any, model_id: str = "") -> 
         tp_size=tp,
         engine="vllm",
         engine_layout_version=version,
-        extra=(("dtype", dtype_name(mc.dtype)),),
+        extra=(("dtype", dtype_name(mc.dtype)), ("weights", weights or "unknown")),
     )

@@ -27,6 +27,7 @@ class SaveSpec:
     req_id: str
     hashes: list[bytes]
     plans: list[SavePlan]
+    parent: int = 0  # an earlier boundary whose record covers the KV blocks the plans skip
 
 
 @dataclass

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from prefixvault.boundary import StateCapture, StepChunk, plan_saves
+from prefixvault.boundary import StateCapture, StepChunk, plan_saves, step_end_captures
+from prefixvault.identity import content_digest
 from prefixvault.keys import ExtraKeys, MultimodalItem
 from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample, write_sample
@@ -28,15 +29,25 @@ log = logging.getLogger("vllm.prefixvault")
 MAX_LOADS_PER_REQUEST = 2
 
 
+def lora_key(lora: Any) -> str:
+    """An adapter named by its files' content, so an adapter replaced in place gets new keys;
+    by name and path where its files cannot be read."""
+    path = str(getattr(lora, "lora_path", "") or "")
+    try:
+        return f"content:{content_digest(path)}"
+    except OSError:
+        return f"{lora.lora_name}:{path}"
+
+
 def extra_keys(request: Any) -> ExtraKeys:
     """LoRA, cache salt and multimodal inputs of a request: all change its cache."""
     lora = getattr(request, "lora_request", None)
-    lora_key = f"{lora.lora_name}:{getattr(lora, 'lora_path', '')}" if lora is not None else None
+    lora_key_ = lora_key(lora) if lora is not None else None
     mm = []
     for f in getattr(request, "mm_features", None) or []:
         pos = f.mm_position
         mm.append(MultimodalItem(str(f.identifier), int(pos.offset), int(pos.length)))
-    return ExtraKeys(lora=lora_key, cache_salt=getattr(request, "cache_salt", None), multimodal=tuple(mm))
+    return ExtraKeys(lora=lora_key_, cache_salt=getattr(request, "cache_salt", None), multimodal=tuple(mm))
 
 
 @dataclass
@@ -175,13 +186,10 @@ class SchedulerSide:
                 continue
             captures = [StateCapture(g, t, b, self._step) for g, b, t in offers.get(req_id, [])
                         if t <= end]
-            # The state this step leaves in the running block is the state at the chunk's
-            # end, which is a prompt boundary only if the chunk stopped inside the prompt.
-            if chunk.end == end and self._capture_step_end(st, end):
-                for g in self.state_groups:
-                    idx = end // bs - 1
-                    block_id = tables[g][idx] if idx < len(tables[g]) else 0
-                    captures.append(StateCapture(g, end, block_id, self._step))
+            at_end = step_end_captures(self.layout, chunk, prompt_len,
+                                       {g: tables[g] for g in self.state_groups}, self._step)
+            if at_end and self._capture_step_end(st, end):
+                captures += at_end
             candidates = {c.tokens for c in captures}
             if not self.state_groups:
                 candidates = set(range((start // bs + 1) * bs, end + 1, bs))
@@ -189,14 +197,14 @@ class SchedulerSide:
             if not candidates:
                 continue
             decision = plan_saves(self.layout, end, {g: tables[g] for g in self.attn_groups}, captures,
-                                  self._step, candidates, chunk)
+                                  self._step, candidates, chunk, since=st.saved)
             for _, why in decision.refused:
                 self.counters.refused[why.value] = self.counters.refused.get(why.value, 0) + 1
             if decision.publishable:
                 top = max(p.tokens for p in decision.publishable)
-                st.saved = max(st.saved, top)
                 self.counters.plans += len(decision.publishable)
-                saves.append(SaveSpec(req_id, self._hashes(st, top), list(decision.publishable)))
+                saves.append(SaveSpec(req_id, self._hashes(st, top), list(decision.publishable), st.saved))
+                st.saved = max(st.saved, top)
         return saves
 
     def _capture_step_end(self, st: _Request, end: int) -> bool:

@@ -95,13 +95,10 @@ class WorkerSide:
         for spec in specs:
             try:
                 acks = self.vault.save(self.rank, spec.hashes, spec.plans, self._gather, self._gather_into)
-                for ack in acks:
-                    if not ack.ok:
-                        self.counters.save_errors += 1
-                        continue
-                    self.counters.saved_boundaries += 1
-                    if self.vault.publish_when_complete(spec.hashes, ack.tokens):
-                        self.counters.published += 1
+                self.counters.save_errors += sum(not a.ok for a in acks)
+                self.counters.saved_boundaries += sum(a.ok for a in acks)
+                results = self.vault.publish(spec.hashes, acks, parent=spec.parent)
+                self.counters.published += sum(why is None for why in results.values())
             except Exception as e:  # a store problem costs future hits, never this request
                 self.counters.save_errors += 1
                 log.warning("prefixvault: save for request %s failed: %s", spec.req_id, e)
@@ -130,8 +127,7 @@ class WorkerSide:
     def _load_one(self, spec: LoadSpec) -> bool:
         assert self.vault is not None
         bs = self.layout.block_size
-        refs = [r for r in self.vault.needed(spec.hashes, spec.tokens, ranks=[self.rank])
-                if r.kind is ObjectKind.STATE or r.block_index >= spec.local_tokens // bs]
+        refs = self.vault.needed(spec.hashes, spec.tokens, ranks=[self.rank], since=spec.local_tokens)
         targets = []
         for r in refs:
             table = spec.block_ids[r.group]

@@ -1,0 +1,141 @@
+"""Lookup time and record bytes as prompts grow, on the memory store.
+
+    python bench/lookup.py [--tokens 1024,8192,32768,131072] [--block-sizes 16,256]
+                           [--layouts attention,hybrid] [--repeat 5] [--max-blocks N]
+
+For each prompt length, block size and layout, a producer publishes *every* block boundary
+of one prompt through the vault's save and publish path (what a connector does, with tiny
+payloads: this measures the protocol, not memcpy), then a consumer whose prompt extends it by
+one token looks it up. Printed per case: the lookup time (best of ``--repeat``), the time
+to hash the consumer's prompt (done once per request, beside the lookup), and the record
+bytes per published boundary. ``attention`` is one full-attention group; ``hybrid`` adds a
+state group, so every boundary also needs a state. Goal: a 131072-token prompt at block
+size 16 looks up in <= 20 ms; record bytes per boundary constant in the prompt length.
+The last line printed is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+from prefixvault.boundary import StateCapture, plan_saves
+from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
+from prefixvault.stores.memory import MemoryStore
+from prefixvault.vault import ObjectRef, Vault
+
+GOAL_MS = 20.0
+
+
+def make_layout(kind: str, block_size: int) -> CacheLayout:
+    groups = [CacheGroup.uniform(GroupKind.FULL_ATTENTION, [TensorSpec((8,), "uint8")])]
+    if kind == "hybrid":
+        groups.append(CacheGroup.uniform(GroupKind.STATE, [TensorSpec((8,), "uint8")]))
+    elif kind != "attention":
+        raise SystemExit(f"unknown layout {kind!r}: use attention or hybrid")
+    return CacheLayout(model=f"bench-{kind}", block_size=block_size, groups=tuple(groups))
+
+
+def payload(ref: ObjectRef, block_id: int) -> bytes:
+    return bytes([block_id % 251]) * 8
+
+
+def publish_every_boundary(vault: Vault, tokens: list[int], chunk: int) -> int:
+    """Publish every block boundary of ``tokens`` as a connector would, chunk by chunk."""
+    bs = vault.layout.block_size
+    hashes = vault.hashes(tokens)
+    n = len(hashes)
+    table = list(range(1, n + 1))
+    state_groups = [i for i, g in enumerate(vault.layout.groups) if g.is_state]
+    parent = 0
+    for step, start in enumerate(range(0, n * bs, chunk)):
+        end = min(start + chunk, n * bs)
+        ends = range(start + bs, end + 1, bs)
+        caps = [StateCapture(g, b, b // bs, step) for g in state_groups for b in ends]
+        decision = plan_saves(vault.layout, end, {0: table}, caps, step, since=parent)
+        acks = vault.save(0, hashes, decision.publishable, payload)
+        vault.publish(hashes, acks, parent=parent)
+        parent = end
+    return n
+
+
+def record_bytes(store: MemoryStore) -> tuple[int, int]:
+    sizes = [size for key, size in store.scan() if "/r/" in key]
+    return len(sizes), sum(sizes)
+
+
+def run_case(kind: str, block_size: int, tokens: int, repeat: int) -> dict[str, Any]:
+    store = MemoryStore()
+    vault = Vault(store, make_layout(kind, block_size))
+    rng = np.random.default_rng(tokens + block_size)
+    prompt = rng.integers(0, 150_000, tokens).tolist()
+    chunk = max(block_size, 2048 // block_size * block_size)
+    t0 = time.perf_counter()
+    publish_every_boundary(vault, prompt, chunk)
+    publish_s = time.perf_counter() - t0
+    records, rbytes = record_bytes(store)
+    consumer = [*prompt, 7]
+    t0 = time.perf_counter()
+    hashes = vault.hashes(consumer)
+    hash_ms = (time.perf_counter() - t0) * 1e3
+    times, hit = [], 0
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        hit = vault.lookup(hashes, len(consumer))
+        times.append((time.perf_counter() - t0) * 1e3)
+    if hit != tokens:
+        raise SystemExit(f"{kind} bs={block_size} {tokens} tokens: lookup hit {hit}, expected {tokens}")
+    return {
+        "layout": kind, "block_size": block_size, "tokens": tokens, "records": records,
+        "lookup_ms": round(min(times), 3), "hash_ms": round(hash_ms, 3),
+        "record_bytes_per_boundary": round(rbytes / max(records, 1), 1),
+        "publish_s": round(publish_s, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", default="1024,8192,32768,131072")
+    ap.add_argument("--block-sizes", default="16,256")
+    ap.add_argument("--layouts", default="attention,hybrid")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--max-blocks", type=int, default=0, help="skip cases with more blocks (0: none)")
+    args = ap.parse_args(argv)
+    try:
+        lengths = [int(t) for t in args.tokens.split(",")]
+        sizes = [int(b) for b in args.block_sizes.split(",")]
+    except ValueError as e:
+        ap.error(f"bad number: {e}")
+    if args.repeat < 1 or any(t < 1 for t in lengths) or any(b < 1 for b in sizes):
+        ap.error("--repeat, --tokens and --block-sizes must be positive")
+    cases = []
+    print(f"{'layout':<10} {'block':>5} {'tokens':>7} {'records':>7} {'lookup ms':>10} "
+          f"{'hash ms':>8} {'record B/boundary':>18} {'publish s':>9}")
+    for kind in args.layouts.split(","):
+        for bs in sizes:
+            for t in lengths:
+                if args.max_blocks and t // bs > args.max_blocks:
+                    continue
+                c = run_case(kind, bs, t // bs * bs, args.repeat)
+                cases.append(c)
+                print(f"{kind:<10} {bs:>5} {c['tokens']:>7} {c['records']:>7} {c['lookup_ms']:>10.3f} "
+                      f"{c['hash_ms']:>8.3f} {c['record_bytes_per_boundary']:>18.1f} {c['publish_s']:>9.3f}",
+                      flush=True)
+    goal = [c for c in cases if c["block_size"] == 16 and c["tokens"] == 131072]
+    summary = {
+        "bench": "lookup",
+        "goal_ms": GOAL_MS,
+        "goal_met": all(c["lookup_ms"] <= GOAL_MS for c in goal) if goal else None,
+        "cases": cases,
+    }
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
