@@ -13,6 +13,7 @@ from prefixvault.cli import app
 from prefixvault.codec import HEADER_SIZE
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores import open_store
+from prefixvault.stores.local import LocalStore
 from prefixvault.vault import ObjectRef, Vault
 
 runner = CliRunner()
@@ -112,3 +113,25 @@ def test_samples_round_trip_and_live_beside_their_record() -> None:
     assert sorted(v is None for _, v in pending_samples(vault.store)) == [False, True]
     res = runner.invoke(app, ["stats", "--store", "memory://cli-samples"])
     assert "sample" in res.output
+
+
+def test_read_commands_never_create_resize_or_write_a_local_store(tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = runner.invoke(app, ["stats", "--store", f"local://{empty}"])
+    assert res.exit_code == 2 and "no local store" in res.output
+    assert list(empty.iterdir()) == []  # nothing created
+    uri = f"local://{tmp_path / 'full'}?capacity=64MiB"
+    _fill(uri)
+    with LocalStore(tmp_path / "full") as s:
+        before = s.stats()
+    for cmd in (["stats"], ["audit"]):
+        res = runner.invoke(app, [*cmd, "--store", f"local://{tmp_path / 'full'}?capacity=1KiB"])
+        assert res.exit_code == 0, res.output
+        assert "records: 2" in res.output
+    with LocalStore(tmp_path / "full") as s:
+        assert s.stats() == before and before.capacity == 64 << 20  # not shrunk, nothing evicted
+    res = runner.invoke(app, ["audit", "--repair", "--store", f"local://{tmp_path / 'full'}?capacity=1KiB"])
+    assert res.exit_code == 0, res.output
+    with LocalStore(tmp_path / "full") as s:
+        assert s.stats().capacity == 64 << 20

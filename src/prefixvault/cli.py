@@ -32,15 +32,16 @@ def _fail(message: str) -> typer.Exit:
     return typer.Exit(2)
 
 
-def _open_existing(uri: str) -> Store:
-    """Open a store that must already exist (read commands never create one)."""
+def _open_existing(uri: str, readonly: bool = True) -> Store:
+    """Open a store that must already exist: commands never create one or change its capacity,
+    and read commands (``readonly``) never write to it."""
     parts = urlsplit(uri)
     if parts.scheme == "local" and not parts.netloc:
         path = Path(parts.path) if parts.path else default_local_dir()
         if not path.is_dir():
             raise _fail(f"no store at {path}: the directory does not exist")
     try:
-        return open_store(uri)
+        return open_store(uri, existing=True, readonly=readonly)
     except (StoreError, ValueError, OSError) as e:
         raise _fail(str(e)) from None
 
@@ -101,6 +102,25 @@ def stats(store: StoreOpt) -> None:
     )
 
 
+def _rebuild_if_damaged(uri: str) -> None:
+    """A local store whose index is damaged is started afresh (a cache: nothing else is lost)."""
+    from prefixvault.stores.local import LocalStore, StoreDamaged
+
+    parts = urlsplit(uri)
+    if parts.scheme != "local" or parts.netloc:
+        return
+    path = Path(parts.path) if parts.path else default_local_dir()
+    try:
+        LocalStore(path, existing=True).close()
+    except StoreDamaged as e:
+        console.print(f"[yellow]{e}[/]", highlight=False)
+        aside, removed = LocalStore.rebuild(path)
+        console.print(f"rebuilt {path}: the damaged index is kept as {aside.name}; "
+                      f"{removed} slab files removed", highlight=False)
+    except StoreError:
+        pass  # reported by the open that follows
+
+
 @app.command()
 def audit(
     store: StoreOpt,
@@ -110,7 +130,9 @@ def audit(
     """Walk every record, verify every object it needs and report what is wrong."""
     from prefixvault.inventory import audit as run_audit
 
-    s = _open_existing(store)
+    if repair:
+        _rebuild_if_damaged(store)
+    s = _open_existing(store, readonly=not repair)
     try:
         report = run_audit(s, repair=repair)
     except StoreError as e:
@@ -314,7 +336,7 @@ def watch(
     except ValueError as e:
         raise _fail(str(e)) from None
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
-    s = _open_existing(store)
+    s = _open_existing(store, readonly=False)  # quarantine removes records
     out = Console(quiet=json_out)
     while True:
         try:

@@ -38,14 +38,22 @@ def default_local_dir() -> Path:
     return Path(base) / "prefixvault"
 
 
-def open_store(uri: str) -> Store:
-    """Open the store a URI names; StoreError with one clear line if it cannot."""
+def open_store(uri: str, *, existing: bool = False, readonly: bool = False) -> Store:
+    """Open the store a URI names; StoreError with one clear line if it cannot.
+
+    ``existing``: the store must exist already, and its capacity stays as it is (a
+    ``?capacity=`` is not applied): what maintenance commands want. ``readonly`` (implies
+    ``existing``): nothing is written, not even recency. Stores with nothing to create or
+    resize (Redis, Mooncake) open as usual."""
+    existing = existing or readonly
     parts = urlsplit(uri)
     params = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
     scheme = parts.scheme
     if scheme == "memory":
         from prefixvault.stores.memory import MemoryStore
 
+        if existing:
+            params.pop("capacity", None)
         return MemoryStore.named(parts.netloc + parts.path, **params)
     if scheme == "local":
         from prefixvault.stores.local import LocalStore
@@ -55,7 +63,7 @@ def open_store(uri: str) -> Store:
                 f"bad local store URI {uri!r}: use local:///absolute/path (three slashes)"
             )
         path = Path(parts.path) if parts.path else default_local_dir()
-        return LocalStore.from_params(path, params)
+        return LocalStore.from_params(path, params, existing=existing, readonly=readonly)
     if scheme in ("redis", "rediss", "redis+cluster"):
         try:
             from prefixvault.stores.redis import RedisStore

@@ -38,10 +38,12 @@ import numpy as np
 
 from prefixvault.stores import _arena
 from prefixvault.stores._arena import Bytes, Mappings
-from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_key
+from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable, check_key
 from prefixvault.units import parse_size
 
 INDEX_NAME = "index.db"
+#: Rows the index's meta table must hold.
+META_NAMES = ("schema", "capacity", "slab_size", "inline_bytes", "next_gen", "evictions", "epoch")
 WRITERS_DIR = "writers"
 SCHEMA_VERSION = 1
 #: Share of the filesystem's free space a new store takes when no capacity is given.
@@ -51,6 +53,7 @@ BUSY_TIMEOUT_S = 30.0
 #: Recency from gets is written back at most this often (and before any eviction).
 TOUCH_FLUSH_S = 1.0
 TOUCH_FLUSH_MAX = 4096
+TOUCH_PENDING_MAX = 65536
 #: A read that loses a race with slot reuse is retried this many times in all.
 READ_ATTEMPTS = 3
 #: SQLite bound-parameter batch size.
@@ -90,6 +93,11 @@ CREATE TABLE IF NOT EXISTS keys (
 CREATE INDEX IF NOT EXISTS keys_lru ON keys (cls, last_used);
 CREATE INDEX IF NOT EXISTS keys_slab ON keys (slab, last_used);
 """
+
+
+class StoreDamaged(StoreUnavailable):
+    """The index cannot be read as a store index: engines serve cold (it is unavailable, as
+    a store that is down), and ``prefixvault audit --repair`` rebuilds it."""
 
 
 @dataclass(frozen=True)
@@ -228,10 +236,14 @@ class _Tx:
         return True
 
     def put_inline(self, key: str, data: bytes, if_absent: bool = False) -> bool:
+        """Store a small object in the index; a replace that cannot fit keeps the old value."""
         if if_absent and self.exists(key):
             return False
+        old = self.conn.execute("SELECT size FROM keys WHERE key = ? AND slab IS NULL", (key,)).fetchone()
+        if len(data) > self.capacity or not self.make_room(len(data) - (int(old[0]) if old else 0)):
+            return False
         self.remove(key)
-        if not self.make_room(len(data)):
+        if not self.make_room(len(data)):  # only if the old value was itself evicted just now
             return False
         self.conn.execute(
             "INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data)"
@@ -460,10 +472,19 @@ class _Tx:
 class LocalStore(Store):
     """Slab arena plus SQLite index in one directory; safe across processes and threads."""
 
-    def __init__(self, path: Path | str, capacity: int | None = None) -> None:
+    def __init__(self, path: Path | str, capacity: int | None = None, *, existing: bool = False,
+                 readonly: bool = False) -> None:
+        """``existing``: never create a store, never change its capacity (maintenance);
+        ``readonly``: also never write (read commands: stats, audit without repair)."""
         self.path = Path(path).expanduser().absolute()
         self.uri = f"local://{self.path}"
-        _prepare_dir(self.path)
+        self._readonly = readonly
+        if existing or readonly:
+            if not (self.path / INDEX_NAME).is_file():
+                raise StoreError(f"no local store at {self.path}: it has no {INDEX_NAME}")
+            capacity = None
+        else:
+            _prepare_dir(self.path)
         self._lock = threading.RLock()
         self._pid = os.getpid()
         self._conn: sqlite3.Connection | None = None
@@ -477,10 +498,14 @@ class LocalStore(Store):
         self._owner_fd: int | None = None
         self._closed = False
         with self._guard("open"):
-            self._init_index(capacity)
+            if readonly:
+                self._check_index()
+            else:
+                self._init_index(capacity)
 
     @classmethod
-    def from_params(cls, path: Path, params: dict[str, str]) -> LocalStore:
+    def from_params(cls, path: Path, params: dict[str, str], existing: bool = False,
+                    readonly: bool = False) -> LocalStore:
         """Open from URI parameters; only ``capacity`` is known."""
         unknown = sorted(set(params) - {"capacity"})
         if unknown:
@@ -491,7 +516,7 @@ class LocalStore(Store):
                 capacity = parse_size(params["capacity"])
             except ValueError as exc:
                 raise StoreError(f"bad local store capacity: {exc}") from None
-        return cls(path, capacity)
+        return cls(path, capacity, existing=existing, readonly=readonly)
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.path)!r})"
@@ -505,6 +530,12 @@ class LocalStore(Store):
             yield
         except StoreError:
             raise
+        except sqlite3.DatabaseError as exc:
+            if _is_full(exc) or isinstance(exc, (sqlite3.OperationalError, sqlite3.ProgrammingError,
+                                                 sqlite3.IntegrityError)):
+                detail = "no space left for the index" if _is_full(exc) else str(exc)
+                raise StoreError(f"local store {self.path}: {what} failed: {detail}") from None
+            raise self._damaged(str(exc)) from None
         except sqlite3.Error as exc:
             detail = str(exc)
             if _is_full(exc):
@@ -544,11 +575,19 @@ class LocalStore(Store):
         return self._conn
 
     @contextlib.contextmanager
-    def _write(self) -> Iterator[_Tx]:
-        """A write transaction; slab files are created or removed in step with it."""
+    def _write(self, wait: bool = True) -> Iterator[_Tx]:
+        """A write transaction; slab files are created or removed in step with it. With
+        ``wait=False`` it fails at once (sqlite3.OperationalError) if another holds the lock."""
         with self._lock:
             conn = self._db()
-            conn.execute("BEGIN IMMEDIATE")
+            if wait:
+                conn.execute("BEGIN IMMEDIATE")
+            else:
+                conn.execute("PRAGMA busy_timeout = 0")
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                finally:
+                    conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             tx: _Tx | None = None
             try:
                 tx = _Tx(conn, self.path)
@@ -638,12 +677,9 @@ class LocalStore(Store):
                             ("epoch", 0),
                         ],
                     )
-                elif meta.get("schema") != SCHEMA_VERSION:
-                    raise StoreError(
-                        f"local store {self.path}: index schema {meta.get('schema')} is not"
-                        f" {SCHEMA_VERSION}; remove the directory to start afresh"
-                    )
-                elif capacity is not None and capacity != meta["capacity"]:
+                else:
+                    self._check_meta(meta)
+                if meta and capacity is not None and capacity != meta["capacity"]:
                     # New slabs follow the new capacity; existing ones keep their size.
                     conn.executemany(
                         "UPDATE meta SET value = ? WHERE name = ?",
@@ -654,6 +690,53 @@ class LocalStore(Store):
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
                 raise
+
+    def _damaged(self, why: str) -> StoreDamaged:
+        return StoreDamaged(
+            f"local store {self.path}: its index is damaged ({why}); rebuild it with `prefixvault "
+            f"audit --repair --store local://{self.path}` (the cached objects are dropped)"
+        )
+
+    def _check_meta(self, meta: dict[str, int]) -> None:
+        if meta.get("schema") != SCHEMA_VERSION:
+            raise self._damaged(f"schema {meta.get('schema')}, this version reads {SCHEMA_VERSION}")
+        missing = sorted(set(META_NAMES) - set(meta))
+        if missing:
+            raise self._damaged(f"no {', '.join(missing)} in its meta table")
+
+    def _check_index(self) -> None:
+        """What a read-only open checks: the index answers and is of this schema."""
+        self._check_meta(dict(self._db().execute("SELECT name, value FROM meta").fetchall()))
+
+    @classmethod
+    def rebuild(cls, path: Path | str) -> tuple[Path, int]:
+        """Start a damaged store afresh: its index is moved aside (returned), its slab files
+        removed (counted); a new, empty index keeps the old capacity where it can be read."""
+        root = Path(path).expanduser().absolute()
+        capacity: int | None = None
+        with contextlib.suppress(sqlite3.Error, TypeError, ValueError):
+            conn = sqlite3.connect(root / INDEX_NAME)
+            try:
+                row = conn.execute("SELECT value FROM meta WHERE name = 'capacity'").fetchone()
+                capacity = int(row[0]) if row else None
+            finally:
+                conn.close()
+        aside = root / f"{INDEX_NAME}.damaged-{int(time.time())}"
+        for suffix in ("", "-wal", "-shm"):
+            src = root / f"{INDEX_NAME}{suffix}"
+            if src.exists():
+                os.replace(src, Path(f"{aside}{suffix}"))
+        removed = 0
+        for entry in os.scandir(root):
+            if entry.name.startswith("slab-"):
+                _arena.remove_file(Path(entry.path))
+                removed += 1
+        cls(root, capacity).close()
+        return aside, removed
+
+    def _writable(self) -> None:
+        if self._readonly:
+            raise StoreError(f"local store {self.path} was opened read-only")
 
     def _sweep_writers(self) -> None:
         """Remove owner files of writers that are gone."""
@@ -703,15 +786,24 @@ class LocalStore(Store):
         return set(want) - same
 
     def _touch(self, keys: Iterable[str]) -> None:
-        """Note reads for LRU; written back in batches, not one transaction per get."""
+        """Note reads for LRU; written back later in batches, never waiting for the index.
+
+        A read must not wait behind another process's write transaction just to record its
+        recency: the write-back tries the index lock without waiting, and if it is taken the
+        touches stay pending (at most ``TOUCH_PENDING_MAX``, oldest dropped: recency is lossy).
+        """
+        if self._readonly:
+            return
         now = time.time()
         with self._lock:
             for key in keys:
                 self._touches[key] = now
+            while len(self._touches) > TOUCH_PENDING_MAX:
+                del self._touches[next(iter(self._touches))]
             due = time.monotonic() - self._last_flush >= TOUCH_FLUSH_S
             if self._touches and (due or len(self._touches) >= TOUCH_FLUSH_MAX):
-                # Best effort: a read that succeeded does not fail over its recency.
-                with contextlib.suppress(sqlite3.OperationalError), self._write():
+                self._last_flush = time.monotonic()
+                with contextlib.suppress(sqlite3.OperationalError), self._write(wait=False):
                     pass  # the write transaction flushes pending touches
 
     def _read(
@@ -767,7 +859,7 @@ class LocalStore(Store):
                     break
             for i in todo:
                 sizes[i] = None
-            if broken:
+            if broken and not self._readonly:
                 self._forget_slabs(broken)
             self._touch(keys[i] for i in range(len(keys)) if sizes[i] is not None)
         return sizes
@@ -863,12 +955,14 @@ class LocalStore(Store):
     # -- writes ----------------------------------------------------------------------
 
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        self._writable()
         keys = [check_key(key) for key, _ in items]
         parts = [[_u8(p) for p in ps] for _, ps in items]
         sizes = [sum(p.nbytes for p in ps) for ps in parts]
         return self._put(keys, parts, sizes, if_absent=False)
 
     def put_if_absent(self, key: str, data: Buffer) -> bool:
+        self._writable()
         check_key(key)
         if self.exists_many([key])[0]:
             return False
@@ -952,6 +1046,7 @@ class LocalStore(Store):
             tx.release(claims)
 
     def delete_many(self, keys: Sequence[str]) -> int:
+        self._writable()
         for key in keys:
             check_key(key)
         with self._guard("delete"), self._write() as tx:

@@ -1,0 +1,174 @@
+"""The local store converges back to serving after damage to its own files.
+
+Scenarios run in a child process where a regression would kill the process (SIGBUS), so a
+failure is a clear exit code instead of a dead test runner.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
+from prefixvault.stores.local import LocalStore
+from prefixvault.vault import ObjectRef, Vault
+
+MiB = 1 << 20
+
+
+def _child(code: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_slab_cut_short_under_a_mapping_is_a_miss_not_a_sigbus(tmp_path: Path) -> None:
+    done = _child(f"""
+        import os
+        from pathlib import Path
+        from prefixvault.stores.local import LocalStore
+        store = LocalStore({str(tmp_path / "s")!r}, capacity=256 << 20)  # 4 MiB slabs
+        big = bytes(range(256)) * 4096  # 1 MiB: lives in a slab
+        assert store.put_many([("a", [big]), ("b", [big])]) == [True, True]
+        assert store.get_many(["a"]) == [big]  # the slab is mapped in this process now
+        slabs = sorted(p for p in Path({str(tmp_path / "s")!r}).iterdir() if p.name.startswith("slab-"))
+        os.truncate(slabs[0], 4096)  # someone else cuts the file short
+        assert store.get_many(["a", "b"]) == [None, None]
+        assert store.exists_many(["a", "b"]) == [False, False], "damaged keys must be forgotten"
+        assert store.put_many([("a", [big])]) == [True]  # the next save repairs it
+        assert store.get_many(["a"]) == [big]
+        print("ok")
+    """)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-2000:])
+
+
+def test_a_removed_slab_is_forgotten_by_every_process(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    big = bytes(range(256)) * 4096
+    with LocalStore(path, capacity=64 * MiB) as store:
+        assert store.put_many([("a", [big])]) == [True]
+    for p in path.iterdir():
+        if p.name.startswith("slab-"):
+            os.unlink(p)
+    with LocalStore(path) as other:  # another process, no mapping yet
+        assert other.exists_many(["a"]) == [True]
+        assert other.get_many(["a"]) == [None]
+        assert other.exists_many(["a"]) == [False]
+        assert other.put_many([("a", [big])]) == [True] and other.get_many(["a"]) == [big]
+
+
+def test_the_vault_stops_hitting_a_damaged_prefix_and_the_next_save_repairs_it(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    attn = CacheGroup.uniform(GroupKind.FULL_ATTENTION, [TensorSpec((256 << 10,), "uint8")])
+    layout = CacheLayout(model="heal", block_size=4, groups=(attn,))
+    tokens = list(range(16))
+
+    def read(ref: ObjectRef, block_id: int) -> bytes:
+        return bytes([block_id]) * (256 << 10)
+
+    def produce(vault: Vault) -> None:
+        from prefixvault.boundary import plan_saves
+
+        hashes = vault.hashes(tokens)
+        d = plan_saves(layout, 16, {0: [1, 2, 3, 4]}, [], step=1)
+        vault.publish(hashes, vault.save(0, hashes, d.publishable, read))
+
+    with LocalStore(path, capacity=64 * MiB) as store:
+        vault = Vault(store, layout)
+        produce(vault)
+        hashes = vault.hashes([*tokens, 1])
+        assert vault.lookup(hashes, 17) == 16
+        for p in path.iterdir():
+            if p.name.startswith("slab-"):
+                os.truncate(p, 0)
+        assert not vault.load(vault.needed(hashes, 16)).ok  # found damaged at load
+        assert vault.lookup(hashes, 17) == 0  # no hit-then-fail loop
+        produce(vault)  # the objects are written again, not skipped as existing
+        assert vault.lookup(hashes, 17) == 16
+        assert vault.load(vault.needed(hashes, 16)).ok
+
+
+def test_a_replace_that_cannot_fit_keeps_the_old_value(tmp_path: Path) -> None:
+    with LocalStore(tmp_path / "s", capacity=32 << 10) as store:
+        assert store.put_many([("k", [b"old" * 1000])]) == [True]
+        assert store.put_many([("k", [b"x" * (60 << 10)])]) == [False]  # larger than the store
+        assert store.get_many(["k"]) == [b"old" * 1000]
+        assert store.put_many([("k", [b"new" * 2000])]) == [True]
+        assert store.get_many(["k"]) == [b"new" * 2000]
+
+
+def test_reads_never_wait_for_another_writers_transaction(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sqlite3
+    import time
+
+    from prefixvault.stores import local
+
+    monkeypatch.setattr(local, "TOUCH_FLUSH_S", 0.0)  # every read wants to write its recency back
+    with LocalStore(tmp_path / "s", capacity=64 * MiB) as store:
+        assert store.put_many([("k", [bytes(200 << 10)])]) == [True]
+        other = sqlite3.connect(tmp_path / "s" / "index.db", isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")  # another process in the middle of a long write
+        try:
+            t0 = time.monotonic()
+            for _ in range(5):
+                assert store.get_many(["k"]) == [bytes(200 << 10)]
+                assert store.touch_many(["k"]) == [True]
+            assert time.monotonic() - t0 < 1.0
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        before = time.time()
+        store.get_many(["k"])  # the lock is free again: pending recency is written back
+        row = sqlite3.connect(tmp_path / "s" / "index.db").execute(
+            "SELECT last_used FROM keys WHERE key = 'k'").fetchone()
+        assert row[0] >= before - 0.01
+
+
+@pytest.mark.parametrize("damage", ["not a database", "schema", "missing meta"])
+def test_a_damaged_index_is_one_line_and_audit_repair_rebuilds_it(tmp_path: Path, damage: str) -> None:
+    import sqlite3
+
+    from typer.testing import CliRunner
+
+    from prefixvault.cli import app
+    from prefixvault.stores import StoreUnavailable, open_store_or_retry
+    from prefixvault.stores.local import StoreDamaged
+
+    path = tmp_path / "s"
+    with LocalStore(path, capacity=64 * MiB) as store:
+        store.put_many([("a", [bytes(MiB)]), ("b", [b"small"])])
+    index = path / "index.db"
+    if damage == "not a database":
+        index.write_bytes(b"this is not a database" * 100)
+        for extra in ("index.db-wal", "index.db-shm"):
+            (path / extra).unlink(missing_ok=True)
+    else:
+        conn = sqlite3.connect(index)
+        sql = "UPDATE meta SET value = 99 WHERE name = 'schema'" if damage == "schema" \
+            else "DELETE FROM meta WHERE name = 'next_gen'"
+        conn.execute(sql)
+        conn.commit()
+        conn.close()
+    with pytest.raises(StoreDamaged) as info:
+        LocalStore(path)
+    message = str(info.value)
+    assert "\n" not in message and "audit --repair" in message and str(path) in message
+    assert isinstance(info.value, StoreUnavailable)  # an engine serves cold meanwhile
+    with open_store_or_retry(f"local://{path}") as serving, pytest.raises(StoreUnavailable):
+        serving.exists_many(["a"])  # the connector turns this into a miss and serves cold
+    res = CliRunner().invoke(app, ["stats", "--store", f"local://{path}"])
+    assert res.exit_code == 2 and "audit --repair" in res.output and "Traceback" not in res.output
+    res = CliRunner().invoke(app, ["audit", "--repair", "--store", f"local://{path}"])
+    assert res.exit_code == 0 and "rebuilt" in res.output, res.output
+    with LocalStore(path) as store:
+        assert store.stats().objects == 0
+        if damage != "not a database":  # the old capacity is kept where it can be read
+            assert store.stats().capacity == 64 * MiB
+        assert store.put_many([("a", [bytes(MiB)])]) == [True] and store.get_many(["a"]) == [bytes(MiB)]
+    assert [p for p in path.iterdir() if p.name.startswith("index.db.damaged-")]
