@@ -6,6 +6,7 @@ failure is a clear exit code instead of a dead test runner.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -172,3 +173,43 @@ def test_a_damaged_index_is_one_line_and_audit_repair_rebuilds_it(tmp_path: Path
             assert store.stats().capacity == 64 * MiB
         assert store.put_many([("a", [bytes(MiB)])]) == [True] and store.get_many(["a"]) == [bytes(MiB)]
     assert [p for p in path.iterdir() if p.name.startswith("index.db.damaged-")]
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path):  # type: ignore[no-untyped-def]
+    """A real 6 MiB tmpfs (needs the right to mount, as root in a container has)."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=6m", "tmpfs", str(mnt)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_a_filesystem_smaller_than_the_capacity_keeps_serving(small_fs: Path) -> None:
+    import shutil
+
+    path = small_fs / "store"
+    big = [bytes([i]) * (700 << 10) for i in range(30)]
+    with LocalStore(path, capacity=64 * MiB) as store:
+        for i, blob in enumerate(big):  # 21 MiB through a 6 MiB filesystem
+            assert store.put_many([(f"big/{i}", [blob]), (f"small/{i}", [b"s" * 1000])]) == [True, True], i
+        assert store.get_many(["big/29", "small/29"]) == [big[29], b"s" * 1000]
+        assert store.stats().evictions > 0
+        assert store.delete_many(["big/29"]) == 1
+        # Someone else fills the filesystem to the last byte.
+        filler = small_fs / "filler"
+        with filler.open("wb") as f, contextlib.suppress(OSError):
+            while True:
+                f.write(bytes(64 << 10))
+                f.flush()
+        assert shutil.disk_usage(small_fs).free < (64 << 10)
+        got = store.put_many([("after/0", [big[0]]), ("after/1", [b"x" * 100])])
+        assert got[1] is True  # room made by giving up the oldest slab
+        assert store.put_many([("gone", [b"g" * 100])]) == [True]
+        assert store.delete_many(["gone", "never"]) == 1  # deletes work on a full filesystem
+    with LocalStore(path, capacity=64 * MiB) as again:  # a restarting engine opens it, still full
+        assert again.get_many(["after/1"]) in ([b"x" * 100], [None])  # kept, or evicted to fit
+        assert again.put_many([("after/2", [b"y" * 100])]) == [True]
+        assert again.get_many(["after/2"]) == [b"y" * 100]

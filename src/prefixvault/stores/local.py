@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import numpy as np
 
@@ -48,6 +48,8 @@ WRITERS_DIR = "writers"
 SCHEMA_VERSION = 1
 #: Share of the filesystem's free space a new store takes when no capacity is given.
 DEFAULT_CAPACITY_SHARE = 0.25
+#: Filesystem space the store never fills with objects: room for the index and its log.
+FS_RESERVE = 2 << 20
 #: How long a process waits for the index's write lock before giving up.
 BUSY_TIMEOUT_S = 30.0
 #: Recency from gets is written back at most this often (and before any eviction).
@@ -60,6 +62,7 @@ READ_ATTEMPTS = 3
 _CHUNK = 500
 
 FREE, WRITING, LIVE = 0, 1, 2
+_T = TypeVar("_T")
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
@@ -93,6 +96,10 @@ CREATE TABLE IF NOT EXISTS keys (
 CREATE INDEX IF NOT EXISTS keys_lru ON keys (cls, last_used);
 CREATE INDEX IF NOT EXISTS keys_slab ON keys (slab, last_used);
 """
+
+
+class IndexFull(StoreError):
+    """The store's filesystem has no room left for the index to grow."""
 
 
 class StoreDamaged(StoreUnavailable):
@@ -184,6 +191,12 @@ class _Tx:
         self.evictions = int(meta["evictions"])
         self.epoch = int(meta["epoch"])
         self.slab_bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM slabs").fetchone()[0])
+        # The filesystem may hold less than the capacity: never plan to use more than it has,
+        # and leave room for the index (and its write-ahead log) to grow.
+        self.configured_capacity = self.capacity
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(root).free
+            self.capacity = min(self.capacity, max(0, self.used + free - FS_RESERVE))
         self.now = time.time()
         self.created: list[Path] = []  # slab files made here: removed if the transaction fails
         self.doomed: list[Path] = []  # slab files dropped here: removed once it commits
@@ -494,6 +507,7 @@ class LocalStore(Store):
         self._touches: dict[str, float] = {}
         self._last_flush = time.monotonic()
         self._inflight: set[int] = set()
+        self._lost: set[int] = set()  # slabs given up to free filesystem space, not yet out of the index
         self._owner: str | None = None
         self._owner_fd: int | None = None
         self._closed = False
@@ -530,18 +544,15 @@ class LocalStore(Store):
             yield
         except StoreError:
             raise
-        except sqlite3.DatabaseError as exc:
-            if _is_full(exc) or isinstance(exc, (sqlite3.OperationalError, sqlite3.ProgrammingError,
-                                                 sqlite3.IntegrityError)):
-                detail = "no space left for the index" if _is_full(exc) else str(exc)
-                raise StoreError(f"local store {self.path}: {what} failed: {detail}") from None
-            raise self._damaged(str(exc)) from None
-        except sqlite3.Error as exc:
-            detail = str(exc)
+        except (sqlite3.Error, OSError) as exc:
             if _is_full(exc):
-                detail = "no space left for the index"
-            raise StoreError(f"local store {self.path}: {what} failed: {detail}") from None
-        except OSError as exc:
+                raise IndexFull(f"local store {self.path}: {what} failed: no space left on its "
+                                "filesystem") from None
+            if isinstance(exc, sqlite3.DatabaseError) and not isinstance(
+                    exc, (sqlite3.OperationalError, sqlite3.ProgrammingError, sqlite3.IntegrityError)):
+                raise self._damaged(str(exc)) from None
+            if isinstance(exc, sqlite3.Error):
+                raise StoreError(f"local store {self.path}: {what} failed: {exc}") from None
             detail = exc.strerror or str(exc)
             where = f" ({exc.filename})" if exc.filename else ""
             raise StoreError(f"local store {self.path}: {what} failed: {detail}{where}") from None
@@ -571,6 +582,9 @@ class LocalStore(Store):
             conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")
+            # Keep the write-ahead log small: it lives on the same (maybe small) filesystem.
+            conn.execute("PRAGMA wal_autocheckpoint = 256")
+            conn.execute(f"PRAGMA journal_size_limit = {FS_RESERVE // 2}")
             self._conn = conn
         return self._conn
 
@@ -591,6 +605,11 @@ class LocalStore(Store):
             tx: _Tx | None = None
             try:
                 tx = _Tx(conn, self.path)
+                for slab_id in list(self._lost):
+                    known = conn.execute("SELECT nbytes FROM slabs WHERE id = ?", (slab_id,)).fetchone()
+                    if known is not None:
+                        tx.lose_slab(slab_id, int(known[0]))
+                self._lost.clear()
                 if self._touches:
                     tx.touch(self._touches.items())
                     self._touches.clear()
@@ -644,12 +663,19 @@ class LocalStore(Store):
             self._create_index(capacity)
         finally:
             os.close(fd)
-        with self._write() as tx:
-            tx.reclaim(None, set())
-            known = {int(r[0]) for r in tx.conn.execute("SELECT id FROM slabs").fetchall()}
-            tx.doomed.extend(_arena.stray_files(self.path, known))
-            if tx.used > tx.capacity:
-                tx.make_room(0)
+
+        def housekeeping() -> None:
+            with self._guard("open"), self._write() as tx:
+                tx.reclaim(None, set())
+                known = {int(r[0]) for r in tx.conn.execute("SELECT id FROM slabs").fetchall()}
+                tx.doomed.extend(_arena.stray_files(self.path, known))
+                if tx.used > tx.capacity:
+                    tx.make_room(0)
+
+        # On a full filesystem the store still opens (and serves reads) even if nothing
+        # could be freed: the next put that finds room tidies up.
+        with contextlib.suppress(IndexFull):
+            self._with_room(housekeeping)
         self._sweep_writers()
 
     def _create_index(self, capacity: int | None) -> None:
@@ -874,6 +900,40 @@ class LocalStore(Store):
                     continue  # dropped already, or whole
                 tx.lose_slab(slab_id, int(known[0]))
 
+    def _release_space(self) -> bool:
+        """The filesystem is full and the index cannot grow, so no transaction can evict:
+        give up the least recently used slab by truncating its file first (the space comes
+        back at once, even where other processes map it; they see the short file before
+        any copy and forget it) and taking it out of the index in the next transaction."""
+        with self._lock:
+            row = self._db().execute(
+                "SELECT s.id, COALESCE((SELECT MAX(k.last_used) FROM keys k WHERE k.slab = s.id), -1.0)"
+                " AS lu FROM slabs s WHERE s.id NOT IN (SELECT slab FROM slots WHERE state = ?)"
+                f" {'AND s.id NOT IN (' + ','.join(map(str, self._lost)) + ')' if self._lost else ''}"
+                " ORDER BY lu, s.id LIMIT 1",
+                (WRITING,),
+            ).fetchone()
+            if row is None:
+                return False
+            slab_id = int(row[0])
+            path = _arena.slab_path(self.path, slab_id)
+            with contextlib.suppress(FileNotFoundError):
+                os.truncate(path, 0)
+            _arena.remove_file(path)
+            self._maps.forget(slab_id)
+            self._lost.add(slab_id)
+            return True
+
+    def _with_room(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn``; if the filesystem was full, free a slab's space and run it once more."""
+        try:
+            return fn()
+        except IndexFull:
+            with self._guard("free space"):
+                if not self._release_space():
+                    raise
+            return fn()
+
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
@@ -972,6 +1032,21 @@ class LocalStore(Store):
     def _put(
         self, keys: list[str], parts: list[list[Bytes]], sizes: list[int], if_absent: bool
     ) -> list[bool]:
+        """Put, and on a full filesystem free one slab's space and try once more; a put that
+        still finds no room is refused (False), never an error."""
+        for attempt in range(2):
+            done = self._put_once(keys, parts, sizes, if_absent)
+            if done is not None:
+                return done
+            with self._guard("free space"):
+                if attempt or not self._release_space():
+                    break
+        return [False] * len(keys)
+
+    def _put_once(
+        self, keys: list[str], parts: list[list[Bytes]], sizes: list[int], if_absent: bool
+    ) -> list[bool] | None:
+        """One try; None if the filesystem had no room for the index to grow."""
         ok = [False] * len(keys)
         claims: dict[int, _Claim] = {}
         published = False
@@ -993,7 +1068,7 @@ class LocalStore(Store):
                     published = True
                 except (OSError, sqlite3.Error) as exc:
                     if _is_full(exc):
-                        return [False] * len(keys)
+                        return None
                     raise
         finally:
             if claims and not published:
@@ -1049,8 +1124,12 @@ class LocalStore(Store):
         self._writable()
         for key in keys:
             check_key(key)
-        with self._guard("delete"), self._write() as tx:
-            return sum(tx.remove(key) for key in dict.fromkeys(keys))
+
+        def delete() -> int:
+            with self._guard("delete"), self._write() as tx:
+                return sum(tx.remove(key) for key in dict.fromkeys(keys))
+
+        return self._with_room(delete)
 
     def close(self) -> None:
         """Write back pending recency, drop mappings and this writer's owner file."""
