@@ -1,0 +1,130 @@
+"""A local store's directory: made ready, its index created or checked, started afresh.
+
+A store directory holds only what the store made (its index, slab files, writer files), so a
+foreign directory is never taken over. An index that cannot be read as one (not a database,
+another schema, rows missing) is *damaged*: engines serve cold meanwhile (it reads as an
+unavailable store) and ``prefixvault audit --repair`` sets it aside and starts afresh; a
+cache loses nothing it cannot recompute.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import sqlite3
+import time
+from pathlib import Path
+
+from prefixvault.stores import _arena
+from prefixvault.stores._index import INDEX_NAME, META_NAMES, SCHEMA, SCHEMA_VERSION
+from prefixvault.stores._writers import WRITERS_DIR
+from prefixvault.stores.base import StoreError, StoreUnavailable
+
+#: Share of the filesystem's free space a new store takes when no capacity is given.
+DEFAULT_CAPACITY_SHARE = 0.25
+
+
+class StoreDamaged(StoreUnavailable):
+    """The index cannot be read as a store index: engines serve cold (it is unavailable, as
+    a store that is down), and ``prefixvault audit --repair`` rebuilds it."""
+
+
+def damaged(path: Path, why: str) -> StoreDamaged:
+    return StoreDamaged(
+        f"local store {path}: its index is damaged ({why}); rebuild it with `prefixvault "
+        f"audit --repair --store local://{path}` (the cached objects are dropped)"
+    )
+
+
+def check_meta(path: Path, meta: dict[str, int]) -> None:
+    """StoreDamaged unless ``meta`` is a whole meta table of this schema."""
+    if meta.get("schema") != SCHEMA_VERSION:
+        raise damaged(path, f"schema {meta.get('schema')}, this version reads {SCHEMA_VERSION}")
+    missing = sorted(set(META_NAMES) - set(meta))
+    if missing:
+        raise damaged(path, f"no {', '.join(missing)} in its meta table")
+
+
+def create_or_check(conn: sqlite3.Connection, path: Path, capacity: int | None) -> None:
+    """Create the index's tables and meta rows, or check those there; apply a new capacity."""
+    conn.execute("BEGIN IMMEDIATE")
+    try:
+        for statement in SCHEMA.split(";"):
+            if statement.strip():
+                conn.execute(statement)
+        meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
+        if not meta:
+            if capacity is None:
+                free = shutil.disk_usage(path).free
+                capacity = int(free * DEFAULT_CAPACITY_SHARE)
+            conn.executemany(
+                "INSERT INTO meta (name, value) VALUES (?, ?)",
+                [
+                    ("schema", SCHEMA_VERSION),
+                    ("capacity", capacity),
+                    ("slab_size", _arena.slab_size_for(capacity)),
+                    ("inline_bytes", 0),
+                    ("next_gen", 0),
+                    ("evictions", 0),
+                    ("epoch", 0),
+                ],
+            )
+        else:
+            check_meta(path, meta)
+        if meta and capacity is not None and capacity != meta["capacity"]:
+            # New slabs follow the new capacity; existing ones keep their size.
+            conn.executemany(
+                "UPDATE meta SET value = ? WHERE name = ?",
+                [(capacity, "capacity"), (_arena.slab_size_for(capacity), "slab_size")],
+            )
+        conn.execute("COMMIT")
+    except BaseException:
+        if conn.in_transaction:
+            conn.execute("ROLLBACK")
+        raise
+
+
+def set_aside(root: Path) -> tuple[Path, int, int | None]:
+    """Move a damaged index aside and remove the slab files it named: (where the index went,
+    slab files removed, the old capacity where it could still be read)."""
+    capacity: int | None = None
+    with contextlib.suppress(sqlite3.Error, TypeError, ValueError):
+        conn = sqlite3.connect(root / INDEX_NAME)
+        try:
+            row = conn.execute("SELECT value FROM meta WHERE name = 'capacity'").fetchone()
+            capacity = int(row[0]) if row else None
+        finally:
+            conn.close()
+    aside = root / f"{INDEX_NAME}.damaged-{int(time.time())}"
+    for suffix in ("", "-wal", "-shm"):
+        src = root / f"{INDEX_NAME}{suffix}"
+        if src.exists():
+            os.replace(src, Path(f"{aside}{suffix}"))
+    removed = 0
+    for entry in os.scandir(root):
+        if entry.name.startswith("slab-"):
+            _arena.remove_file(Path(entry.path))
+            removed += 1
+    return aside, removed, capacity
+
+
+def prepare(path: Path) -> None:
+    """Create the store directory, or say in one line why it cannot be one."""
+    if path.exists() and not path.is_dir():
+        raise StoreError(f"local store path {path} exists and is not a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create local store directory {path}: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise StoreError(f"local store directory {path} is not writable")
+    if not (path / INDEX_NAME).exists():
+        foreign = [
+            name for name in os.listdir(path) if not name.startswith(("slab-", WRITERS_DIR, INDEX_NAME))
+        ]
+        if foreign:
+            raise StoreError(
+                f"local store directory {path} is not empty and holds no {INDEX_NAME};"
+                " use an empty or new directory"
+            )

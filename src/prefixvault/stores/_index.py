@@ -1,0 +1,421 @@
+"""The local store's index: its schema and one write transaction's view of it.
+
+SQLite in WAL mode, the only source of truth. A key names (slab, slot, generation) or holds
+a small object inline; a slot is free, being written (claimed by a writer) or live. A
+``Transaction`` claims, publishes and releases slots, removes keys, and evicts by recency
+(an object of the same size class, a whole slab of another class, or an inline object),
+keeping the counters of the ``meta`` table. Generations are never reused, so a reader can
+always tell whether a slot changed under it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+from prefixvault.stores import _arena
+from prefixvault.stores._writers import WRITERS_DIR, owner_alive
+
+INDEX_NAME = "index.db"
+#: Rows the index's meta table must hold.
+META_NAMES = ("schema", "capacity", "slab_size", "inline_bytes", "next_gen", "evictions", "epoch")
+SCHEMA_VERSION = 1
+#: Filesystem space the store never fills with objects: room for the index and its log.
+FS_RESERVE = 2 << 20
+#: How long a process waits for the index's write lock before giving up.
+BUSY_TIMEOUT_S = 30.0
+#: SQLite bound-parameter batch size.
+_CHUNK = 500
+
+FREE, WRITING, LIVE = 0, 1, 2
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (name TEXT PRIMARY KEY, value INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS slabs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    cls INTEGER NOT NULL,
+    nslots INTEGER NOT NULL,
+    nbytes INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS slots (
+    slab INTEGER NOT NULL,
+    slot INTEGER NOT NULL,
+    cls INTEGER NOT NULL,
+    state INTEGER NOT NULL,
+    owner TEXT,
+    gen INTEGER NOT NULL,
+    PRIMARY KEY (slab, slot)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS slots_free ON slots (cls, state);
+CREATE INDEX IF NOT EXISTS slots_state ON slots (state);
+CREATE TABLE IF NOT EXISTS keys (
+    key TEXT PRIMARY KEY,
+    size INTEGER NOT NULL,
+    cls INTEGER NOT NULL,
+    slab INTEGER,
+    slot INTEGER,
+    gen INTEGER NOT NULL,
+    last_used REAL NOT NULL,
+    data BLOB
+);
+CREATE INDEX IF NOT EXISTS keys_lru ON keys (cls, last_used);
+CREATE INDEX IF NOT EXISTS keys_slab ON keys (slab, last_used);
+"""
+
+
+
+class Location(NamedTuple):
+    size: int
+    slab: int | None
+    slot: int | None
+    gen: int
+    cls: int
+    data: bytes | None
+    nbytes: int | None
+
+
+class Claim(NamedTuple):
+    slab: int
+    slot: int
+    gen: int
+    cls: int
+    nbytes: int  # of the slab
+
+
+def chunks(items: Sequence[str]) -> Iterator[Sequence[str]]:
+    for i in range(0, len(items), _CHUNK):
+        yield items[i : i + _CHUNK]
+
+
+def marks(n: int) -> str:
+    return ",".join("?" * n)
+
+
+def is_full(exc: BaseException) -> bool:
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    return isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", 0) == sqlite3.SQLITE_FULL
+
+
+def connect(path: Path) -> sqlite3.Connection:
+    """A connection to the index at ``path``, set up as every process of the store needs it."""
+    conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+    conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+    conn.execute("PRAGMA journal_mode = WAL")
+    conn.execute("PRAGMA synchronous = NORMAL")
+    # Keep the write-ahead log small: it lives on the same (maybe small) filesystem.
+    conn.execute("PRAGMA wal_autocheckpoint = 256")
+    conn.execute(f"PRAGMA journal_size_limit = {FS_RESERVE // 2}")
+    return conn
+
+
+class Transaction:
+    """One write transaction on the index, with the counters it keeps in ``meta``."""
+
+    def __init__(self, conn: sqlite3.Connection, root: Path) -> None:
+        self.conn = conn
+        self.root = root
+        meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
+        self.capacity = int(meta["capacity"])
+        self.slab_size = int(meta["slab_size"])
+        self.inline_bytes = int(meta["inline_bytes"])
+        self.next_gen = int(meta["next_gen"])
+        self.evictions = int(meta["evictions"])
+        self.epoch = int(meta["epoch"])
+        self.slab_bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM slabs").fetchone()[0])
+        # The filesystem may hold less than the capacity: never plan to use more than it has,
+        # and leave room for the index (and its write-ahead log) to grow.
+        self.configured_capacity = self.capacity
+        with contextlib.suppress(OSError):
+            free = shutil.disk_usage(root).free
+            self.capacity = min(self.capacity, max(0, self.used + free - FS_RESERVE))
+        self.now = time.time()
+        self.created: list[Path] = []  # slab files made here: removed if the transaction fails
+        self.doomed: list[Path] = []  # slab files dropped here: removed once it commits
+        self.no_grow = False
+        self.reclaimed = False
+
+    @property
+    def used(self) -> int:
+        return self.slab_bytes + self.inline_bytes
+
+    def save(self) -> None:
+        self.conn.executemany(
+            "UPDATE meta SET value = ? WHERE name = ?",
+            [
+                (self.inline_bytes, "inline_bytes"),
+                (self.next_gen, "next_gen"),
+                (self.evictions, "evictions"),
+                (self.epoch, "epoch"),
+            ],
+        )
+
+    def gen(self) -> int:
+        self.next_gen += 1
+        return self.next_gen
+
+    # -- recency ---------------------------------------------------------------------
+
+    def touch(self, touches: Iterable[tuple[str, float]]) -> None:
+        self.conn.executemany("UPDATE keys SET last_used = ?2 WHERE key = ?1 AND last_used < ?2", touches)
+
+    # -- keys ------------------------------------------------------------------------
+
+    def exists(self, key: str) -> bool:
+        return self.conn.execute("SELECT 1 FROM keys WHERE key = ?", (key,)).fetchone() is not None
+
+    def remove(self, key: str) -> bool:
+        """Delete a key and release what it held."""
+        row = self.conn.execute("SELECT size, slab, slot, gen FROM keys WHERE key = ?", (key,)).fetchone()
+        if row is None:
+            return False
+        size, slab, slot, gen = row
+        self.conn.execute("DELETE FROM keys WHERE key = ?", (key,))
+        if slab is None:
+            self.inline_bytes -= size
+        else:
+            self.conn.execute(
+                "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ? AND gen = ?",
+                (FREE, slab, slot, gen),
+            )
+        return True
+
+    def put_inline(self, key: str, data: bytes, if_absent: bool = False) -> bool:
+        """Store a small object in the index; a replace that cannot fit keeps the old value."""
+        if if_absent and self.exists(key):
+            return False
+        old = self.conn.execute("SELECT size FROM keys WHERE key = ? AND slab IS NULL", (key,)).fetchone()
+        if len(data) > self.capacity or not self.make_room(len(data) - (int(old[0]) if old else 0)):
+            return False
+        self.remove(key)
+        if not self.make_room(len(data)):  # only if the old value was itself evicted just now
+            return False
+        self.conn.execute(
+            "INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data)"
+            " VALUES (?, ?, 0, NULL, NULL, ?, ?, ?)",
+            (key, len(data), self.gen(), self.now, data),
+        )
+        self.inline_bytes += len(data)
+        return True
+
+    def publish(self, key: str, size: int, claim: Claim, if_absent: bool = False) -> bool:
+        """Point ``key`` at a slot this writer filled; False if the slot was taken back."""
+        row = self.conn.execute(
+            "SELECT state, gen FROM slots WHERE slab = ? AND slot = ?", (claim.slab, claim.slot)
+        ).fetchone()
+        if row is None or tuple(row) != (WRITING, claim.gen):
+            return False
+        if if_absent and self.exists(key):
+            self.release([claim])
+            return False
+        self.remove(key)
+        self.conn.execute(
+            "INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
+            (key, size, claim.cls, claim.slab, claim.slot, claim.gen, self.now),
+        )
+        self.conn.execute(
+            "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ?",
+            (LIVE, claim.slab, claim.slot),
+        )
+        return True
+
+    def release(self, claims: Iterable[Claim]) -> None:
+        self.conn.executemany(
+            "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ? AND gen = ? AND state = ?",
+            [(FREE, c.slab, c.slot, c.gen, WRITING) for c in claims],
+        )
+
+    # -- slots -----------------------------------------------------------------------
+
+    def claim(self, cls: int, owner: str, inflight: set[int]) -> Claim | None:
+        """A slot of class ``cls`` for this writer, evicting if needed; None if no room."""
+        found = self._free_slot(cls)
+        if found is None and not self.reclaimed:
+            self.reclaim(owner, inflight)
+            found = self._free_slot(cls)
+        need = _arena.slab_bytes(cls, self.slab_size)
+        while found is None:
+            if need > self.capacity:
+                return None
+            if not self.no_grow and self.used + need <= self.capacity:
+                found = self._grow(cls, need)
+                continue
+            # Evict whichever is least recently used: an object of this class (its slot),
+            # a whole slab of another class, or a small inline object (room to grow).
+            key = self._oldest_key(cls)
+            slab = self._oldest_slab(exclude_cls=cls)
+            inline = None if self.no_grow else self._oldest_inline()
+            reusable = slab is not None and slab[2] == need and cls <= self.slab_size
+            if slab is not None and not reusable and self.no_grow:
+                slab = None  # dropping it would not let us grow anyway
+            ages = [(c[-1], rank) for rank, c in enumerate((key, slab, inline)) if c is not None]
+            if not ages:
+                return None
+            victim = min(ages)[1]
+            if victim == 0 and key is not None:
+                self._evict_key(key[0], key[1], key[2])
+                found = (key[1], key[2])
+            elif victim == 1 and slab is not None and reusable:
+                found = self._reformat(slab[0], cls)
+            elif victim == 1 and slab is not None:
+                self._drop_slab(slab[0], slab[2])
+            elif inline is not None:
+                self.remove(inline[0])
+                self.evictions += 1
+        gen = self.gen()
+        inflight.add(gen)  # before any later reclaim in this transaction can see it
+        self.conn.execute(
+            "UPDATE slots SET state = ?, owner = ?, gen = ? WHERE slab = ? AND slot = ?",
+            (WRITING, owner, gen, found[0], found[1]),
+        )
+        # Slabs made before a capacity change may differ in size from ``need``.
+        return Claim(found[0], found[1], gen, cls, self._slab_nbytes(found[0]))
+
+    def _free_slot(self, cls: int) -> tuple[int, int] | None:
+        row = self.conn.execute(
+            "SELECT slab, slot FROM slots WHERE cls = ? AND state = ? LIMIT 1", (cls, FREE)
+        ).fetchone()
+        return None if row is None else (int(row[0]), int(row[1]))
+
+    def _slab_nbytes(self, slab_id: int) -> int:
+        row = self.conn.execute("SELECT nbytes FROM slabs WHERE id = ?", (slab_id,)).fetchone()
+        return int(row[0])
+
+    def _grow(self, cls: int, nbytes: int) -> tuple[int, int] | None:
+        try:
+            tmp = _arena.create_slab_file(self.root, nbytes)
+        except OSError as exc:
+            if not is_full(exc):
+                raise
+            self.no_grow = True
+            return None
+        nslots = _arena.slots_per_slab(cls, self.slab_size)
+        try:
+            slab_id = self.conn.execute(
+                "INSERT INTO slabs (cls, nslots, nbytes) VALUES (?, ?, ?)", (cls, nslots, nbytes)
+            ).lastrowid
+            assert slab_id is not None
+            final = _arena.slab_path(self.root, slab_id)
+            os.rename(tmp, final)
+        except BaseException:
+            _arena.remove_file(tmp)
+            raise
+        self.created.append(final)
+        self._add_slots(slab_id, cls, nslots)
+        self.slab_bytes += nbytes
+        return (slab_id, 0)
+
+    def _add_slots(self, slab_id: int, cls: int, nslots: int) -> None:
+        self.conn.executemany(
+            "INSERT INTO slots (slab, slot, cls, state, owner, gen) VALUES (?, ?, ?, ?, NULL, 0)",
+            [(slab_id, i, cls, FREE) for i in range(nslots)],
+        )
+
+    def _oldest_key(self, cls: int) -> tuple[str, int, int, float] | None:
+        row = self.conn.execute(
+            "SELECT key, slab, slot, last_used FROM keys WHERE cls = ? ORDER BY last_used, gen LIMIT 1",
+            (cls,),
+        ).fetchone()
+        return None if row is None else (row[0], row[1], row[2], row[3])
+
+    def _oldest_slab(self, exclude_cls: int) -> tuple[int, int, int, float] | None:
+        """The slab whose newest object is oldest, among slabs no writer is filling."""
+        row = self.conn.execute(
+            "SELECT s.id, s.cls, s.nbytes,"
+            " COALESCE((SELECT MAX(k.last_used) FROM keys k WHERE k.slab = s.id), -1.0) AS lu"
+            " FROM slabs s WHERE s.cls != ?"
+            " AND NOT EXISTS (SELECT 1 FROM slots t WHERE t.slab = s.id AND t.state = ?)"
+            " ORDER BY lu, s.id LIMIT 1",
+            (exclude_cls, WRITING),
+        ).fetchone()
+        return None if row is None else (row[0], row[1], row[2], row[3])
+
+    def _oldest_inline(self) -> tuple[str, float] | None:
+        row = self.conn.execute(
+            "SELECT key, last_used FROM keys WHERE cls = 0 ORDER BY last_used, gen LIMIT 1"
+        ).fetchone()
+        return None if row is None else (row[0], row[1])
+
+    def _evict_key(self, key: str, slab: int, slot: int) -> None:
+        self.conn.execute("DELETE FROM keys WHERE key = ?", (key,))
+        self.conn.execute(
+            "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ?",
+            (FREE, slab, slot),
+        )
+        self.evictions += 1
+
+    def _empty_slab(self, slab_id: int) -> None:
+        dropped = self.conn.execute("DELETE FROM keys WHERE slab = ?", (slab_id,)).rowcount
+        self.evictions += max(dropped, 0)
+        self.conn.execute("DELETE FROM slots WHERE slab = ?", (slab_id,))
+
+    def _reformat(self, slab_id: int, cls: int) -> tuple[int, int]:
+        """Give a whole slab of another class to ``cls``; its objects are evicted."""
+        self._empty_slab(slab_id)
+        nslots = _arena.slots_per_slab(cls, self.slab_size)
+        self.conn.execute("UPDATE slabs SET cls = ?, nslots = ? WHERE id = ?", (cls, nslots, slab_id))
+        self._add_slots(slab_id, cls, nslots)
+        return (slab_id, 0)
+
+    def lose_slab(self, slab_id: int, nbytes: int) -> None:
+        """Forget a slab whose file is gone or damaged, with its keys (not counted as evictions)."""
+        self.conn.execute("DELETE FROM keys WHERE slab = ?", (slab_id,))
+        self.conn.execute("DELETE FROM slots WHERE slab = ?", (slab_id,))
+        self.conn.execute("DELETE FROM slabs WHERE id = ?", (slab_id,))
+        self.slab_bytes -= nbytes
+        self.epoch += 1
+        self.doomed.append(_arena.slab_path(self.root, slab_id))
+
+    def _drop_slab(self, slab_id: int, nbytes: int) -> None:
+        self._empty_slab(slab_id)
+        self.conn.execute("DELETE FROM slabs WHERE id = ?", (slab_id,))
+        self.slab_bytes -= nbytes
+        self.epoch += 1
+        self.doomed.append(_arena.slab_path(self.root, slab_id))
+
+    def make_room(self, nbytes: int) -> bool:
+        """Evict until ``nbytes`` more fit: the older of the oldest inline object and slab."""
+        if nbytes > self.capacity:
+            return False
+        while self.used + nbytes > self.capacity:
+            inline = self._oldest_inline()
+            slab = self._oldest_slab(exclude_cls=0)
+            if inline is None and slab is None:
+                return False
+            if inline is not None and (slab is None or inline[1] <= slab[3]):
+                self.remove(inline[0])
+                self.evictions += 1
+            elif slab is not None:
+                self._drop_slab(slab[0], slab[2])
+        return True
+
+    def reclaim(self, owner: str | None, inflight: set[int]) -> int:
+        """Free slots claimed by writers that died (or by this one, then abandoned)."""
+        self.reclaimed = True
+        writers = self.root / WRITERS_DIR
+        alive: dict[str, bool] = {}
+        lost: list[tuple[int, int, int]] = []
+        for slab, slot, who, gen in self.conn.execute(
+            "SELECT slab, slot, owner, gen FROM slots WHERE state = ?", (WRITING,)
+        ).fetchall():
+            if who == owner:
+                dead = gen not in inflight
+            else:
+                if who not in alive:
+                    alive[who] = bool(who) and owner_alive(writers, who)
+                dead = not alive[who]
+            if dead:
+                lost.append((slab, slot, gen))
+        self.conn.executemany(
+            "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ? AND gen = ?",
+            [(FREE, *row) for row in lost],
+        )
+        return len(lost)
