@@ -34,8 +34,7 @@ class StoreKind:
 #: Conformance tests that assert exact (sub-second) LRU order; skipped for inexact_lru kinds.
 EXACT_LRU_TESTS = frozenset({
     "test_capacity_bounds_bytes_and_evicts_lru",
-    "test_recently_read_keys_survive_longer",
-    "test_touched_keys_survive_longer",
+    "test_recently_used_keys_survive_longer",
     "test_small_objects_filling_the_store_make_way_for_a_large_one",
 })  # fmt: skip
 

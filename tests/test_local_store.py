@@ -78,8 +78,17 @@ def test_sigkill_mid_put_leaves_only_whole_objects(tmp_path: Path) -> None:
     assert leaked > 0, "no kill landed mid-put; the test did not exercise recovery"
     watcher.close()
 
-    # A fresh open gives back the slots of dead writers and removes half-made slab files.
+    # A fresh open gives back the slots of dead writers and removes half-made slab files
+    # (those old enough that no live writer can still be making them: age them here).
+    old = time.time() - _arena.STRAY_TMP_AGE_S - 1
+    for name in slab_files(path):
+        if name.endswith(".tmp"):
+            os.utime(path / name, (old, old))
+    young = path / "slab-1-2-young.tmp"
+    young.write_bytes(b"a live writer is making this one")
     store = LocalStore(path)
+    assert young.exists()
+    young.unlink()
     usage = store.usage()
     assert usage.writing_slots == 0
     slot_keys = sum(1 for _, size in store.scan() if size > _arena.INLINE_MAX)

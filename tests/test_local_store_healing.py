@@ -213,3 +213,32 @@ def test_a_filesystem_smaller_than_the_capacity_keeps_serving(small_fs: Path) ->
         assert again.get_many(["after/1"]) in ([b"x" * 100], [None])  # kept, or evicted to fit
         assert again.put_many([("after/2", [b"y" * 100])]) == [True]
         assert again.get_many(["after/2"]) == [b"y" * 100]
+
+
+def test_a_new_slab_is_written_without_holding_the_index_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sqlite3
+
+    from prefixvault.stores import _arena
+
+    make = _arena.create_slab_file
+    lock_free: list[bool] = []
+
+    def watched(root: Path, nbytes: int) -> Path:
+        other = sqlite3.connect(root / "index.db", timeout=0, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")  # another writer gets the lock meanwhile
+            other.execute("ROLLBACK")
+            lock_free.append(True)
+        except sqlite3.OperationalError:
+            lock_free.append(False)
+        finally:
+            other.close()
+        return make(root, nbytes)
+
+    monkeypatch.setattr(_arena, "create_slab_file", watched)
+    with LocalStore(tmp_path / "s", capacity=256 * MiB) as store:
+        assert store.put_many([(f"k{i}", [bytes([i]) * MiB]) for i in range(8)]) == [True] * 8
+        assert store.get_many(["k7"]) == [bytes([7]) * MiB]
+    assert lock_free and all(lock_free)

@@ -440,14 +440,19 @@ def test_capacity_bounds_bytes_and_evicts_lru(store_kind: str, store_uri_factory
         assert stats.objects == sum(store.exists_many(keys))
 
 
-def test_recently_read_keys_survive_longer(store_kind: str, store_uri_factory: UriFactory) -> None:
+@pytest.mark.parametrize("use", ["read", "touch"])
+def test_recently_used_keys_survive_longer(store_kind: str, store_uri_factory: UriFactory, use: str) -> None:
+    """A read counts as a use for eviction, and so does ``touch_many`` (what a hit calls)."""
     with open_store(store_uri_factory(store_kind, capacity="32MiB")) as store:
         keys = [f"lru/{i}" for i in range(200)]
         _fill(store, keys, lambda: None)
         touched = keys[::4]
         time.sleep(0.01)
-        for _ in range(3):
-            store.get_into(touched, [memoryview(bytearray(OBJ)) for _ in touched])
+        if use == "read":
+            for _ in range(3):
+                store.get_into(touched, [memoryview(bytearray(OBJ)) for _ in touched])
+        else:
+            assert store.touch_many([*touched, "lru/none"]) == [True] * len(touched) + [False]
         _fill(store, [f"lru/new/{i}" for i in range(120)], lambda: None)
         assert store.stats().evictions > 0
         present = dict(zip(keys, store.exists_many(keys), strict=True))
@@ -455,21 +460,6 @@ def test_recently_read_keys_survive_longer(store_kind: str, store_uri_factory: U
         untouched_left = sum(present[k] for k in keys if k not in touched)
         assert touched_left == len(touched)
         assert untouched_left <= 150 - 40
-
-
-def test_touched_keys_survive_longer(store_kind: str, store_uri_factory: UriFactory) -> None:
-    """``touch_many`` answers as ``exists_many`` and counts as a use: what a hit touched stays."""
-    with open_store(store_uri_factory(store_kind, capacity="32MiB")) as store:
-        keys = [f"touch/{i}" for i in range(200)]
-        _fill(store, keys, lambda: None)
-        touched = keys[::4]
-        time.sleep(0.01)
-        assert store.touch_many([*touched, "touch/none"]) == [True] * len(touched) + [False]
-        _fill(store, [f"touch/new/{i}" for i in range(120)], lambda: None)
-        assert store.stats().evictions > 0
-        present = dict(zip(keys, store.exists_many(keys), strict=True))
-        assert all(present[k] for k in touched)
-        assert sum(present[k] for k in keys if k not in touched) <= 150 - 40
 
 
 def test_stats_capacity_matches_uri(store_kind: str, store_uri_factory: UriFactory) -> None:

@@ -31,7 +31,7 @@ def test_seed_scenario_over_redis(tmp_path: Path) -> None:
 #: Faults on the wire between an engine and a real Valkey server, each at an exact point of
 #: the protocol: (engine role, the command that trips it, stall or drop).
 WIRE_FAULTS = {
-    "lookup-stalls": ("kv_consumer", b"$6\r\nEXISTS\r\n", "stall"),
+    "lookup-stalls": ("kv_consumer", b"$5\r\nTOUCH\r\n", "stall"),  # a lookup touches what it finds
     "server-gone-mid-get": ("kv_consumer", b"$3\r\nGET\r\n", "drop"),
     "server-gone-mid-put": ("kv_producer", b"$3\r\nSET\r\n", "drop"),
 }

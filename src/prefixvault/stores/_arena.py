@@ -13,6 +13,7 @@ import contextlib
 import mmap
 import os
 import threading
+import time
 from pathlib import Path
 from typing import TypeAlias
 
@@ -30,6 +31,9 @@ SLAB_MIN = 256 << 10
 SLAB_MAX = 64 << 20
 #: Size classes per doubling: an object wastes at most 1/8 of its slot.
 STEPS_PER_DOUBLING = 8
+
+#: A temporary slab file this old belongs to a writer that died while making it.
+STRAY_TMP_AGE_S = 600.0
 
 _PREFIX = "slab-"
 _SUFFIX = ".bin"
@@ -107,14 +111,21 @@ def remove_file(path: Path) -> None:
 
 
 def stray_files(root: Path, known: set[int]) -> list[Path]:
-    """Slab files the index does not know: left by a writer that died mid-creation."""
+    """Slab files the index does not know: left by a writer that died mid-creation.
+
+    A writer makes a new slab's file before the transaction that adds it (so it never writes
+    megabytes while holding the index lock): a temporary file is stray only once it is older
+    than any creation takes (``STRAY_TMP_AGE_S``)."""
     found: list[Path] = []
+    now = time.time()
     for entry in os.scandir(root):
         name = entry.name
         if not name.startswith(_PREFIX):
             continue
         if name.endswith(_TMP_SUFFIX):
-            found.append(Path(entry.path))
+            with contextlib.suppress(FileNotFoundError):
+                if now - entry.stat().st_mtime >= STRAY_TMP_AGE_S:
+                    found.append(Path(entry.path))
         elif name.endswith(_SUFFIX):
             digits = name[len(_PREFIX) : -len(_SUFFIX)]
             if digits.isdigit() and int(digits) not in known:

@@ -141,6 +141,11 @@ class Transaction:
         self.doomed: list[Path] = []  # slab files dropped here: removed once it commits
         self.no_grow = False
         self.reclaimed = False
+        # Slab files are made outside any transaction (writing megabytes while holding the
+        # index lock would stall every other writer): ``spares`` are files made for this one,
+        # ``wanted`` the size of the file a claim asked for and did not find.
+        self.spares: dict[int, list[Path]] = {}
+        self.wanted = 0
 
     @property
     def used(self) -> int:
@@ -236,7 +241,10 @@ class Transaction:
     # -- slots -----------------------------------------------------------------------
 
     def claim(self, cls: int, owner: str, inflight: set[int]) -> Claim | None:
-        """A slot of class ``cls`` for this writer, evicting if needed; None if no room."""
+        """A slot of class ``cls`` for this writer, evicting if needed; None if no room, or
+        if the store should grow and no spare slab file is at hand (then ``wanted`` says
+        which size to make, outside the transaction, before asking again)."""
+        self.wanted = 0
         found = self._free_slot(cls)
         if found is None and not self.reclaimed:
             self.reclaim(owner, inflight)
@@ -247,6 +255,9 @@ class Transaction:
                 return None
             if not self.no_grow and self.used + need <= self.capacity:
                 found = self._grow(cls, need)
+                if found is None:
+                    self.wanted = need
+                    return None
                 continue
             # Evict whichever is least recently used: an object of this class (its slot),
             # a whole slab of another class, or a small inline object (room to grow).
@@ -290,13 +301,11 @@ class Transaction:
         return int(row[0])
 
     def _grow(self, cls: int, nbytes: int) -> tuple[int, int] | None:
-        try:
-            tmp = _arena.create_slab_file(self.root, nbytes)
-        except OSError as exc:
-            if not is_full(exc):
-                raise
-            self.no_grow = True
+        """Add a slab made beforehand (a spare of this size); None if there is none."""
+        spares = self.spares.get(nbytes)
+        if not spares:
             return None
+        tmp = spares.pop()
         nslots = _arena.slots_per_slab(cls, self.slab_size)
         try:
             slab_id = self.conn.execute(

@@ -581,14 +581,37 @@ class LocalStore(Store):
         return int(row[0])
 
     def _claim(self, keys: list[str], classes: list[int], claims: dict[int, Claim], if_absent: bool) -> None:
+        """Claim slots; a slab file the store must grow by is made between transactions,
+        never while holding the index lock (other writers would wait for megabytes of writes)."""
         owner = self._writer.get()
-        with self._write() as tx:
-            for i, cls in enumerate(classes):
-                if cls == 0 or (if_absent and tx.exists(keys[i])):
-                    continue
-                claim = tx.claim(cls, owner, self._inflight)
-                if claim is not None:
-                    claims[i] = claim
+        spares: dict[int, list[Path]] = {}
+        no_grow = False
+        try:
+            for _ in range(len(classes) + 2):
+                wanted = 0
+                with self._write() as tx:
+                    tx.spares, tx.no_grow = spares, no_grow
+                    for i, cls in enumerate(classes):
+                        if cls == 0 or i in claims or (if_absent and tx.exists(keys[i])):
+                            continue
+                        claim = tx.claim(cls, owner, self._inflight)
+                        if claim is not None:
+                            claims[i] = claim
+                        elif tx.wanted:
+                            wanted = tx.wanted
+                            break
+                if not wanted:
+                    return
+                try:
+                    spares.setdefault(wanted, []).append(_arena.create_slab_file(self.path, wanted))
+                except OSError as exc:
+                    if not is_full(exc):
+                        raise
+                    no_grow = True  # the filesystem is full: evict instead
+        finally:
+            for paths in spares.values():
+                for path in paths:
+                    _arena.remove_file(path)
 
     def _copy(self, parts: list[list[Bytes]], sizes: list[int], claims: dict[int, Claim]) -> set[int]:
         """Fill claimed slots (no index lock held, so readers and other writers proceed);

@@ -1,7 +1,7 @@
 """A TCP proxy on loopback that injects a network fault at an exact protocol point.
 
 Clients connect to the proxy instead of the server. Bytes pass both ways until a client sends
-a chunk containing ``trigger`` (say ``b"EXISTS"``, the first command of a lookup); from then
+a chunk containing ``trigger`` (say ``b"TOUCH"``, the first command of a lookup); from then
 on the proxy either stalls (holds every connection open and forwards nothing, like a network
 that stopped delivering) or drops (closes every connection and refuses new ones, like a
 server that died). For tests: the server and the client are real, only the wire misbehaves.
