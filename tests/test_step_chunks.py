@@ -219,3 +219,24 @@ def test_decode_steps_publish_nothing() -> None:
     side.build_connector_meta(_output({"d": (0, 8)}, {}, tables, {"d"}))
     for t in range(8, 13):
         assert side.build_connector_meta(_output({"d": (t, t + 1)}, {}, tables, set())).saves == []
+
+
+def test_a_request_asked_again_after_a_load_saves_from_the_first_block() -> None:
+    """A load that failed removed its bad object; the request's next saves must write what
+    is missing again, not extend the record it was loaded from."""
+    store = MemoryStore()
+    vault = Vault(store, LAYOUT, "t")
+    req = _request("l", 13)
+    hashes = vault.hashes(req.prompt_token_ids)
+    d = plan_saves(LAYOUT, 8, {0: [1, 2]}, [StateCapture(1, 8, 3, 1)], step=1)
+    assert vault.publish(hashes, vault.save(0, hashes, d.publishable, lambda r, b: bytes(8))) == {8: None}
+    side = SchedulerSide(ConnectorSettings(), LAYOUT, vault, load=True, save=True)
+    assert side.get_num_new_matched_tokens(req, 0) == (8, True)
+    blocks = SimpleNamespace(get_block_ids=lambda: ([11, 12, 13, 14], [0, 21, 0, 0]))
+    side.update_state_after_alloc(req, blocks, 8)
+    store.delete_many([vault.block_ref(0, 0, hashes[0], 0).key])  # found bad at load, removed
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again: a miss now
+    tables = {"l": {0: [11, 12, 13], 1: [0, 0, 22]}}
+    meta = side.build_connector_meta(_output({"l": (0, 12)}, {}, tables, {"l"}))
+    (spec,) = meta.saves
+    assert spec.parent == 0 and [b[1] for b in spec.plans[0].blocks] == [0, 1, 2]

@@ -116,6 +116,11 @@ class SchedulerSide:
         if st.loads >= MAX_LOADS_PER_REQUEST:
             return 0, False  # its loads keep failing: compute it
         if st.hit is None:
+            if st.loads:
+                # Asked again after a load: it failed (a bad object was removed) or the request
+                # was preempted. Plan saves from the first block again, so what went missing
+                # is written again rather than trusted to the record it was loaded from.
+                st.saved = 0
             self.counters.lookups += 1
             try:
                 hashes = self._hashes(st, len(st.prompt))
