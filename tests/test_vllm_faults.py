@@ -92,9 +92,16 @@ def test_producer_killed_mid_save_leaves_no_partial_record(
     assert identical(cold[1], got[0])
 
 
-def test_two_consumer_engines_at_once(seed: Seed, cold: list[Completion], workdir: Path) -> None:
+@pytest.fixture(scope="module")
+def shared(seed: Seed, workdir: Path) -> str:
+    """A store the producer filled, shared by the tests below (they only read it)."""
     store_uri = f"local://{workdir}/shared?capacity=1GiB"
     run(seed, spec(seed, "kv_producer", [seed.producer], [""], store_uri), workdir)
+    return store_uri
+
+
+def test_two_consumer_engines_at_once(seed: Seed, cold: list[Completion], workdir: Path, shared: str) -> None:
+    store_uri = shared
     picks = [0, 1]
 
     def consume(i: int) -> Completion:
@@ -106,3 +113,14 @@ def test_two_consumer_engines_at_once(seed: Seed, cold: list[Completion], workdi
     for i, got in zip(picks, results, strict=True):
         assert got.cached_tokens == seed.cases[i].expected_hit > 0
         assert identical(cold[i], got)
+
+
+def test_a_lone_surrogate_cache_salt_is_served_and_the_engine_keeps_going(
+    seed: Seed, cold: list[Completion], workdir: Path, shared: str
+) -> None:
+    """A cache salt vLLM accepts (a lone surrogate is valid JSON) but no UTF-8 encoder does:
+    the request is a miss, computed cold, and the engine goes on to restore the next one."""
+    prompts = [seed.cases[0].tokens, seed.cases[1].tokens]
+    got = run(seed, spec(seed, "kv_consumer", prompts, ["\ud800", ""], shared), workdir / "surrogate")
+    assert got[0].cached_tokens == 0 and identical(cold[0], got[0])
+    assert got[1].cached_tokens == seed.cases[1].expected_hit > 0 and identical(cold[1], got[1])

@@ -40,7 +40,9 @@ class ExtraKeys:
         h = hashlib.blake2b(digest_size=HASH_BYTES, person=b"pv-seed")
         for tag, value in (("lora", self.lora), ("salt", self.cache_salt)):
             if value is not None:
-                h.update(f"{tag}={len(value)}:{value};".encode())
+                # surrogatepass: any str vLLM accepts (a lone surrogate is valid JSON) has
+                # one encoding, distinct from every other string's.
+                h.update(f"{tag}={len(value)}:{value};".encode("utf-8", "surrogatepass"))
         return h.digest()
 
     def block_extra(self, start: int, end: int) -> bytes:
@@ -50,7 +52,7 @@ class ExtraKeys:
             for m in self.multimodal
             if m.offset < end and m.offset + m.length > start
         ]
-        return "".join(parts).encode()
+        return "".join(parts).encode("utf-8", "surrogatepass")
 
 
 def chain_hashes(

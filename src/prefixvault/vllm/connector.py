@@ -24,6 +24,7 @@ from prefixvault.stores import open_store_or_retry
 from prefixvault.vault import Vault
 from prefixvault.vllm.alignment import ChunkAlignment
 from prefixvault.vllm.config import ConnectorSettings
+from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.layout import build_layout
 from prefixvault.vllm.metadata import PrefixVaultMetadata
 from prefixvault.vllm.scheduler import SchedulerSide
@@ -46,6 +47,10 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         self.layout = build_layout(vllm_config, kv_cache_config, self.settings.model_id)
         self.vault = Vault(open_store_or_retry(self.settings.store), self.layout, self.settings.namespace)
         self._snapshot = Snapshot()
+        # Every entry point vLLM calls goes through this guard (the scheduler side's own ones
+        # included): an error of ours becomes a miss, a skipped save or a recomputed load,
+        # never an exception into the engine.
+        self.guard = Guard()
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -53,7 +58,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                 # A bad or missing object must cost a recompute, never a failed request.
                 ktc.kv_load_failure_policy = "recompute"
             self.scheduler = SchedulerSide(self.settings, self.layout, self.vault,
-                                           load=ktc.is_kv_consumer, save=ktc.is_kv_producer)
+                                           load=ktc.is_kv_consumer, save=ktc.is_kv_producer, guard=self.guard)
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
                                             enabled=any(g.is_state for g in self.layout.groups))
             log.info("prefixvault: %s on %s, namespace %s, layout %s, block size %d, capture %s",
@@ -77,8 +82,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         assert self.scheduler is not None
-        self.alignment.check()  # before vLLM splits this request's first chunk
-        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+        self.guard.call("alignment", self.alignment.check, lambda: None)  # before the first chunk
+        return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)  # never raises
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         assert self.scheduler is not None
@@ -86,8 +91,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self.scheduler is not None
-        self.alignment.check()
-        return self.scheduler.build_connector_meta(scheduler_output)
+        self.guard.call("alignment", self.alignment.check, lambda: None)
+        return self.scheduler.build_connector_meta(scheduler_output)  # never raises
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         if self.scheduler is not None:
@@ -107,9 +112,11 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, PrefixVaultMetadata) and self.worker is not None
+        worker = self.worker
+        assert isinstance(meta, PrefixVaultMetadata) and worker is not None
         if meta.loads:
-            self.worker.load(meta.loads)
+            self.guard.call("start_load_kv", lambda: worker.load(meta.loads),
+                            lambda: worker.fail_loads(meta.loads))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
@@ -119,9 +126,10 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
-        assert isinstance(meta, PrefixVaultMetadata) and self.worker is not None
+        worker = self.worker
+        assert isinstance(meta, PrefixVaultMetadata) and worker is not None
         if meta.saves:
-            self.worker.save(meta.saves)
+            self.guard.call("wait_for_save", lambda: worker.save(meta.saves), lambda: None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -143,6 +151,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             "records_published": c.records_published,
         }
         totals.update({f"rejected:{k}": v for k, v in c.rejected.items()})
+        totals["internal_errors"] = self.guard.total
         if self.scheduler is not None:
             s = self.scheduler.counters
             totals.update(lookups=s.lookups, lookup_errors=s.lookup_errors, hit_tokens=s.hit_tokens,

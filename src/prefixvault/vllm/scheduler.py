@@ -12,6 +12,7 @@ import random
 import socket
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 from prefixvault.boundary import StateCapture, StepChunk, plan_saves, step_end_captures
@@ -21,6 +22,7 @@ from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample, write_sample
 from prefixvault.vault import Vault
 from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
+from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, SaveSpec
 
 log = logging.getLogger("vllm.prefixvault")
@@ -75,8 +77,9 @@ class SchedulerCounters:
 
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, layout: CacheLayout, vault: Vault | None,
-                 load: bool, save: bool) -> None:
+                 load: bool, save: bool, guard: Guard | None = None) -> None:
         self.settings = settings
+        self.guard = guard or Guard()
         self.layout = layout
         self.vault = vault
         self.load_enabled = load
@@ -107,7 +110,22 @@ class SchedulerSide:
                 if self.vault else []
         return st.hashes[:n]
 
+    # The entry points vLLM calls never raise (``Guard``): an error of ours is a miss, a skipped
+    # save, or a load that fails and is recomputed.
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        return self.guard.call("get_num_new_matched_tokens",
+                               lambda: self._matched(request, num_computed_tokens), lambda: (0, False))
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        self.guard.call("update_state_after_alloc",
+                        lambda: self._after_alloc(request, blocks, num_external_tokens),
+                        lambda: self.fail_load(request, num_external_tokens))
+
+    def request_finished(self, request: Any) -> None:
+        self.guard.call("request_finished", lambda: self._finished(request), lambda: None)
+
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         st = self._track(request)
         if st is None or not self.load_enabled or self.vault is None:
             return 0, False
@@ -133,7 +151,7 @@ class SchedulerSide:
             return st.hit - num_computed_tokens, True
         return 0, False
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def _after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
         if st is None or num_external_tokens <= 0 or not st.hit:
             return
@@ -154,12 +172,21 @@ class SchedulerSide:
 
     # -- saves ------------------------------------------------------------------------------------
 
+    def fail_load(self, request: Any, num_external_tokens: int) -> None:
+        """After an error of ours in ``update_state_after_alloc``: vLLM waits for a load it
+        was promised, so queue one that fails; the worker reports it and vLLM recomputes."""
+        if num_external_tokens > 0:
+            rid = str(getattr(request, "request_id", ""))
+            self._pending_loads.append(LoadSpec(rid, [], num_external_tokens, 0, ()))
+            self._reqs.pop(rid, None)
+
     def build_connector_meta(self, scheduler_output: Any) -> PrefixVaultMetadata:
         self._step += 1
         meta = PrefixVaultMetadata(step=self._step, loads=self._pending_loads)
-        self._pending_loads = []
+        self._pending_loads = []  # loads are handed over whatever happens below
         if self.save_enabled and self.vault is not None:
-            meta.saves = self._plan_saves(scheduler_output)
+            meta.saves = self.guard.call("build_connector_meta", lambda: self._plan_saves(scheduler_output),
+                                         list)
         return meta
 
     def _starts(self, out: Any) -> dict[str, int]:
@@ -175,42 +202,53 @@ class SchedulerSide:
         offers: dict[str, list[tuple[int, int, int]]] = state.boundary_state_offloads or {}
         starts = self._starts(out)
         saves = []
-        bs = self.block_size
         for req_id, n_new in out.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
             if st is None or req_id not in starts:
                 continue
             start = starts[req_id]
-            prompt_len = len(st.prompt)
-            if start >= prompt_len:
-                continue  # decoding: only prompt prefixes are published
-            chunk = StepChunk(start, start + n_new)
-            end = min(chunk.end, prompt_len)
-            tables = state.get_block_ids(req_id)
-            if tables is None:
-                continue
-            captures = [StateCapture(g, t, b, self._step) for g, b, t in offers.get(req_id, [])
-                        if t <= end]
-            at_end = step_end_captures(self.layout, chunk, prompt_len,
-                                       {g: tables[g] for g in self.state_groups}, self._step)
-            if at_end and self._capture_step_end(st, end):
-                captures += at_end
-            candidates = {c.tokens for c in captures}
-            if not self.state_groups:
-                candidates = set(range((start // bs + 1) * bs, end + 1, bs))
-            candidates = {t for t in candidates if t > st.saved and t % bs == 0 and t < prompt_len + 1}
-            if not candidates:
-                continue
-            decision = plan_saves(self.layout, end, {g: tables[g] for g in self.attn_groups}, captures,
-                                  self._step, candidates, chunk, since=st.saved)
-            for _, why in decision.refused:
-                self.counters.refused[why.value] = self.counters.refused.get(why.value, 0) + 1
-            if decision.publishable:
-                top = max(p.tokens for p in decision.publishable)
-                self.counters.plans += len(decision.publishable)
-                saves.append(SaveSpec(req_id, self._hashes(st, top), list(decision.publishable), st.saved))
-                st.saved = max(st.saved, top)
+            # One request's error skips its own saves only.
+            spec = self.guard.call("build_connector_meta",
+                                   partial(self._plan_request, req_id, st, start, n_new, state, offers),
+                                   lambda: None)
+            if spec is not None:
+                saves.append(spec)
         return saves
+
+    def _plan_request(self, req_id: str, st: _Request, start: int, n_new: int, state: Any,
+                      offers: dict[str, list[tuple[int, int, int]]]) -> SaveSpec | None:
+        """What one request's step lets it publish, as the boundary rule decides."""
+        bs = self.block_size
+        prompt_len = len(st.prompt)
+        if start >= prompt_len:
+            return None  # decoding: only prompt prefixes are published
+        chunk = StepChunk(start, start + n_new)
+        end = min(chunk.end, prompt_len)
+        tables = state.get_block_ids(req_id)
+        if tables is None:
+            return None
+        captures = [StateCapture(g, t, b, self._step) for g, b, t in offers.get(req_id, []) if t <= end]
+        at_end = step_end_captures(self.layout, chunk, prompt_len,
+                                   {g: tables[g] for g in self.state_groups}, self._step)
+        if at_end and self._capture_step_end(st, end):
+            captures += at_end
+        candidates = {c.tokens for c in captures}
+        if not self.state_groups:
+            candidates = set(range((start // bs + 1) * bs, end + 1, bs))
+        candidates = {t for t in candidates if t > st.saved and t % bs == 0 and t < prompt_len + 1}
+        if not candidates:
+            return None
+        decision = plan_saves(self.layout, end, {g: tables[g] for g in self.attn_groups}, captures,
+                              self._step, candidates, chunk, since=st.saved)
+        for _, why in decision.refused:
+            self.counters.refused[why.value] = self.counters.refused.get(why.value, 0) + 1
+        if not decision.publishable:
+            return None
+        top = max(p.tokens for p in decision.publishable)
+        self.counters.plans += len(decision.publishable)
+        spec = SaveSpec(req_id, self._hashes(st, top), list(decision.publishable), st.saved)
+        st.saved = max(st.saved, top)
+        return spec
 
     def _capture_step_end(self, st: _Request, end: int) -> bool:
         if not self.state_groups or end % self.block_size:
@@ -225,7 +263,7 @@ class SchedulerSide:
         st.last_capture = end
         return True
 
-    def request_finished(self, request: Any) -> None:
+    def _finished(self, request: Any) -> None:
         st = self._reqs.pop(request.request_id, None)
         rate = self.settings.verify_sample
         if st is None or not st.loaded or rate <= 0 or self.vault is None or random.random() >= rate:

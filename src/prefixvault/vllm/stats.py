@@ -27,6 +27,7 @@ COUNTERS: dict[str, str] = {
     "save_errors": "Boundaries whose objects could not all be stored",
     "verify_samples": "Restored requests written as verification samples (verify_sample)",
     "verify_sample_errors": "Verification samples that could not be written",
+    "internal_errors": "Errors of prefixvault turned into a miss, a skipped save or a recomputed load",
 }
 LABELLED = {"refused": "Boundaries refused, by reason", "rejected": "Objects rejected on load, by reason"}
 

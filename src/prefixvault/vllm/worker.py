@@ -121,6 +121,15 @@ class WorkerSide:
                 self._failed_loads.add(spec.req_id)
             self._finished_loads.add(spec.req_id)
 
+    def fail_loads(self, specs: Sequence[LoadSpec]) -> None:
+        """Report loads that could not run (an error of ours): vLLM recomputes them."""
+        for spec in specs:
+            self.counters.loads += 1
+            self.counters.load_failures += 1
+            self._count_failure("internal_error")
+            self._failed_loads.add(spec.req_id)
+            self._finished_loads.add(spec.req_id)
+
     def _count_failure(self, reason: str) -> None:
         self.counters.failure_reasons[reason] = self.counters.failure_reasons.get(reason, 0) + 1
 
