@@ -411,3 +411,47 @@ def test_touch_resets_the_servers_idle_clock_and_exists_does_not(server: Valkey)
     assert r.object("idletime", "touch:a") == 0
     assert r.object("idletime", "touch:b") >= 2
     store.close()
+
+
+def test_passwords_never_appear_in_messages_logs_or_stats(
+    server: Valkey, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A password in a store URI is redacted from every error, log line, ``uri`` and CLI output."""
+    import logging
+
+    from typer.testing import CliRunner
+
+    from prefixvault.cli import app
+    from prefixvault.stores import open_store_or_retry, redact
+
+    secret = "s3cr3t-PW"
+    assert redact(f"redis://user:{secret}@h:1/0") == "redis://user:***@h:1/0"
+    assert secret not in redact(f"redis://:{secret}@[::1:6379/0?timeout=x")  # malformed too
+    seen: list[str] = []
+    bad = [f"redis://u:{secret}@127.0.0.1:{_free_port()}/0?timeout=0.5",  # nobody listens
+           f"redis://u:{secret}@127.0.0.1:1/0?timeout=zero",  # bad timeout
+           f"redis://u:{secret}@127.0.0.1:1/x",  # bad database
+           f"redis://u:{secret}@[::1/0",  # malformed host
+           f"bogus://u:{secret}@h/"]  # unknown scheme
+    for uri in bad:
+        with pytest.raises(StoreError) as info:
+            open_store(uri)
+        seen.append(str(info.value))
+    with caplog.at_level(logging.ERROR, logger="vllm.prefixvault"):
+        retrying = open_store_or_retry(bad[0])
+    seen += [retrying.uri, caplog.text]
+    with pytest.raises(StoreError) as info:
+        retrying.exists_many(["k"])
+    seen.append(str(info.value))
+    runner = CliRunner()
+    for cmd in (["stats"], ["audit"]):
+        seen.append(runner.invoke(app, [*cmd, "--store", bad[0]]).output)
+    r = redis.Redis(host="127.0.0.1", port=server.port)
+    r.execute_command("ACL", "SETUSER", "pvuser", "on", f">{secret}", "~*", "+@all")
+    good = f"redis://pvuser:{secret}@127.0.0.1:{server.port}/0?prefix=pw:"
+    with open_store(good) as store:
+        store.put_many([("k", [b"v"])])
+        seen.append(store.uri)
+    seen.append(runner.invoke(app, ["stats", "--store", good]).output)
+    assert all(secret not in text for text in seen), [t for t in seen if secret in t]
+    assert any("***" in text for text in seen)

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from prefixvault.stores import Store, StoreError, default_local_dir, open_store
+from prefixvault.stores import Store, StoreError, default_local_dir, open_store, redact
 from prefixvault.units import format_size
 
 app = typer.Typer(
@@ -88,7 +88,7 @@ def stats(store: StoreOpt) -> None:
         raise _fail(str(e)) from None
     finally:
         s.close()
-    table = Table(title=f"store {store}")
+    table = Table(title=f"store {redact(store)}")
     table.add_column("kind")
     table.add_column("objects", justify="right")
     table.add_column("bytes", justify="right")

@@ -16,10 +16,28 @@ import shutil
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
-from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable, check_key
+from prefixvault.stores.base import (
+    Buffer,
+    Store,
+    StoreError,
+    StoreStats,
+    StoreUnavailable,
+    check_key,
+    redact,
+)
 
-__all__ = ["Buffer", "Store", "StoreError", "StoreStats", "StoreUnavailable", "check_key",
-           "default_local_dir", "open_store", "open_store_or_retry"]
+__all__ = [
+    "Buffer",
+    "Store",
+    "StoreError",
+    "StoreStats",
+    "StoreUnavailable",
+    "check_key",
+    "default_local_dir",
+    "open_store",
+    "open_store_or_retry",
+    "redact",
+]
 
 #: Room /dev/shm must have free for the default local store to live there.
 SHM_MIN_FREE = 1 << 30
@@ -46,7 +64,11 @@ def open_store(uri: str, *, existing: bool = False, readonly: bool = False) -> S
     ``existing``): nothing is written, not even recency. Stores with nothing to create or
     resize (Redis, Mooncake) open as usual."""
     existing = existing or readonly
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+        parts.port  # noqa: B018 - raises on a malformed port or IPv6 address
+    except ValueError as exc:
+        raise StoreError(f"bad store URI {redact(uri)!r}: {exc}") from None
     params = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
     scheme = parts.scheme
     if scheme == "memory":
@@ -60,7 +82,7 @@ def open_store(uri: str, *, existing: bool = False, readonly: bool = False) -> S
 
         if parts.netloc:
             raise StoreError(
-                f"bad local store URI {uri!r}: use local:///absolute/path (three slashes)"
+                f"bad local store URI {redact(uri)!r}: use local:///absolute/path (three slashes)"
             )
         path = Path(parts.path) if parts.path else default_local_dir()
         return LocalStore.from_params(path, params, existing=existing, readonly=readonly)
@@ -78,7 +100,7 @@ def open_store(uri: str, *, existing: bool = False, readonly: bool = False) -> S
                              ) from None
         return MooncakeStore.from_uri(uri, params)
     known = "mooncake://host:port, memory://, local:///path, redis://host:port, rediss://host:port, redis+cluster://host:port"
-    raise StoreError(f"unknown store URI {uri!r}: expected one of {known}")
+    raise StoreError(f"unknown store URI {redact(uri)!r}: expected one of {known}")
 
 
 def open_store_or_retry(uri: str) -> Store:
@@ -92,5 +114,6 @@ def open_store_or_retry(uri: str) -> Store:
         from prefixvault.stores.retrying import RetryingStore
 
         logging.getLogger("vllm.prefixvault").error(
-            "prefixvault: store %s is unavailable (%s); serving without it until it is back", uri, exc)
+            "prefixvault: store %s is unavailable (%s); serving without it until it is back",
+            redact(uri), exc)
         return RetryingStore(uri, open_store, exc)

@@ -39,6 +39,22 @@ def check_key(key: str) -> str:
     return key
 
 
+def redact(uri: str) -> str:
+    """``uri`` fit for a message, a log line or a label: a password in it becomes ``***``.
+
+    Tolerates anything (a malformed URI is redacted as text: whatever sits between ``:`` and
+    ``@`` in the authority part goes)."""
+    head, sep, rest = uri.partition("://")
+    if not sep:
+        return uri
+    authority, slash, tail = rest.partition("/")
+    if "@" in authority:
+        userinfo, _, host = authority.rpartition("@")
+        user, colon, _ = userinfo.partition(":")
+        authority = f"{user}{':***' if colon else ''}@{host}"
+    return f"{head}://{authority}{slash}{tail}"
+
+
 def copy_into(data: Buffer, buf: memoryview) -> int:
     """Copy an object into a caller's buffer as ``get_into`` promises; return its size.
 

@@ -45,7 +45,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable, check_key
+from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable, check_key, redact
 from prefixvault.units import parse_size
 
 log = logging.getLogger("prefixvault.stores.mooncake")
@@ -348,10 +348,10 @@ class MooncakeStore(Store):
             cap = settings.get("capacity")
             capacity = parse_size(str(cap)) if cap else None
         except ValueError as exc:
-            raise StoreError(f"bad mooncake store URI {uri!r}: {exc}") from None
+            raise StoreError(f"bad mooncake store URI {redact(uri)!r}: {exc}") from None
         protocol = str(settings.get("protocol", "tcp"))
         if protocol not in ("tcp", "rdma"):
-            raise StoreError(f"bad mooncake store URI {uri!r}: protocol must be tcp or rdma, "
+            raise StoreError(f"bad mooncake store URI {redact(uri)!r}: protocol must be tcp or rdma, "
                              f"got {protocol!r}")
         admin_host, admin_port = _split_hostport(
             str(settings.get("admin", f"{host}:{DEFAULT_ADMIN_PORT}")), DEFAULT_ADMIN_PORT, "admin")

@@ -31,6 +31,7 @@ from prefixvault.stores.base import (
     StoreUnavailable,
     check_key,
     copy_into,
+    redact,
 )
 from prefixvault.units import parse_size
 
@@ -97,28 +98,29 @@ class RedisStore(Store):
     @classmethod
     def from_uri(cls, uri: str, params: dict[str, str] | None = None) -> RedisStore:
         """Open the server a ``redis://``, ``rediss://`` or ``redis+cluster://`` URI names."""
+        shown = redact(uri)  # messages never carry the password
         parts = urlsplit(uri)
         if params is None:
             params = {k: v for k, v in (p.split("=", 1) for p in parts.query.split("&") if "=" in p)}
         params = dict(params)
         scheme = parts.scheme
         if scheme not in SCHEMES:
-            raise StoreError(f"bad redis store URI {uri!r}: scheme must be one of {', '.join(SCHEMES)}")
+            raise StoreError(f"bad redis store URI {shown!r}: scheme must be one of {', '.join(SCHEMES)}")
         prefix = params.pop("prefix", DEFAULT_PREFIX)
         try:
             timeout = float(params.pop("timeout", DEFAULT_TIMEOUT))
             cap = params.pop("capacity", None)
             capacity = parse_size(cap) if cap else None
         except ValueError as exc:
-            raise StoreError(f"bad redis store URI {uri!r}: {exc}") from None
+            raise StoreError(f"bad redis store URI {shown!r}: {exc}") from None
         if not timeout > 0:
-            raise StoreError(f"bad redis store URI {uri!r}: timeout must be > 0 seconds")
+            raise StoreError(f"bad redis store URI {shown!r}: timeout must be > 0 seconds")
         tls = {k: params.pop(k) for k in _SSL_PARAMS if k in params}
         if params:
             raise StoreError(f"unknown redis store parameter(s): {', '.join(sorted(params))}")
         if tls and scheme != "rediss":
-            raise StoreError(f"bad redis store URI {uri!r}: {', '.join(tls)} need rediss://")
-        host, port, where = cls._address(uri, parts)
+            raise StoreError(f"bad redis store URI {shown!r}: {', '.join(tls)} need rediss://")
+        host, port, where = cls._address(shown, parts)
         kwargs: dict[str, Any] = {
             "host": host,
             "port": port,
@@ -136,12 +138,12 @@ class RedisStore(Store):
         try:
             if scheme == "redis+cluster":
                 if parts.path.strip("/"):
-                    raise StoreError(f"bad redis store URI {uri!r}: a cluster has only database 0")
+                    raise StoreError(f"bad redis store URI {shown!r}: a cluster has only database 0")
                 client = redis.cluster.RedisCluster(**kwargs)
             else:
                 db = parts.path.strip("/") or "0"
                 if not db.isdigit():
-                    raise StoreError(f"bad redis store URI {uri!r}: database must be a number, got {db!r}")
+                    raise StoreError(f"bad redis store URI {shown!r}: database must be a number, got {db!r}")
                 client = redis.Redis(db=int(db), **kwargs)
         except redis.AuthenticationError as exc:  # the cluster client connects while it is built
             raise StoreError(f"redis store {where}: authentication failed: {_one_line(exc)}") from None
@@ -153,12 +155,12 @@ class RedisStore(Store):
         return cls(client, uri=safe_uri, where=where, prefix=prefix, capacity=capacity)
 
     @staticmethod
-    def _address(uri: str, parts: SplitResult) -> tuple[str, int, str]:
+    def _address(shown: str, parts: SplitResult) -> tuple[str, int, str]:
         try:
             host = parts.hostname or "127.0.0.1"
             port = parts.port or DEFAULT_PORT
         except ValueError as exc:
-            raise StoreError(f"bad redis store URI {uri!r}: {exc}") from None
+            raise StoreError(f"bad redis store URI {shown!r}: {exc}") from None
         shown = f"[{host}]" if ":" in host else host
         return host, port, f"{shown}:{port}"
 

@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 
-from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable
+from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable, redact
 
 #: Seconds between attempts to open the store while it is unavailable.
 RETRY_INTERVAL = 5.0
@@ -25,7 +25,8 @@ class RetryingStore(Store):
 
     def __init__(self, uri: str, opener: Callable[[str], Store], first_error: StoreError,
                  interval: float = RETRY_INTERVAL) -> None:  # fmt: skip
-        self.uri = uri
+        self.uri = redact(uri)  # what it shows; ``_open_uri`` keeps the password to open with
+        self._open_uri = uri
         self._opener = opener
         self._interval = interval
         self._error = first_error
@@ -42,7 +43,7 @@ class RetryingStore(Store):
         try:
             if self._store is None:
                 try:
-                    self._store = self._opener(self.uri)
+                    self._store = self._opener(self._open_uri)
                 except StoreError as exc:  # down again, or now refusing us: try later either way
                     self._error = exc
                     self._next_try = time.monotonic() + self._interval

@@ -20,7 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from prefixvault.stores import open_store_or_retry
+from prefixvault.stores import open_store_or_retry, redact
 from prefixvault.vault import Vault
 from prefixvault.vllm.alignment import ChunkAlignment
 from prefixvault.vllm.config import ConnectorSettings
@@ -62,7 +62,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
                                             enabled=any(g.is_state for g in self.layout.groups))
             log.info("prefixvault: %s on %s, namespace %s, layout %s, block size %d, capture %s",
-                     ktc.kv_role, self.settings.store, self.settings.namespace,
+                     ktc.kv_role, redact(self.settings.store), self.settings.namespace,
                      self.vault.fingerprint.hex()[:12], self.layout.block_size, self.settings.capture.value)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
