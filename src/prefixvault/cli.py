@@ -35,12 +35,12 @@ def _fail(message: str) -> typer.Exit:
 def _open_existing(uri: str, readonly: bool = True) -> Store:
     """Open a store that must already exist: commands never create one or change its capacity,
     and read commands (``readonly``) never write to it."""
-    parts = urlsplit(uri)
-    if parts.scheme == "local" and not parts.netloc:
-        path = Path(parts.path) if parts.path else default_local_dir()
-        if not path.is_dir():
-            raise _fail(f"no store at {path}: the directory does not exist")
     try:
+        parts = urlsplit(uri)
+        if parts.scheme == "local" and not parts.netloc:
+            path = Path(parts.path) if parts.path else default_local_dir()
+            if not path.is_dir():
+                raise _fail(f"no store at {str(path)[:200]}: the directory does not exist")
         return open_store(uri, existing=True, readonly=readonly)
     except (StoreError, ValueError, OSError) as e:
         raise _fail(str(e)) from None
@@ -106,7 +106,10 @@ def _rebuild_if_damaged(uri: str) -> None:
     """A local store whose index is damaged is started afresh (a cache: nothing else is lost)."""
     from prefixvault.stores.local import LocalStore, StoreDamaged
 
-    parts = urlsplit(uri)
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return  # reported by the open that follows
     if parts.scheme != "local" or parts.netloc:
         return
     path = Path(parts.path) if parts.path else default_local_dir()

@@ -82,7 +82,7 @@ def chain_hashes(
 
 
 def check_namespace(namespace: str) -> str:
-    if not _NAMESPACE.match(namespace):
+    if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
         raise ValueError(f"invalid namespace {namespace!r}: use 1..64 chars of [A-Za-z0-9._-]")
     return namespace
 

@@ -11,16 +11,21 @@ _UNITS = {
     "g": 1000**3, "gb": 1000**3, "gib": 1 << 30,
     "t": 1000**4, "tb": 1000**4, "tib": 1 << 40,
 }
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*")
+#: Larger than any machine's memory or disk: a size beyond it is a typo.
+MAX_SIZE = 1 << 60
 
 
 def parse_size(text: str) -> int:
     """Parse a byte size; raise ValueError with the accepted forms if it is not one."""
-    m = _SIZE.match(text)
+    m = _SIZE.fullmatch(text)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
         raise ValueError(f"not a size: {text!r} (examples: 1048576, 512MiB, 8GiB, 2GB)")
-    return int(float(m.group(1)) * _UNITS[unit])
+    value = float(m.group(1)) * _UNITS[unit]
+    if not value <= MAX_SIZE:  # also inf
+        raise ValueError(f"size {text!r} is larger than 1 EiB")
+    return int(value)
 
 
 def format_size(n: float) -> str:

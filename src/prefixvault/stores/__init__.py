@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -63,6 +64,20 @@ def open_store(uri: str, *, existing: bool = False, readonly: bool = False) -> S
     ``?capacity=`` is not applied): what maintenance commands want. ``readonly`` (implies
     ``existing``): nothing is written, not even recency. Stores with nothing to create or
     resize (Redis, Mooncake) open as usual."""
+    try:
+        return _open(uri, existing=existing, readonly=readonly)
+    except StoreError:
+        raise
+    except Exception as exc:  # the last net: whatever a client library raises is one line
+        detail = " ".join(str(exc).split())[:300]
+        with contextlib.suppress(ValueError):
+            password = urlsplit(uri).password
+            if password:
+                detail = detail.replace(password, "***")
+        raise StoreError(f"cannot open store {redact(uri)!r}: {type(exc).__name__}: {detail}") from None
+
+
+def _open(uri: str, *, existing: bool, readonly: bool) -> Store:
     existing = existing or readonly
     try:
         parts = urlsplit(uri)

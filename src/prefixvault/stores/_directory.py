@@ -111,6 +111,14 @@ def set_aside(root: Path) -> tuple[Path, int, int | None]:
 
 def prepare(path: Path) -> None:
     """Create the store directory, or say in one line why it cannot be one."""
+    try:
+        _prepare(path)
+    except OSError as exc:  # a name too long, a parent that is a file, no permission, ...
+        shown = str(path) if len(str(path)) <= 200 else str(path)[:200] + "..."
+        raise StoreError(f"cannot use local store directory {shown!r}: {exc.strerror or exc}") from None
+
+
+def _prepare(path: Path) -> None:
     if path.exists() and not path.is_dir():
         raise StoreError(f"local store path {path} exists and is not a directory")
     try:

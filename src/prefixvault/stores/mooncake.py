@@ -53,6 +53,8 @@ log = logging.getLogger("prefixvault.stores.mooncake")
 DEFAULT_MASTER_PORT = 50051
 DEFAULT_ADMIN_PORT = 9003  # mooncake_master --metrics_port: its HTTP admin and metrics server
 DEFAULT_TIMEOUT = 5.0
+#: A timeout beyond this is a typo (``inf`` would make a stalled master hang the engine).
+MAX_TIMEOUT_S = 3600.0
 DEFAULT_PREFIX = "pv/"
 DEFAULT_STAGING = 128 << 20
 DEFAULT_LOCAL_BUFFER = 16 << 20
@@ -339,8 +341,8 @@ class MooncakeStore(Store):
                                  "?config=FILE or MOONCAKE_CONFIG_PATH")
             host, port = _split_hostport(master_text, DEFAULT_MASTER_PORT, "master")
             timeout = float(settings.get("timeout", DEFAULT_TIMEOUT))
-            if not timeout > 0:
-                raise ValueError("timeout must be > 0 seconds")
+            if not 0 < timeout < MAX_TIMEOUT_S:
+                raise ValueError(f"timeout must be in (0, {MAX_TIMEOUT_S:.0f}) seconds")
             segment = parse_size(str(settings.get("segment", settings.get("global_segment_size", 0))))
             local_buffer = parse_size(str(settings.get("buffer", settings.get("local_buffer_size",
                                                                               DEFAULT_LOCAL_BUFFER))))

@@ -38,6 +38,8 @@ from prefixvault.units import parse_size
 SCHEMES = ("redis", "rediss", "redis+cluster")
 DEFAULT_PREFIX = "pv:"
 DEFAULT_TIMEOUT = 5.0
+#: A timeout beyond this is a typo (``inf`` would make a stalled server hang the engine).
+MAX_TIMEOUT_S = 3600.0
 DEFAULT_PORT = 6379
 #: Keys per SCAN step and per STRLEN pipeline while scanning.
 SCAN_CHUNK = 1000
@@ -113,8 +115,8 @@ class RedisStore(Store):
             capacity = parse_size(cap) if cap else None
         except ValueError as exc:
             raise StoreError(f"bad redis store URI {shown!r}: {exc}") from None
-        if not timeout > 0:
-            raise StoreError(f"bad redis store URI {shown!r}: timeout must be > 0 seconds")
+        if not 0 < timeout < MAX_TIMEOUT_S:
+            raise StoreError(f"bad redis store URI {shown!r}: timeout must be in (0, {MAX_TIMEOUT_S:.0f}) s")
         tls = {k: params.pop(k) for k in _SSL_PARAMS if k in params}
         if params:
             raise StoreError(f"unknown redis store parameter(s): {', '.join(sorted(params))}")
@@ -147,18 +149,25 @@ class RedisStore(Store):
                 client = redis.Redis(db=int(db), **kwargs)
         except redis.AuthenticationError as exc:  # the cluster client connects while it is built
             raise StoreError(f"redis store {where}: authentication failed: {_one_line(exc)}") from None
+        except redis.exceptions.RedisClusterException as exc:  # no node answered, or not a cluster
+            raise StoreUnavailable(f"redis store {where}: no cluster answers: {_one_line(exc)}") from None
         except redis.RedisError as exc:
             if _is_tls_error(exc):
                 raise StoreError(f"redis store {where}: TLS handshake failed: {_one_line(exc)}") from None
             raise StoreUnavailable(f"redis store {where}: cannot reach server: {_one_line(exc)}") from None
         safe_uri = parts._replace(netloc=f"{where}").geturl() if parts.password else uri
-        return cls(client, uri=safe_uri, where=where, prefix=prefix, capacity=capacity)
+        try:
+            return cls(client, uri=safe_uri, where=where, prefix=prefix, capacity=capacity)
+        except UnicodeError as exc:  # a host name no resolver accepts
+            raise StoreError(f"bad redis store URI {shown!r}: host {where}: {exc}") from None
 
     @staticmethod
     def _address(shown: str, parts: SplitResult) -> tuple[str, int, str]:
         try:
             host = parts.hostname or "127.0.0.1"
-            port = parts.port or DEFAULT_PORT
+            port = parts.port if parts.port is not None else DEFAULT_PORT
+            if not 0 < port < 65536:
+                raise ValueError(f"port must be 1..65535, got {port}")
         except ValueError as exc:
             raise StoreError(f"bad redis store URI {shown!r}: {exc}") from None
         shown = f"[{host}]" if ":" in host else host

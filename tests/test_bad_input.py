@@ -1,0 +1,72 @@
+"""Bad store URIs and sizes are one clear line (StoreError; exit 2 from the CLI), never a
+traceback and never a silent default."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from typer.testing import CliRunner
+
+from prefixvault.cli import app
+from prefixvault.keys import check_namespace
+from prefixvault.stores import StoreError, open_store
+from prefixvault.units import parse_size
+
+BAD = [
+    ("local:///tmp/pv-bad?capacity=99999999999999999999999999999999TiB", "larger than 1 EiB"),
+    ("memory://x?capacity=99999999999999999999999999TiB", "larger than 1 EiB"),
+    ("redis://127.0.0.1:0/0", "port must be 1..65535"),
+    ("redis://127.0.0.1:1/0?timeout=inf", "timeout must be"),
+    ("redis://127.0.0.1:1/0?timeout=1e400", "timeout must be"),
+    ("redis://[::1", "bad store URI"),
+    ("mooncake://127.0.0.1:1?timeout=inf", "timeout must be"),
+    ("local:///" + "a" * 5000, "cannot use local store directory"),
+    ("bogus://x", "unknown store URI"),
+]
+
+
+@pytest.mark.parametrize(("uri", "needle"), BAD)
+def test_bad_uris_are_one_line(uri: str, needle: str) -> None:
+    with pytest.raises(StoreError) as info:
+        open_store(uri)
+    assert needle in str(info.value) and "\n" not in str(info.value)
+    if not uri.startswith("memory:"):  # the CLI's memory store is its own, empty one
+        res = CliRunner().invoke(app, ["stats", "--store", uri])
+        assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+
+
+def test_namespaces_are_matched_whole() -> None:
+    for bad in ("a\n", "", "a/b", "x" * 65):
+        with pytest.raises(ValueError):
+            check_namespace(bad)
+    assert check_namespace("tenant-A.1") == "tenant-A.1"
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.text(max_size=30))
+def test_parse_size_answers_or_says_why(text: str) -> None:
+    try:
+        n = parse_size(text)
+    except ValueError as e:
+        assert "\n" not in str(e).replace(repr(text), "")
+    else:
+        assert 0 <= n <= 1 << 60
+
+
+@settings(max_examples=150, deadline=None)
+@given(scheme=st.sampled_from(["local", "redis", "rediss", "redis+cluster", "mooncake", "memory", "x"]),
+       rest=st.text(alphabet=st.characters(exclude_categories=("Cs",)), max_size=40))
+def test_any_uri_opens_or_is_a_store_error(
+    scheme: str, rest: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Fuzzed URIs: a store or one StoreError, nothing else (remote ones never reachable here)."""
+    if scheme == "local":
+        rest = f"/{tmp_path_factory.getbasetemp()}/fuzz/{rest.replace('/', '_')}"
+    uri = f"{scheme}://{rest}"
+    if scheme in ("redis", "rediss", "redis+cluster", "mooncake"):
+        uri += ("&" if "?" in uri else "?") + "timeout=0.2"
+    try:
+        open_store(uri).close()
+    except StoreError as e:
+        assert "\n" not in str(e)
