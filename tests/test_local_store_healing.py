@@ -242,3 +242,46 @@ def test_a_new_slab_is_written_without_holding_the_index_lock(
         assert store.put_many([(f"k{i}", [bytes([i]) * MiB]) for i in range(8)]) == [True] * 8
         assert store.get_many(["k7"]) == [bytes([7]) * MiB]
     assert lock_free and all(lock_free)
+
+
+def test_a_private_store_is_owner_only_and_refuses_directories_others_control(tmp_path: Path) -> None:
+    import stat
+
+    from prefixvault.stores import StoreError, open_store
+
+    path = tmp_path / "private"
+    with LocalStore(path, capacity=64 * MiB) as store:
+        store.put_many([("big", [bytes(MiB)]), ("small", [b"s"])])
+        store.exists_many(["big"])
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in path.iterdir() if p.is_file()}
+    assert modes and all(m & 0o077 == 0 for m in modes.values()), modes
+    # A directory others can write (as a pre-made /dev/shm/prefixvault might be): refused.
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    os.chmod(open_dir, 0o777)
+    with pytest.raises(StoreError, match="writable by others"):
+        open_store(f"local://{open_dir}")
+    # One owned by another user: refused, unless the store is shared on purpose.
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o700)
+    if os.geteuid() == 0:
+        os.chown(theirs, 65534, 65534)  # nobody
+        with pytest.raises(StoreError, match="belongs to another user"):
+            open_store(f"local://{theirs}")
+    # Ours but readable by others (made by an older version): tightened.
+    loose = tmp_path / "loose"
+    with LocalStore(loose, capacity=64 * MiB) as store:
+        store.put_many([("k", [b"v"])])
+    os.chmod(loose, 0o755)
+    os.chmod(loose / "index.db", 0o644)
+    LocalStore(loose).close()
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700
+    assert stat.S_IMODE((loose / "index.db").stat().st_mode) == 0o600
+    shared = tmp_path / "shared"
+    shared.mkdir(mode=0o770)
+    os.chmod(shared, 0o770)
+    with open_store(f"local://{shared}?shared=1&capacity=64MiB") as store:
+        store.put_many([("k", [bytes(MiB)])])
+    assert all(stat.S_IMODE(p.stat().st_mode) & 0o060 == 0o060 for p in shared.iterdir() if p.is_file()
+               and p.name.startswith(("index.db", "slab-")))

@@ -90,7 +90,7 @@ def create_slab_file(root: Path, nbytes: int) -> Path:
     Raises OSError (ENOSPC when the filesystem is full); leaves nothing behind on error.
     """
     tmp = root / f"{_PREFIX}{os.getpid()}-{threading.get_ident()}-{os.urandom(4).hex()}{_TMP_SUFFIX}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         view = memoryview(_ZEROS)
         left = nbytes

@@ -85,6 +85,21 @@ def create_or_check(conn: sqlite3.Connection, path: Path, capacity: int | None) 
         raise
 
 
+def _check_private(path: Path) -> None:
+    st = os.stat(path)
+    if st.st_uid != os.geteuid():
+        raise StoreError(f"local store directory {path} belongs to another user (uid {st.st_uid}): use a "
+                         "directory of your own, or ?shared=1 for a store shared by one group")
+    if st.st_mode & 0o022:
+        raise StoreError(f"local store directory {path} is writable by others "
+                         f"({oct(st.st_mode & 0o777)}): chmod 700 it, or use ?shared=1")
+    if st.st_mode & 0o077:  # ours, but readable by others (made by an older version): tighten
+        os.chmod(path, 0o700)
+        for entry in os.scandir(path):
+            if entry.is_file(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == st.st_uid:
+                os.chmod(entry.path, 0o600)
+
+
 def set_aside(root: Path) -> tuple[Path, int, int | None]:
     """Move a damaged index aside and remove the slab files it named: (where the index went,
     slab files removed, the old capacity where it could still be read)."""
@@ -109,24 +124,31 @@ def set_aside(root: Path) -> tuple[Path, int, int | None]:
     return aside, removed, capacity
 
 
-def prepare(path: Path) -> None:
-    """Create the store directory, or say in one line why it cannot be one."""
+def prepare(path: Path, shared: bool = False) -> None:
+    """Create the store directory, or say in one line why it cannot be one.
+
+    A private store (the default) lives in a directory of its own user that nobody else can
+    write (a directory someone else controls could hold planted objects or be swapped); its
+    files are owner-only, and a directory of ours that others could read is tightened.
+    ``shared`` lets users of one group share it (group read/write)."""
     try:
-        _prepare(path)
+        _prepare(path, shared)
     except OSError as exc:  # a name too long, a parent that is a file, no permission, ...
         shown = str(path) if len(str(path)) <= 200 else str(path)[:200] + "..."
         raise StoreError(f"cannot use local store directory {shown!r}: {exc.strerror or exc}") from None
 
 
-def _prepare(path: Path) -> None:
+def _prepare(path: Path, shared: bool) -> None:
     if path.exists() and not path.is_dir():
         raise StoreError(f"local store path {path} exists and is not a directory")
     try:
-        path.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o770 if shared else 0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise StoreError(f"cannot create local store directory {path}: {exc.strerror or exc}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise StoreError(f"local store directory {path} is not writable")
+    if not shared:
+        _check_private(path)
     if not (path / INDEX_NAME).exists():
         foreign = [
             name for name in os.listdir(path) if not name.startswith(("slab-", WRITERS_DIR, INDEX_NAME))

@@ -7,6 +7,7 @@ on SIGKILL. Slots claimed by a writer whose flock is free go back to the free li
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from pathlib import Path
@@ -38,8 +39,9 @@ class WriterToken:
     """This process's writer identity, made on its first write; a forked child makes its own
     (the parent's flock stays with the parent)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, mode: int = 0o600) -> None:
         self.writers = root / WRITERS_DIR
+        self.mode = mode
         self.token: str | None = None
         self._fd: int | None = None
         self._pid = os.getpid()
@@ -48,11 +50,16 @@ class WriterToken:
         if self.token is not None and self._pid == os.getpid():
             return self.token
         self.after_fork()
-        self.writers.mkdir(exist_ok=True)
+        dir_mode = 0o770 if self.mode & 0o060 else 0o700
+        if not self.writers.is_dir():
+            self.writers.mkdir(mode=dir_mode, exist_ok=True)
+            with contextlib.suppress(OSError):  # the umask may have taken bits; another may own it
+                os.chmod(self.writers, dir_mode)
         while True:
             token = f"{os.getpid()}-{os.urandom(6).hex()}"
             tmp = self.writers / f"{token}.new"
-            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, self.mode)
+            os.fchmod(fd, self.mode)
             fcntl.flock(fd, fcntl.LOCK_EX)
             try:
                 os.rename(tmp, self.writers / token)

@@ -97,18 +97,21 @@ class LocalStore(Store):
     """Slab arena plus SQLite index in one directory; safe across processes and threads."""
 
     def __init__(self, path: Path | str, capacity: int | None = None, *, existing: bool = False,
-                 readonly: bool = False) -> None:
+                 readonly: bool = False, shared: bool = False) -> None:
         """``existing``: never create a store, never change its capacity (maintenance);
-        ``readonly``: also never write (read commands: stats, audit without repair)."""
+        ``readonly``: also never write (read commands: stats, audit without repair);
+        ``shared``: a store for several users of one group (files 0660) instead of its owner
+        alone (files 0600, a directory of its own that nobody else can write)."""
         self.path = Path(path).expanduser().absolute()
         self.uri = f"local://{self.path}"
         self._readonly = readonly
+        self._mode = 0o660 if shared else 0o600
         if existing or readonly:
             if not (self.path / INDEX_NAME).is_file():
                 raise StoreError(f"no local store at {self.path}: it has no {INDEX_NAME}")
             capacity = None
         else:
-            _directory.prepare(self.path)
+            _directory.prepare(self.path, shared)
         self._lock = threading.RLock()
         self._pid = os.getpid()
         self._conn: sqlite3.Connection | None = None
@@ -119,7 +122,7 @@ class LocalStore(Store):
         self._last_flush = time.monotonic()
         self._inflight: set[int] = set()
         self._lost: set[int] = set()  # slabs given up to free filesystem space, not yet out of the index
-        self._writer = WriterToken(self.path)
+        self._writer = WriterToken(self.path, self._mode)
         self._closed = False
         with self._guard("open"):
             if readonly:
@@ -130,17 +133,21 @@ class LocalStore(Store):
     @classmethod
     def from_params(cls, path: Path, params: dict[str, str], existing: bool = False,
                     readonly: bool = False) -> LocalStore:
-        """Open from URI parameters; only ``capacity`` is known."""
-        unknown = sorted(set(params) - {"capacity"})
+        """Open from URI parameters: ``capacity`` and ``shared`` (``1``: several users)."""
+        unknown = sorted(set(params) - {"capacity", "shared"})
         if unknown:
-            raise StoreError(f"unknown local store parameter(s): {', '.join(unknown)} (known: capacity)")
+            raise StoreError(f"unknown local store parameter(s): {', '.join(unknown)} "
+                             "(known: capacity, shared)")
+        shared = params.get("shared", "0")
+        if shared not in ("0", "1"):
+            raise StoreError(f"bad local store parameter shared={shared!r}: use 0 or 1")
         capacity: int | None = None
         if params.get("capacity"):
             try:
                 capacity = parse_size(params["capacity"])
             except ValueError as exc:
                 raise StoreError(f"bad local store capacity: {exc}") from None
-        return cls(path, capacity, existing=existing, readonly=readonly)
+        return cls(path, capacity, existing=existing, readonly=readonly, shared=shared == "1")
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.path)!r})"
@@ -233,11 +240,14 @@ class LocalStore(Store):
         # Switching a fresh index to WAL while another process does the same can fail at
         # once with "database is locked" (SQLite does not wait there), so first opens queue
         # on an flock.
-        fd = os.open(self.path / f"{INDEX_NAME}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        fd = os.open(self.path / f"{INDEX_NAME}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self._mode)
         try:
+            if os.fstat(fd).st_uid == os.geteuid():
+                os.fchmod(fd, self._mode)  # the umask may have taken group bits a shared store needs
             fcntl.flock(fd, fcntl.LOCK_EX)
             with self._lock:
                 _directory.create_or_check(self._db(), self.path, capacity)
+                os.chmod(self.path / INDEX_NAME, self._mode)  # SQLite's log files follow it
         finally:
             os.close(fd)
 
@@ -603,7 +613,10 @@ class LocalStore(Store):
                 if not wanted:
                     return
                 try:
-                    spares.setdefault(wanted, []).append(_arena.create_slab_file(self.path, wanted))
+                    made = _arena.create_slab_file(self.path, wanted)  # owner-only
+                    spares.setdefault(wanted, []).append(made)
+                    if self._mode != 0o600:
+                        os.chmod(made, self._mode)
                 except OSError as exc:
                     if not is_full(exc):
                         raise
