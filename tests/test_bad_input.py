@@ -3,6 +3,8 @@ traceback and never a silent default."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -70,3 +72,28 @@ def test_any_uri_opens_or_is_a_store_error(
         open_store(uri).close()
     except StoreError as e:
         assert "\n" not in str(e)
+
+
+@pytest.mark.parametrize("args", [
+    ["serve", "/models/m", "--store", "bogus://x", "--dry-run"],
+    ["serve", "/models/m", "--store", "local://relative", "--dry-run"],
+    ["serve", "/models/m", "--store", "redis://[::1", "--dry-run"],
+    ["verify", "--cold", "http://127.0.0.1:9", "--restored", "http://127.0.0.1:9", "--timeout", "-1"],
+    ["verify", "--cold", "http://127.0.0.1:9", "--restored", "http://127.0.0.1:9", "--timeout", "inf"],
+    ["verify", "--cold", "http://127.0.0.1:9", "--restored", "http://127.0.0.1:9",
+     "--producer-repeats", "-5"],
+])
+def test_bad_command_lines_are_one_line_and_exit_2(args: list[str]) -> None:
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+
+
+@pytest.mark.parametrize("body", ['{"consumer": [{"prompt": null}]}', '[{"prompt": 5}]', '{"consumer": []}',
+                                  '[{"prompt": [1, "a"]}]', '"just text"', '{"consumer": {"x": 1}}'])
+def test_bad_request_files_are_one_line(tmp_path: Path, body: str) -> None:
+    f = tmp_path / "requests.json"
+    f.write_text(body)
+    res = CliRunner().invoke(app, ["verify", "--cold", "http://127.0.0.1:9", "--restored",
+                                   "http://127.0.0.1:9", "--requests", str(f)])
+    assert res.exit_code == 2 and ("prompt" in res.output or "request" in res.output), res.output
+    assert "Traceback" not in res.output

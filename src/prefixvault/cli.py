@@ -281,6 +281,10 @@ def verify(
     from prefixvault.verify import VerifyError, load_requests, report_pair
     from prefixvault.verify import verify as run_verify
 
+    if not 0 < timeout < float("inf"):
+        raise _fail("--timeout must be a positive number of seconds")
+    if producer_repeats < 0 or consumer_repeats < 0 or max_tokens < 1 or logprobs < 0:
+        raise _fail("--producer-repeats/--consumer-repeats must be >= 0, --max-tokens >= 1, --logprobs >= 0")
     try:
         if requests:
             prod_reqs, cons_reqs = load_requests(requests)

@@ -149,10 +149,24 @@ def load_requests(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]
         prod, cons = [], data
     prod = [prod] if isinstance(prod, dict) else prod
     cons = [cons] if isinstance(cons, dict) else cons
+    if not isinstance(prod, list) or not isinstance(cons, list) or not cons:
+        raise VerifyError(f"{path}: expected a request, a list of requests, or "
+                          '{"producer": [...], "consumer": [...]} with at least one consumer request')
     for r in [*prod, *cons]:
-        if not isinstance(r, dict) or "prompt" not in r:
-            raise VerifyError(f"{path}: every request needs a 'prompt'")
+        if not isinstance(r, dict) or not _is_prompt(r.get("prompt")):
+            raise VerifyError(f"{path}: every request needs a 'prompt': a string, token ids, "
+                              "or a list of either")
     return prod, cons
+
+
+def _is_prompt(p: Any) -> bool:
+    """What an OpenAI completions request accepts as ``prompt``."""
+    if isinstance(p, str):
+        return True
+    if isinstance(p, list) and p:
+        return all(isinstance(x, str) for x in p) or all(isinstance(x, int) and not isinstance(x, bool)
+                                                          for x in p) or all(_is_prompt(x) for x in p)
+    return False
 
 
 def verify(

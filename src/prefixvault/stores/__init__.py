@@ -57,6 +57,27 @@ def default_local_dir() -> Path:
     return Path(base) / "prefixvault"
 
 
+#: The schemes a store URI may have.
+SCHEMES = ("local", "memory", "redis", "rediss", "redis+cluster", "mooncake")
+KNOWN = ("mooncake://host:port, memory://, local:///path, redis://host:port, rediss://host:port, "
+         "redis+cluster://host:port")
+
+
+def check_uri(uri: str) -> str:
+    """Check what can be checked without opening anything (for configs and ``--dry-run``):
+    StoreError with one line if the URI cannot name a store."""
+    try:
+        parts = urlsplit(uri)
+        parts.port  # noqa: B018 - raises on a malformed port or IPv6 address
+    except ValueError as exc:
+        raise StoreError(f"bad store URI {redact(uri)!r}: {exc}") from None
+    if parts.scheme not in SCHEMES:
+        raise StoreError(f"unknown store URI {redact(uri)!r}: expected one of {KNOWN}")
+    if parts.scheme == "local" and (parts.netloc or (parts.path and not parts.path.startswith("/"))):
+        raise StoreError(f"bad local store URI {redact(uri)!r}: use local:///absolute/path (three slashes)")
+    return uri
+
+
 def open_store(uri: str, *, existing: bool = False, readonly: bool = False) -> Store:
     """Open the store a URI names; StoreError with one clear line if it cannot.
 
@@ -79,11 +100,7 @@ def open_store(uri: str, *, existing: bool = False, readonly: bool = False) -> S
 
 def _open(uri: str, *, existing: bool, readonly: bool) -> Store:
     existing = existing or readonly
-    try:
-        parts = urlsplit(uri)
-        parts.port  # noqa: B018 - raises on a malformed port or IPv6 address
-    except ValueError as exc:
-        raise StoreError(f"bad store URI {redact(uri)!r}: {exc}") from None
+    parts = urlsplit(check_uri(uri))
     params = {k: v[-1] for k, v in parse_qs(parts.query, keep_blank_values=True).items()}
     scheme = parts.scheme
     if scheme == "memory":
@@ -95,10 +112,6 @@ def _open(uri: str, *, existing: bool, readonly: bool) -> Store:
     if scheme == "local":
         from prefixvault.stores.local import LocalStore
 
-        if parts.netloc:
-            raise StoreError(
-                f"bad local store URI {redact(uri)!r}: use local:///absolute/path (three slashes)"
-            )
         path = Path(parts.path) if parts.path else default_local_dir()
         return LocalStore.from_params(path, params, existing=existing, readonly=readonly)
     if scheme in ("redis", "rediss", "redis+cluster"):
@@ -114,8 +127,7 @@ def _open(uri: str, *, existing: bool, readonly: bool) -> Store:
             raise StoreError(f"mooncake:// needs Mooncake: pip install 'prefixvault[mooncake]': {exc}"
                              ) from None
         return MooncakeStore.from_uri(uri, params)
-    known = "mooncake://host:port, memory://, local:///path, redis://host:port, rediss://host:port, redis+cluster://host:port"
-    raise StoreError(f"unknown store URI {redact(uri)!r}: expected one of {known}")
+    raise AssertionError(f"check_uri let an unknown scheme through: {scheme}")
 
 
 def open_store_or_retry(uri: str) -> Store:

@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any
 
 from prefixvault.keys import check_namespace
+from prefixvault.stores import StoreError, check_uri
 
 
 class CapturePolicy(StrEnum):
@@ -55,6 +56,10 @@ class ConnectorSettings:
         if policy is CapturePolicy.INTERVAL and interval <= 0:
             raise ValueError("prefixvault: capture 'interval' needs a positive capture_interval")
         namespace = check_namespace(str(extra.get("namespace", "default")))
+        try:
+            check_uri(str(extra.get("store", "local://")))
+        except StoreError as e:
+            raise ValueError(f"prefixvault: {e}") from None
         try:
             verify_sample = float(extra.get("verify_sample", 0.0))
         except (TypeError, ValueError):
