@@ -455,3 +455,30 @@ def test_passwords_never_appear_in_messages_logs_or_stats(
     seen.append(runner.invoke(app, ["stats", "--store", good]).output)
     assert all(secret not in text for text in seen), [t for t in seen if secret in t]
     assert any("***" in text for text in seen)
+
+
+def test_acl_users_limited_to_their_key_pattern_cannot_read_each_other(server: Valkey) -> None:
+    """The documented multi-tenant setup: one ACL user per namespace, limited to its prefix."""
+    admin = redis.Redis(host="127.0.0.1", port=server.port)
+    for tenant in ("a", "b"):
+        admin.execute_command("ACL", "SETUSER", f"tenant-{tenant}", "reset", "on", f">pw-{tenant}",
+                              f"~pv-{tenant}:*", "+@read", "+@write", "+@keyspace", "+@connection",
+                              "-@dangerous", "+info")
+
+    def store(user: str, prefix: str) -> RedisStore:
+        s = open_store(f"redis://tenant-{user}:pw-{user}@127.0.0.1:{server.port}/0?prefix={prefix}")
+        assert isinstance(s, RedisStore)
+        return s
+
+    a = store("a", "pv-a:")
+    assert a.put_many([("ns/r/1", [b"A's record"])]) == [True]
+    assert a.get_many(["ns/r/1"]) == [b"A's record"] and a.touch_many(["ns/r/1"]) == [True]
+    b_as_a = store("b", "pv-a:")  # tenant B pointing at A's prefix
+    for call in (lambda: b_as_a.get_many(["ns/r/1"]), lambda: b_as_a.exists_many(["ns/r/1"]),
+                 lambda: b_as_a.touch_many(["ns/r/1"]), lambda: b_as_a.delete_many(["ns/r/1"])):
+        with pytest.raises(StoreError, match=r"(?i)permission"):
+            call()
+    assert b_as_a.put_many([("ns/r/1", [b"forged"])]) == [False]  # refused, as a full store refuses
+    assert a.get_many(["ns/r/1"]) == [b"A's record"]
+    b = store("b", "pv-b:")
+    assert b.put_many([("ns/r/1", [b"B's"])]) == [True] and b.get_many(["ns/r/1"]) == [b"B's"]
