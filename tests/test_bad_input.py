@@ -97,3 +97,59 @@ def test_bad_request_files_are_one_line(tmp_path: Path, body: str) -> None:
                                    "http://127.0.0.1:9", "--requests", str(f)])
     assert res.exit_code == 2 and ("prompt" in res.output or "request" in res.output), res.output
     assert "Traceback" not in res.output
+
+
+MALFORMED = [
+    b"not json", b"[]", b'{"choices": []}', b'{"choices": [null]}', b'{"choices": [{"logprobs": "x"}]}',
+    b'{"choices": [{"logprobs": {"token_logprobs": [1], "tokens": [5]}}]}',
+    b'{"choices": [{"logprobs": {"token_logprobs": ["abc"], "tokens": ["token_id:1"]}}]}',
+    b'{"choices": [{"logprobs": {"token_logprobs": [0.0], "tokens": ["token_id:x"], "top_logprobs": [1]}}]}',
+]
+
+
+@pytest.mark.parametrize("body", MALFORMED)
+def test_verify_says_in_one_line_when_a_server_answers_nonsense(body: bytes) -> None:
+    import http.server
+    import threading
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *a: object) -> None:
+            pass
+
+        def _send(self, payload: bytes) -> None:
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def do_GET(self) -> None:
+            self._send(b'{"data": [{"id": "m"}]}' if self.path == "/v1/models" else b"")
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._send(body)
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        res = CliRunner().invoke(app, ["verify", "--cold", url, "--restored", url, "--timeout", "5"])
+    finally:
+        server.shutdown()
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+
+
+def test_verify_gives_up_on_a_hanging_server_within_its_timeout() -> None:
+    import socket
+    import time
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # accepts connections, never answers
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    t0 = time.monotonic()
+    try:
+        res = CliRunner().invoke(app, ["verify", "--cold", url, "--restored", url, "--timeout", "2"])
+    finally:
+        listener.close()
+    assert res.exit_code == 2 and time.monotonic() - t0 < 10, res.output

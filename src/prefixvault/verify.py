@@ -37,9 +37,9 @@ def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 300) ->
         raise VerifyError(f"cannot reach {url}: {reason}") from None
 
 
-def served_models(base: str) -> list[str]:
+def served_models(base: str, timeout: float = 30) -> list[str]:
     try:
-        data = json.loads(_http(f"{base}/v1/models", timeout=30))
+        data = json.loads(_http(f"{base}/v1/models", timeout=timeout))
         names = [str(m["id"]) for m in data["data"]]
     except (KeyError, TypeError, ValueError):
         names = []
@@ -51,10 +51,10 @@ def served_models(base: str) -> list[str]:
 _HITS = re.compile(r"^vllm:external_prefix_cache_hits(?:_total)?(?:\{[^}]*\})?\s+([0-9.eE+-]+)$", re.M)
 
 
-def external_hits(base: str) -> float | None:
+def external_hits(base: str, timeout: float = 30) -> float | None:
     """Tokens the server reports restored from an external cache so far (None: no metric)."""
     try:
-        text = _http(f"{base}/metrics", timeout=30).decode()
+        text = _http(f"{base}/metrics", timeout=timeout).decode()
     except VerifyError:
         return None
     values = [float(m.group(1)) for m in _HITS.finditer(text)]
@@ -72,7 +72,16 @@ class Reply:
 def complete(base: str, request: dict[str, Any], timeout: float) -> Reply:
     body = dict(request, temperature=0, return_tokens_as_token_ids=True)
     body.setdefault("logprobs", 5)
-    data = json.loads(_http(f"{base}/v1/completions", body, timeout))
+    raw = _http(f"{base}/v1/completions", body, timeout)
+    try:
+        return _reply(base, json.loads(raw))
+    except VerifyError:
+        raise
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise VerifyError(f"{base} returned a malformed completion ({type(e).__name__}: {e})") from None
+
+
+def _reply(base: str, data: Any) -> Reply:
     try:
         choice = data["choices"][0]
     except (KeyError, IndexError):
@@ -178,10 +187,10 @@ def verify(
     timeout: float = 300,
 ) -> list[Comparison]:
     cold, restored = cold.rstrip("/"), restored.rstrip("/")
-    models = {"cold": served_models(cold), "restored": served_models(restored)}
+    models = {"cold": served_models(cold, timeout), "restored": served_models(restored, timeout)}
     if producer:
         producer = producer.rstrip("/")
-        models["producer"] = served_models(producer)
+        models["producer"] = served_models(producer, timeout)
     shared = [m for m in models["cold"] if all(m in names for names in models.values())]
     if not shared:
         raise VerifyError(
@@ -193,9 +202,9 @@ def verify(
             complete(producer, {**req, "model": model}, timeout)
     out = []
     for i, req in enumerate(consumer_requests):
-        before = external_hits(restored)
+        before = external_hits(restored, timeout)
         r = complete(restored, {**req, "model": model}, timeout)
-        after = external_hits(restored)
+        after = external_hits(restored, timeout)
         c = complete(cold, {**req, "model": model}, timeout)
         hits = after - before if before is not None and after is not None else None
         out.append(Comparison(f"request {i + 1}", c, r, hits))
