@@ -107,14 +107,25 @@ class KeySpace:
     def prefix(self) -> str:
         return f"{self.namespace}/{self.fingerprint.hex()}/"
 
+    # ``*_prefix`` + a hash's hex is the key: lookups build thousands of keys from one hex each.
+
+    def block_prefix(self, group: int, rank: int) -> str:
+        return f"{self.prefix}b/{group}/{rank}/"
+
+    def state_prefix(self, group: int, rank: int) -> str:
+        return f"{self.prefix}s/{group}/{rank}/"
+
+    def record_prefix(self) -> str:
+        return f"{self.prefix}r/"
+
     def block(self, group: int, rank: int, block_hash: bytes) -> str:
-        return f"{self.prefix}b/{group}/{rank}/{block_hash.hex()}"
+        return self.block_prefix(group, rank) + block_hash.hex()
 
     def state(self, group: int, rank: int, boundary_hash: bytes) -> str:
-        return f"{self.prefix}s/{group}/{rank}/{boundary_hash.hex()}"
+        return self.state_prefix(group, rank) + boundary_hash.hex()
 
     def record(self, boundary_hash: bytes) -> str:
-        return f"{self.prefix}r/{boundary_hash.hex()}"
+        return self.record_prefix() + boundary_hash.hex()
 
     def layout(self) -> str:
         return f"{self.prefix}layout"

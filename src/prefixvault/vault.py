@@ -368,7 +368,7 @@ class Vault:
         if not candidates:
             return 0
         hexes = [h.hex() for h in hashes[: limit // bs]]
-        rprefix = self.keys.prefix + "r/"
+        rprefix = self.keys.record_prefix()
         # Touches: a hit keeps its records, objects and the layout fresh for the store's eviction.
         record_keys = [rprefix + hexes[b // bs - 1] for b in candidates]
         exists = self.store.touch_many([self.keys.layout(), *record_keys])
@@ -383,11 +383,11 @@ class Vault:
         for rank in range(self.layout.world_size):
             for gi, group in enumerate(self.layout.groups):
                 if group.is_state:
-                    wanted.append((gi, rank, f"{self.keys.prefix}s/{gi}/{rank}/",
+                    wanted.append((gi, rank, self.keys.state_prefix(gi, rank),
                                    [b // bs - 1 for b in published]))
                 else:
                     first = needed_blocks(group, low * bs, bs).start
-                    wanted.append((gi, rank, f"{self.keys.prefix}b/{gi}/{rank}/", range(first, top)))
+                    wanted.append((gi, rank, self.keys.block_prefix(gi, rank), range(first, top)))
         keys = [prefix + hexes[i] for _, _, prefix, idx in wanted for i in idx]
         flags = self.store.touch_many(keys)
         # missing[g][i]: missing blocks of group g with index < i (over all ranks), for blocks;
