@@ -153,3 +153,74 @@ def test_verify_gives_up_on_a_hanging_server_within_its_timeout() -> None:
     finally:
         listener.close()
     assert res.exit_code == 2 and time.monotonic() - t0 < 10, res.output
+
+
+@pytest.mark.parametrize("args", [
+    ["audit", "--store", "memory://x", "--secret-file", "/nonexistent/secret"],  # no --namespace
+    ["audit", "--store", "memory://x", "--namespace", "t", "--secret-file", "/nonexistent/secret"],
+    ["watch", "--store", "memory://x", "--cold", "http://127.0.0.1:9", "--namespace", "t",
+     "--secret-env", "PV_TEST_UNSET_SECRET_VAR"],
+    ["serve", "/models/m", "--namespace", "t", "--secret-env", "PV_TEST_UNSET_SECRET_VAR", "--dry-run"],
+    ["serve", "/models/m", "--namespace", "t", "--secret-file", "/etc/hostname", "--dry-run"],  # too short
+])
+def test_bad_secrets_are_one_line_and_exit_2(args: list[str]) -> None:
+    res = CliRunner().invoke(app, args)
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert len([line for line in res.output.splitlines() if line.strip()]) == 1, res.output
+
+
+# -- the whole command line, fuzzed ----------------------------------------------------------------
+
+WEIRD = st.one_of(
+    st.sampled_from(["", "-1", "0", "inf", "-inf", "nan", "1e400", "9" * 40, "\x00", "--", "-",
+                     "memory://fuzz", "local://", "local://rel", "redis://[::1", "bogus://x",
+                     "http://127.0.0.1:9", "http://[::1", "/nonexistent/file", "a" * 5000, "\ud800"]),
+    st.text(max_size=20),
+    st.integers(-(10**30), 10**30).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(str),
+)
+OPTIONS = {
+    "stats": ["--store"],
+    "audit": ["--store", "--namespace", "--secret-file", "--secret-env", "--repair"],
+    "serve": ["--store", "--role", "--namespace", "--capture", "--secret-file", "--secret-env"],
+    "verify": ["--cold", "--restored", "--producer", "--requests", "--code", "--producer-repeats",
+               "--consumer-repeats", "--max-tokens", "--logprobs", "--timeout", "--json"],
+    "watch": ["--store", "--cold", "--namespace", "--tolerance", "--interval", "--timeout", "--json",
+              "--secret-file", "--secret-env"],
+}
+FLAGS = {"--repair", "--json"}
+REQUIRED = {"stats": ["--store"], "audit": ["--store"], "verify": ["--cold", "--restored"],
+            "watch": ["--store", "--cold"], "serve": []}
+
+
+@st.composite
+def command_lines(draw: st.DrawFn) -> list[str]:
+    cmd = draw(st.sampled_from(sorted(OPTIONS)))
+    args = [cmd]
+    if cmd == "serve":
+        args += ["--dry-run", draw(WEIRD)]  # first, before any "--": never exec vLLM; then the model
+    names = draw(st.lists(st.sampled_from(OPTIONS[cmd] + REQUIRED[cmd]), max_size=6))
+    for name in [*REQUIRED[cmd], *names]:
+        args += [name] if name in FLAGS else [name, draw(WEIRD)]
+    if cmd in ("verify", "watch"):
+        args += ["--timeout", "2"]  # the last value wins: no server here answers anyway
+    return args
+
+
+@settings(max_examples=400, deadline=None)
+@given(command_lines())
+def test_fuzzed_command_lines_never_trace_back_or_hang(args: list[str]) -> None:
+    """Any command line: exit 0, 1 or 2, our own errors in one line, never a traceback, and
+    never longer than the timeout asked (no server is reachable on 127.0.0.1:9)."""
+    import time
+
+    t0 = time.monotonic()
+    res = CliRunner().invoke(app, args)
+    assert time.monotonic() - t0 < 30, args
+    shown = (args, res.exit_code, res.output[:1000])
+    assert res.exit_code in (0, 1, 2), shown
+    assert res.exception is None or isinstance(res.exception, SystemExit), (shown, repr(res.exception))
+    assert "Traceback" not in res.output, shown
+    for line in res.output.splitlines():
+        if line.startswith("error:"):
+            assert len(line) < 1000, shown  # a value echoed back is cut, not all 5000 chars

@@ -16,12 +16,15 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from vllm_support.seedlib import IN_PROCESS, SUPPORT, Seed, make_seed, run, spec
+from vllm_support.seedlib import IN_PROCESS, SUPPORT, Seed, make_seed, run, run_with_metrics, spec
 
-from prefixvault.codec import HEADER_SIZE
+from prefixvault.codec import HEADER_SIZE, _parse, decode, encode
 from prefixvault.inventory import audit
+from prefixvault.layout import CacheLayout
 from prefixvault.stores import open_store
+from prefixvault.tenancy import NamespaceKey
 from prefixvault.testing.engine import Completion, identical
+from prefixvault.vault import Vault
 
 pytestmark = pytest.mark.slow
 
@@ -124,3 +127,55 @@ def test_a_lone_surrogate_cache_salt_is_served_and_the_engine_keeps_going(
     got = run(seed, spec(seed, "kv_consumer", prompts, ["\ud800", ""], shared), workdir / "surrogate")
     assert got[0].cached_tokens == 0 and identical(cold[0], got[0])
     assert got[1].cached_tokens == seed.cases[1].expected_hit > 0 and identical(cold[1], got[1])
+
+
+def test_keyed_namespace_rejects_forged_states_and_cannot_be_probed(
+    seed: Seed, cold: list[Completion], workdir: Path
+) -> None:
+    """Tenant A serves with a namespace secret; an attacker with full access to the store but
+    not the secret replaces every state with a zero state under a valid plain header and
+    checksum (the seed bug's bytes, written on purpose). A's consumer rejects them all,
+    recomputes, and gives cold's output; the attacker cannot even tell what A cached. The
+    secret appears in no log line, metric or stats output."""
+    secret = "tenant-a-" + os.urandom(16).hex()
+    env = {"PV_TEST_NS_SECRET": secret}
+    extra = {"namespace": "tenantA", "namespace_secret_env": "PV_TEST_NS_SECRET"}
+    store_uri = f"local://{workdir}/keyed?capacity=1GiB"
+    _, prod_metrics = run_with_metrics(
+        seed, spec(seed, "kv_producer", [seed.producer], [""], store_uri, extra_config=extra), workdir, env)
+    store = open_store(store_uri)
+
+    # The attacker: the layout is readable (sealed, not encrypted), the keys of a prompt are not.
+    (layout_key,) = [k for k, _ in store.scan("tenantA/") if k.endswith("/layout")]
+    layout = CacheLayout.from_json(json.loads((store.get_many([layout_key])[0] or b"")[HEADER_SIZE:]))
+    case = seed.cases[1]
+    for key in (None, NamespaceKey.derive(b"a guessed secret, not tenant A's", "tenantA")):
+        probe = Vault(store, layout, "tenantA", key)
+        assert probe.lookup(probe.hashes(case.tokens), len(case.tokens)) == 0
+    states = [k for k, _ in store.scan("tenantA/") if "/s/" in k]
+    assert states
+    for key in states:
+        blob = store.get_many([key])[0] or b""
+        header = _parse(memoryview(blob))  # unverified: the attacker has no key
+        zeros = bytes(header.length)
+        forged = b"".join(bytes(p) for p in encode(header, zeros))
+        assert decode(forged, header)  # a valid plain object for exactly this key
+        assert store.put_many([(key, [forged])]) == [True]
+
+    got, metrics = run_with_metrics(
+        seed, spec(seed, "kv_consumer", [case.tokens], [""], store_uri, extra_config=extra),
+        workdir / "keyed-consumer", env)
+    assert identical(cold[1], got[0])
+    assert metrics.get("rejected:unsealed", 0) >= 1, metrics
+    assert len({k for k, _ in store.scan("tenantA/") if "/s/" in k}) < len(states)
+    logs = "".join(p.read_text(errors="replace") for p in workdir.rglob("*.log"))
+    assert "tenantA" in logs and "keyed: secret from $PV_TEST_NS_SECRET" in logs
+    assert secret not in logs
+    assert not any(secret in name for name in {**prod_metrics, **metrics})
+    from typer.testing import CliRunner
+
+    from prefixvault.cli import app
+
+    for args in (["stats", "--store", store_uri], ["audit", "--store", store_uri]):
+        out = CliRunner().invoke(app, args)
+        assert secret not in out.output

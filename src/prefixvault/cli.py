@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from prefixvault.stores import Store, StoreError, default_local_dir, open_store, redact
+from prefixvault.tenancy import NamespaceKey
 from prefixvault.units import format_size
 
 app = typer.Typer(
@@ -25,11 +26,30 @@ console = Console()
 err = Console(stderr=True, soft_wrap=True)
 
 StoreOpt = Annotated[str, typer.Option("--store", help="Store URI, e.g. local:///dev/shm/prefixvault")]
+SecretFileOpt = Annotated[str, typer.Option(
+    "--secret-file", help="File holding the namespace's secret (keyed namespace)")]
+SecretEnvOpt = Annotated[str, typer.Option(
+    "--secret-env", help="Environment variable holding the namespace's secret (keyed namespace)")]
 
 
 def _fail(message: str) -> typer.Exit:
     err.print(f"[red]error:[/] {message}", highlight=False)
     return typer.Exit(2)
+
+
+def _namespace_key(namespace: str, secret_file: str, secret_env: str) -> NamespaceKey | None:
+    """The keys of a namespace whose secret the command was given; one line on any error."""
+    from prefixvault.keys import check_namespace
+    from prefixvault.tenancy import namespace_key
+
+    if not (secret_file or secret_env):
+        return None
+    if not namespace:
+        raise _fail("--secret-file/--secret-env need --namespace: a secret belongs to one namespace")
+    try:
+        return namespace_key(check_namespace(namespace), secret_file, secret_env)
+    except ValueError as e:
+        raise _fail(str(e)) from None
 
 
 def _open_existing(uri: str, readonly: bool = True) -> Store:
@@ -129,15 +149,22 @@ def audit(
     store: StoreOpt,
     repair: Annotated[bool, typer.Option(
         "--repair", help="Remove records proven broken and bad objects; unverifiable ones stay")] = False,
+    namespace: Annotated[str, typer.Option(help="The namespace whose secret is given")] = "",
+    secret_file: SecretFileOpt = "",
+    secret_env: SecretEnvOpt = "",
 ) -> None:
-    """Walk every record, verify every object it needs and report what is wrong."""
+    """Walk every record, verify every object it needs and report what is wrong.
+
+    Records of a namespace with a secret are checked only when its secret is given (with
+    --namespace); otherwise they are reported unverifiable and kept."""
     from prefixvault.inventory import audit as run_audit
 
+    key = _namespace_key(namespace, secret_file, secret_env)
     if repair:
         _rebuild_if_damaged(store)
     s = _open_existing(store, readonly=not repair)
     try:
-        report = run_audit(s, repair=repair)
+        report = run_audit(s, repair=repair, keys={key.namespace: key} if key else None)
     except StoreError as e:
         raise _fail(str(e)) from None
     finally:
@@ -183,7 +210,7 @@ def repro(
 ) -> None:
     """The bug report's protocol: cold, producer and consumer engines; the consumer must match cold."""
     if not model and profile not in PROFILE_NAMES:
-        raise _fail(f"unknown profile {profile!r}; choose one of {', '.join(PROFILE_NAMES)}")
+        raise _fail(f"unknown profile {profile[:100]!r}; choose one of {', '.join(PROFILE_NAMES)}")
     if not model and profile == "mamba1":
         raise _fail("vLLM has no CPU prefill kernel for Mamba1: run the mamba1 profile on a GPU machine")
     if producer_repeats < 0 or consumer_repeats < 0 or max_tokens <= 0 or tp <= 0:
@@ -235,6 +262,8 @@ def serve(
     role: Annotated[str, typer.Option(help="kv_both, kv_producer or kv_consumer")] = "kv_both",
     namespace: Annotated[str, typer.Option(help="Store namespace")] = "default",
     capture: Annotated[str, typer.Option(help="Capture policy: steps, checkpoints, interval:N")] = "steps",
+    secret_file: SecretFileOpt = "",
+    secret_env: SecretEnvOpt = "",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command, do not run it")] = False,
 ) -> None:
     """Start `vllm serve` with the connector configured; extra arguments after `--` go to vLLM."""
@@ -245,11 +274,18 @@ def serve(
     from prefixvault.vllm.config import ConnectorSettings
 
     try:
-        ConnectorSettings.from_extra({"store": store, "namespace": namespace, "capture": capture})
-        cmd = serve_command(model, store, role, namespace, capture, ctx.args)
+        ConnectorSettings.from_extra({"store": store, "namespace": namespace, "capture": capture,
+                                      "namespace_secret_file": secret_file,
+                                      "namespace_secret_env": secret_env})
+        cmd = serve_command(model, store, role, namespace, capture, ctx.args, secret_file, secret_env)
+        for arg in cmd:
+            os.fsencode(arg)  # what exec needs: text the file system encoding can carry
+    except UnicodeError:
+        raise _fail("arguments must be text the system can pass on (a lone surrogate is not)") from None
     except (ValueError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
-    console.print(shlex.join(cmd), highlight=False, soft_wrap=True)
+    shown = shlex.join(cmd).encode("utf-8", "backslashreplace").decode()
+    console.print(shown, highlight=False, soft_wrap=True, markup=False)
     if dry_run:
         return
     sys.stdout.flush()
@@ -278,14 +314,19 @@ def verify(
     import dataclasses
     import json
 
-    from prefixvault.verify import VerifyError, load_requests, report_pair
+    from prefixvault.verify import MAX_REPEATS, VerifyError, check_base_url, load_requests, report_pair
     from prefixvault.verify import verify as run_verify
 
     if not 0 < timeout < float("inf"):
         raise _fail("--timeout must be a positive number of seconds")
-    if producer_repeats < 0 or consumer_repeats < 0 or max_tokens < 1 or logprobs < 0:
-        raise _fail("--producer-repeats/--consumer-repeats must be >= 0, --max-tokens >= 1, --logprobs >= 0")
+    if not (0 <= producer_repeats <= MAX_REPEATS and 0 <= consumer_repeats <= MAX_REPEATS
+            and max_tokens >= 1 and logprobs >= 0):
+        raise _fail(f"--producer-repeats/--consumer-repeats must be in 0..{MAX_REPEATS}, "
+                    "--max-tokens >= 1, --logprobs >= 0")
     try:
+        cold = check_base_url(cold, "--cold")
+        restored = check_base_url(restored, "--restored")
+        producer = check_base_url(producer, "--producer") if producer else ""
         if requests:
             prod_reqs, cons_reqs = load_requests(requests)
         else:
@@ -326,28 +367,38 @@ def watch(
     interval: Annotated[float, typer.Option(help="Seconds between passes with --follow")] = 10.0,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for one cold request")] = 300,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per pass")] = False,
+    secret_file: SecretFileOpt = "",
+    secret_env: SecretEnvOpt = "",
 ) -> None:
-    """Recompute consumers' verification samples cold; quarantine records that disagree."""
+    """Recompute consumers' verification samples cold; quarantine records that disagree.
+
+    Samples of a namespace with a secret are sealed: only a watch given --namespace and its
+    secret reads them (others leave them alone)."""
     import json
     import logging
 
     from prefixvault.keys import check_namespace
-    from prefixvault.verify import VerifyError
+    from prefixvault.verify import VerifyError, check_base_url
     from prefixvault.watch import watch_once
 
     if not 0 <= tolerance < float("inf") or not 0 < interval < float("inf") or not 0 < timeout < float("inf"):
         raise _fail("--tolerance must be >= 0, --interval and --timeout > 0")
     try:
+        cold = check_base_url(cold, "--cold")
+    except VerifyError as e:
+        raise _fail(str(e)) from None
+    try:
         if namespace:
             check_namespace(namespace)
     except ValueError as e:
         raise _fail(str(e)) from None
+    key = _namespace_key(namespace, secret_file, secret_env)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     s = _open_existing(store, readonly=False)  # quarantine removes records
     out = Console(quiet=json_out)
     while True:
         try:
-            report = watch_once(s, cold, namespace or None, tolerance, timeout)
+            report = watch_once(s, cold, namespace or None, tolerance, timeout, key=key)
         except VerifyError as e:
             raise _fail(str(e)) from None
         out.print(f"checked {report.checked} samples: {report.agreed} agree with cold, "

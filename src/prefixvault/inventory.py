@@ -1,10 +1,15 @@
-"""Read-only walks over a store: what it holds, and whether every record can really resume."""
+"""Read-only walks over a store: what it holds, and whether every record can really resume.
+
+A namespace with a secret seals its objects: its layout, records and objects verify only with
+its key. Given the key, an audit checks it like any other; without, its records are reported
+unverifiable (never removed) and its layout is not trusted for anything.
+"""
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prefixvault.boundary import needed_blocks
@@ -12,6 +17,7 @@ from prefixvault.codec import IntegrityError, decode
 from prefixvault.layout import CacheLayout, GroupKind
 from prefixvault.records import BoundaryRecord
 from prefixvault.stores.base import Store
+from prefixvault.tenancy import NamespaceKey
 from prefixvault.vault import ObjectRef, Vault
 
 
@@ -55,8 +61,17 @@ def _split(key: str) -> tuple[str, str, list[str]] | None:
     return parts[0], parts[1], parts[2:]
 
 
-def load_layouts(store: Store) -> dict[tuple[str, str], CacheLayout | None]:
-    """Every (namespace, fingerprint) in the store, with its layout if one was saved."""
+#: Why a scope's layout is None though a layout object is stored: it is sealed, no key given.
+SEALED = "sealed"
+
+
+def load_layouts(
+    store: Store, keys: Mapping[str, NamespaceKey] | None = None, sealed: set[tuple[str, str]] | None = None
+) -> dict[tuple[str, str], CacheLayout | None]:
+    """Every (namespace, fingerprint) in the store, with its layout if one was saved and
+    verifies (with the namespace's key where ``keys`` has one). Scopes whose layout is sealed
+    while no key was given are added to ``sealed``."""
+    keys = keys or {}
     found: dict[tuple[str, str], CacheLayout | None] = {}
     layout_keys: list[tuple[tuple[str, str], str]] = []
     for key, _ in store.scan():
@@ -72,9 +87,12 @@ def load_layouts(store: Store) -> dict[tuple[str, str], CacheLayout | None]:
         if blob is None:
             continue
         try:
-            _, payload = decode(blob)
+            _, payload = decode(blob, key=keys.get(scope[0]))
             found[scope] = CacheLayout.from_json(json.loads(bytes(payload)))
-        except (IntegrityError, ValueError, KeyError, TypeError):
+        except IntegrityError as e:
+            if e.reason == "sealed" and sealed is not None:
+                sealed.add(scope)
+        except (ValueError, KeyError, TypeError):
             continue
     return found
 
@@ -124,9 +142,9 @@ class _ScopeAudit:
     blocks before it, so a chain of records is walked once, not once per record."""
 
     def __init__(self, store: Store, layout: CacheLayout, namespace: str, report: AuditReport,
-                 batch: int) -> None:
+                 batch: int, key: NamespaceKey | None = None) -> None:
         self.store = store
-        self.vault = Vault(store, layout, namespace)
+        self.vault = Vault(store, layout, namespace, key)
         self.report = report
         self.batch = batch
         self.checked: dict[str, str | None] = {}  # object key -> problem, None when it verifies
@@ -141,7 +159,7 @@ class _ScopeAudit:
                     continue  # removed since the scan
                 self.report.records += 1
                 try:
-                    record = BoundaryRecord.decode(blob, self.vault.fingerprint)
+                    record = BoundaryRecord.decode(blob, self.vault.fingerprint, self.vault.key)
                 except IntegrityError as e:
                     self.report.findings.append(AuditFinding(rkey, f"unreadable record ({e})"))
                     continue
@@ -223,7 +241,7 @@ class _ScopeAudit:
                     self.checked[ref.key] = "missing object"
                     continue
                 try:
-                    decode(blob, self.vault.expected_header(ref))
+                    decode(blob, self.vault.expected_header(ref), self.vault.key)
                     self.checked[ref.key] = None
                 except IntegrityError as e:
                     self.checked[ref.key] = e.reason
@@ -235,24 +253,30 @@ class _ScopeAudit:
         return None
 
 
-def audit(store: Store, repair: bool = False, batch: int = 64) -> AuditReport:
-    """Verify every record's objects (presence, header, checksum); optionally remove what is
-    proven broken. A record that cannot be checked (its layout or a parent record is gone) is
-    reported as unverifiable and always kept: lookups still check its objects before a hit."""
+def audit(store: Store, repair: bool = False, batch: int = 64,
+          keys: Mapping[str, NamespaceKey] | None = None) -> AuditReport:
+    """Verify every record's objects (presence, header, checksum or MAC); optionally remove
+    what is proven broken. A record that cannot be checked (its layout or a parent record is
+    gone, or its namespace is sealed and ``keys`` has no key for it) is reported as
+    unverifiable and always kept: lookups still check its objects before a hit."""
+    keys = keys or {}
     report = AuditReport()
-    layouts = load_layouts(store)
+    sealed: set[tuple[str, str]] = set()
+    layouts = load_layouts(store, keys, sealed)
     scopes: dict[tuple[str, str], list[str]] = {}
     for rkey, ns, fp in _records(store):
         scopes.setdefault((ns, fp), []).append(rkey)
     bad_objects: set[str] = set()
-    for (ns, fp), keys in sorted(scopes.items()):
+    for (ns, fp), rkeys in sorted(scopes.items()):
         layout = layouts.get((ns, fp))
         if layout is None:
-            report.records += len(keys)
-            report.unverifiable.extend(AuditFinding(k, "layout unknown") for k in keys)
+            why = ("namespace has a secret: give it to check these records" if (ns, fp) in sealed
+                   else "layout unknown")
+            report.records += len(rkeys)
+            report.unverifiable.extend(AuditFinding(k, why) for k in rkeys)
             continue
-        scope = _ScopeAudit(store, layout, ns, report, batch)
-        scope.run(sorted(keys))
+        scope = _ScopeAudit(store, layout, ns, report, batch, keys.get(ns))
+        scope.run(sorted(rkeys))
         bad_objects |= scope.bad_objects
     if repair:
         broken = sorted(report.broken_records)

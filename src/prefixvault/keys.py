@@ -3,7 +3,9 @@
 ``h_i`` names the prefix ending at block i: it covers every token before it and every
 extra key (LoRA, cache salt, multimodal inputs). Hashes use BLAKE2b with fixed byte
 encodings, so they match across processes and machines without any seed to set. Keys
-carry hashes only, never raw token ids.
+carry hashes only, never raw token ids. In a namespace with a secret the chain's seed is
+keyed (``tenancy.NamespaceKey.hash_key``), so every hash of the chain is a keyed hash and
+nobody without the secret can compute the key of a prompt.
 """
 
 from __future__ import annotations
@@ -36,8 +38,8 @@ class ExtraKeys:
     cache_salt: str | None = None
     multimodal: tuple[MultimodalItem, ...] = field(default=())
 
-    def seed(self) -> bytes:
-        h = hashlib.blake2b(digest_size=HASH_BYTES, person=b"pv-seed")
+    def seed(self, key: bytes = b"") -> bytes:
+        h = hashlib.blake2b(digest_size=HASH_BYTES, person=b"pv-seed", key=key)
         for tag, value in (("lora", self.lora), ("salt", self.cache_salt)):
             if value is not None:
                 # surrogatepass: any str vLLM accepts (a lone surrogate is valid JSON) has
@@ -60,15 +62,17 @@ def chain_hashes(
     block_size: int,
     extra: ExtraKeys | None = None,
     start: Sequence[bytes] = (),
+    key: bytes = b"",
 ) -> list[bytes]:
-    """Hashes of every full block of ``token_ids``; ``start`` reuses already computed ones."""
+    """Hashes of every full block of ``token_ids``; ``start`` reuses already computed ones;
+    ``key`` (a namespace's hash key) makes them keyed hashes."""
     if block_size <= 0:
         raise ValueError("block_size must be positive")
     extra = extra or ExtraKeys()
     tokens = np.asarray(token_ids, dtype="<i8")
     n_blocks = len(tokens) // block_size
     out = list(start[:n_blocks])
-    parent = out[-1] if out else extra.seed()
+    parent = out[-1] if out else extra.seed(key)
     for i in range(len(out), n_blocks):
         lo, hi = i * block_size, (i + 1) * block_size
         h = hashlib.blake2b(parent, digest_size=HASH_BYTES, person=b"pv-block")
@@ -83,7 +87,7 @@ def chain_hashes(
 
 def check_namespace(namespace: str) -> str:
     if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
-        raise ValueError(f"invalid namespace {namespace!r}: use 1..64 chars of [A-Za-z0-9._-]")
+        raise ValueError(f"invalid namespace {str(namespace)[:100]!r}: use 1..64 chars of [A-Za-z0-9._-]")
     return namespace
 
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from prefixvault.codec import IntegrityError, ObjectHeader, ObjectKind, decode, encode
 from prefixvault.stores.base import Buffer
+from prefixvault.tenancy import NamespaceKey
 
 RECORD_VERSION = 2
 
@@ -52,7 +53,7 @@ class BoundaryRecord:
             ObjectKind.RECORD, fingerprint, self.boundary_hash, tokens=self.tokens, length=length
         )
 
-    def encode(self, fingerprint: bytes) -> bytes:
+    def encode(self, fingerprint: bytes, key: NamespaceKey | None = None) -> bytes:
         body: dict[str, object] = {
             "v": RECORD_VERSION,
             "tokens": self.tokens,
@@ -65,12 +66,15 @@ class BoundaryRecord:
             body["parent"] = self.parent
             body["parent_hash"] = self.parent_hash.hex()
         payload = json.dumps(body, separators=(",", ":")).encode()
-        return b"".join(bytes(p) for p in encode(self.header(fingerprint, len(payload)), payload))
+        return b"".join(bytes(p) for p in encode(self.header(fingerprint, len(payload)), payload, key))
 
     @classmethod
-    def decode(cls, data: Buffer, fingerprint: bytes | None = None) -> BoundaryRecord:
-        """Verify and parse a record (IntegrityError if it does not verify)."""
-        header, payload = decode(data)
+    def decode(
+        cls, data: Buffer, fingerprint: bytes | None = None, key: NamespaceKey | None = None
+    ) -> BoundaryRecord:
+        """Verify and parse a record (IntegrityError if it does not verify; with ``key``,
+        if it is not sealed with it)."""
+        header, payload = decode(data, key=key)
         if header.kind is not ObjectKind.RECORD:
             raise IntegrityError("identity", f"kind is {header.kind.name}, expected RECORD")
         if fingerprint is not None and header.fingerprint != fingerprint:

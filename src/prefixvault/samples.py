@@ -8,7 +8,10 @@ recomputes them on a cold server and quarantines the record of any that disagree
 operator learns of a wrong state before users do.
 
 A sample is a small JSON object under ``{ns}/{layout}/v/{id}``; it is never a hit and
-never loaded into an engine.
+never loaded into an engine. In a namespace with a secret it holds the tenant's prompt, so it
+is sealed: encrypted and authenticated with AES-256-GCM under the namespace's key. Only a
+watcher given that namespace and its secret reads it; a forged or altered one is unreadable
+(and can therefore never make a watcher quarantine a record).
 """
 
 from __future__ import annotations
@@ -19,10 +22,17 @@ import time
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
 from prefixvault.stores import Store
+from prefixvault.tenancy import NamespaceKey
 
 #: Output tokens a sample keeps: enough to see a wrong state, small next to the prompt.
 SAMPLE_TOKENS = 8
+#: First bytes of a sealed sample (a plain one is JSON and starts with ``{``).
+SEALED_MAGIC = b"PVS1"
+_AAD = b"prefixvault sample"
 
 
 @dataclass(frozen=True)
@@ -51,17 +61,41 @@ def sample_key(record_key: str) -> str:
     return f"{prefix}/v/{time.time_ns():x}-{os.getpid():x}-{os.urandom(4).hex()}"
 
 
-def write_sample(store: Store, sample: VerifySample) -> bool:
-    return store.put_many([(sample_key(sample.record), [sample.encode()])])[0]
+def seal(blob: bytes, key: NamespaceKey) -> bytes:
+    nonce = os.urandom(12)
+    return SEALED_MAGIC + nonce + AESGCM(key.mac_key).encrypt(nonce, blob, _AAD)
 
 
-def pending_samples(store: Store, namespace: str | None = None) -> Iterator[tuple[str, VerifySample | None]]:
-    """Every sample in the store (of one namespace if given); None for one that does not decode."""
+def unseal(blob: bytes, key: NamespaceKey) -> bytes:
+    if not blob.startswith(SEALED_MAGIC):
+        raise ValueError("sample is not sealed")
+    body = blob[len(SEALED_MAGIC) :]
+    try:
+        return AESGCM(key.mac_key).decrypt(body[:12], body[12:], _AAD)
+    except InvalidTag:
+        raise ValueError("sample does not verify with this namespace's key") from None
+
+
+def write_sample(store: Store, sample: VerifySample, key: NamespaceKey | None = None) -> bool:
+    blob = sample.encode()
+    return store.put_many([(sample_key(sample.record), [seal(blob, key) if key else blob])])[0]
+
+
+def pending_samples(
+    store: Store, namespace: str | None = None, key: NamespaceKey | None = None
+) -> Iterator[tuple[str, VerifySample | None]]:
+    """Every sample in the store (of one namespace if given); None for one that does not
+    decode. With ``key`` (the namespace's) samples must be sealed with it; without, sealed
+    samples are left alone: they belong to a watcher that has the secret."""
+    if key is not None and key.namespace != namespace:
+        raise ValueError("a namespace key needs its namespace")
     keys = [k for k, _ in store.scan(f"{namespace}/" if namespace else "") if k.split("/")[2:3] == ["v"]]
-    for key, blob in zip(keys, store.get_many(keys), strict=True):
+    for name, blob in zip(keys, store.get_many(keys), strict=True):
         if blob is None:
             continue  # taken by another watcher
+        if key is None and blob.startswith(SEALED_MAGIC):
+            continue
         try:
-            yield key, VerifySample.decode(blob)
+            yield name, VerifySample.decode(unseal(blob, key) if key else blob)
         except (ValueError, KeyError, TypeError):
-            yield key, None
+            yield name, None

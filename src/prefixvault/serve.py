@@ -39,15 +39,23 @@ def vllm_command(model: str) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
 
 
-def kv_transfer_config(store: str, role: str, namespace: str, capture: str) -> dict[str, Any]:
+def kv_transfer_config(store: str, role: str, namespace: str, capture: str,
+                       secret_file: str = "", secret_env: str = "") -> dict[str, Any]:
+    """The connector's config. A namespace secret is named (file or variable), never inlined:
+    vLLM logs its whole config at start."""
     if role not in ROLES:
-        raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role!r}")
+        raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role[:100]!r}")
     check_namespace(namespace)
+    extra: dict[str, Any] = {"store": store, "namespace": namespace, "capture": capture}
+    if secret_file:
+        extra["namespace_secret_file"] = secret_file
+    if secret_env:
+        extra["namespace_secret_env"] = secret_env
     return {
         "kv_connector": "PrefixVaultConnector",
         "kv_connector_module_path": "prefixvault.vllm",
         "kv_role": role,
-        "kv_connector_extra_config": {"store": store, "namespace": namespace, "capture": capture},
+        "kv_connector_extra_config": extra,
     }
 
 
@@ -62,6 +70,8 @@ def serve_command(
     namespace: str = "default",
     capture: str = "steps",
     extra: Sequence[str] = (),
+    secret_file: str = "",
+    secret_env: str = "",
 ) -> list[str]:
     """The full command. Flags the user passes in ``extra`` win over the defaults added here.
 
@@ -76,7 +86,8 @@ def serve_command(
         cmd += ["--mamba-cache-mode", "align"]
     if _has(extra, "--kv-transfer-config"):
         raise ValueError("--kv-transfer-config is set by prefixvault serve; use --store/--role instead")
-    cmd += ["--kv-transfer-config", json.dumps(kv_transfer_config(store, role, namespace, capture))]
+    ktc = kv_transfer_config(store, role, namespace, capture, secret_file, secret_env)
+    cmd += ["--kv-transfer-config", json.dumps(ktc)]
     return cmd + list(extra)
 
 

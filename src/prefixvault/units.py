@@ -21,10 +21,10 @@ def parse_size(text: str) -> int:
     m = _SIZE.fullmatch(text)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _UNITS:
-        raise ValueError(f"not a size: {text!r} (examples: 1048576, 512MiB, 8GiB, 2GB)")
+        raise ValueError(f"not a size: {text[:100]!r} (examples: 1048576, 512MiB, 8GiB, 2GB)")
     value = float(m.group(1)) * _UNITS[unit]
     if not value <= MAX_SIZE:  # also inf
-        raise ValueError(f"size {text!r} is larger than 1 EiB")
+        raise ValueError(f"size {text[:100]!r} is larger than 1 EiB")
     return int(value)
 
 

@@ -8,7 +8,8 @@ Lookup: records first, then an existence check of every object the published can
 need, in two batched round trips whatever the prompt length, in time linear in the prompt
 (invariant 2).
 Load: every object is checked against the header the reader expects and its checksum
-before its payload is handed out; bad objects are counted and removed (invariant 3).
+(its MAC, in a namespace with a secret) before its payload is handed out; bad objects are
+counted and removed (invariant 3).
 """
 
 from __future__ import annotations
@@ -29,17 +30,21 @@ from prefixvault.keys import ExtraKeys, KeySpace, chain_hashes
 from prefixvault.layout import CacheGroup, CacheLayout
 from prefixvault.records import BoundaryRecord
 from prefixvault.stores.base import Buffer, Store
+from prefixvault.tenancy import NamespaceKey
 
 #: How often a publishing vault reads its stored layout back to check it (seconds).
 LAYOUT_VERIFY_S = 300.0
 
 
-def _is_layout(blob: bytes, expected: bytes) -> bool:
+def _is_layout(blob: bytes, expected: bytes, key: NamespaceKey | None) -> bool:
+    """Whether ``blob`` verifies and says what ``expected`` says (sealed copies differ in
+    their nonce and tag, so their payloads are compared)."""
     try:
-        decode(blob)
+        header, payload = decode(blob, key=key)
+        want_header, want = decode(expected, key=key)
     except IntegrityError:
         return False
-    return blob == expected
+    return header == want_header and payload == want
 
 
 @dataclass(frozen=True)
@@ -103,13 +108,21 @@ def producer_id() -> str:
 
 
 class Vault:
-    """The protocol for one layout in one namespace of one store."""
+    """The protocol for one layout in one namespace of one store.
 
-    def __init__(self, store: Store, layout: CacheLayout, namespace: str = "default") -> None:
+    With ``key`` (the namespace's secret, derived) hashes are keyed and every object and
+    record is sealed and must verify as sealed with it."""
+
+    def __init__(self, store: Store, layout: CacheLayout, namespace: str = "default",
+                 key: NamespaceKey | None = None) -> None:
+        if key is not None and key.namespace != namespace:
+            raise ValueError(f"namespace key for {key.namespace!r} given to namespace {namespace!r}")
         self.store = store
         self.layout = layout
         self.fingerprint = layout.fingerprint()
         self.keys = KeySpace(namespace, self.fingerprint)
+        self.key = key
+        self._hash_key = key.hash_key if key is not None else b""
         self.counters = VaultCounters()
         self._layout_verified: float | None = None  # monotonic time the stored layout was last read
 
@@ -118,7 +131,7 @@ class Vault:
     def hashes(
         self, token_ids: Sequence[int], extra: ExtraKeys | None = None, start: Sequence[bytes] = ()
     ) -> list[bytes]:
-        return chain_hashes(token_ids, self.layout.block_size, extra, start)
+        return chain_hashes(token_ids, self.layout.block_size, extra, start, self._hash_key)
 
     def needed(
         self, hashes: Sequence[bytes], tokens: int, ranks: Iterable[int] | None = None, since: int = 0
@@ -226,11 +239,11 @@ class Vault:
             if lent is not None and read_into is not None:  # build the object in place
                 payload = lent[off + HEADER_SIZE : off + HEADER_SIZE + header.length]
                 read_into(ref, block_id, payload)
-                lent[off : off + HEADER_SIZE] = encode(header, payload)[0]
+                lent[off : off + HEADER_SIZE] = encode(header, payload, self.key)[0]
                 batch.append((ref.key, [lent[off : off + HEADER_SIZE + header.length]]))
                 off += HEADER_SIZE + header.length
             else:
-                batch.append((ref.key, encode(header, read(ref, block_id))))
+                batch.append((ref.key, encode(header, read(ref, block_id), self.key)))
         results = self.store.put_many(batch) if batch else []
         ok = set(present)
         for (ref, _), header, stored in zip(todo, headers, results, strict=True):
@@ -312,7 +325,8 @@ class Vault:
         record = BoundaryRecord(tokens, tuple(hashes[parent // bs : n]), self.layout.world_size,
                                 producer_id(), parent=parent,
                                 parent_hash=hashes[parent // bs - 1] if parent else b"")
-        if self.store.put_if_absent(self.keys.record(hashes[n - 1]), record.encode(self.fingerprint)):
+        blob = record.encode(self.fingerprint, self.key)
+        if self.store.put_if_absent(self.keys.record(hashes[n - 1]), blob):
             self.counters.records_published += 1
         else:
             self.counters.records_existing += 1
@@ -327,7 +341,7 @@ class Vault:
         """The stored form of the layout: what audits read to check records without an engine."""
         data = json.dumps(self.layout.to_json(), sort_keys=True).encode()
         header = ObjectHeader(ObjectKind.LAYOUT, self.fingerprint, self.fingerprint, length=len(data))
-        return b"".join(bytes(p) for p in encode(header, data))
+        return b"".join(bytes(p) for p in encode(header, data, self.key))
 
     def keep_layout(self, present: bool | None = None) -> None:
         """Keep the layout object stored, valid, and as fresh as the records that need it.
@@ -341,7 +355,7 @@ class Vault:
         corrupt = False
         if self._layout_verified is None or now - self._layout_verified >= LAYOUT_VERIFY_S:
             blob = self.store.get_many([key])[0]
-            corrupt = blob is not None and not _is_layout(blob, self.layout_object())
+            corrupt = blob is not None and not _is_layout(blob, self.layout_object(), self.key)
             present = blob is not None
             self._layout_verified = now
         elif present is None:
@@ -451,7 +465,7 @@ class Vault:
             try:
                 if size != len(view):
                     raise IntegrityError("length", f"object has {size} bytes, expected {len(view)}")
-                _, payload = decode(view, header)
+                _, payload = decode(view, header, self.key)
             except IntegrityError as e:
                 failed[ref] = e.reason
                 self.counters.rejected[e.reason] += 1

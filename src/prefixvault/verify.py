@@ -15,12 +15,30 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from prefixvault.testing.models import consumer_prompt, producer_prompt
 
 
 class VerifyError(Exception):
     """Bad input or an unusable server; one clear line."""
+
+
+#: Most filler repeats a report prompt may have (~15 tokens each: far beyond any context length).
+MAX_REPEATS = 100_000
+
+
+def check_base_url(url: str, what: str = "server") -> str:
+    """A server's base URL, ``http(s)://host[:port][/path]``, without a trailing slash."""
+    shown = url if len(url) <= 200 else url[:200] + "..."
+    try:
+        parts = urlsplit(url)
+        _ = parts.port  # raises on a port that is not a number in range
+    except ValueError as e:
+        raise VerifyError(f"bad {what} URL {shown!r}: {e}") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise VerifyError(f"bad {what} URL {shown!r}: use http://host:port or https://host:port")
+    return url.rstrip("/")
 
 
 def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> bytes:
@@ -32,9 +50,9 @@ def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 300) ->
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:300]
         raise VerifyError(f"{url} answered HTTP {e.code}: {detail}") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
-        raise VerifyError(f"cannot reach {url}: {reason}") from None
+        raise VerifyError(f"cannot reach {url[:200]}: {reason}") from None
 
 
 def served_models(base: str, timeout: float = 30) -> list[str]:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from prefixvault.samples import VerifySample, pending_samples
 from prefixvault.stores import Store
+from prefixvault.tenancy import NamespaceKey
 from prefixvault.verify import complete, served_models
 
 log = logging.getLogger("prefixvault.watch")
@@ -56,14 +57,15 @@ def judge(cold: str, model: str, sample: VerifySample, tolerance: float, timeout
 
 def watch_once(store: Store, cold: str, namespace: str | None = None, tolerance: float = 0.05,
                timeout: float = 300, model: str | None = None,
-               on_verdict: Callable[[Verdict], None] | None = None) -> WatchReport:
-    """Check every pending sample once."""
+               on_verdict: Callable[[Verdict], None] | None = None,
+               key: NamespaceKey | None = None) -> WatchReport:
+    """Check every pending sample once (with ``key``: of its namespace, sealed with it)."""
     model = model or served_models(cold)[0]
     report = WatchReport()
-    for key, sample in pending_samples(store, namespace):
+    for name, sample in pending_samples(store, namespace, key):
         if sample is None:
             report.unreadable += 1
-            store.delete_many([key])
+            store.delete_many([name])
             continue
         verdict = judge(cold, model, sample, tolerance, timeout)
         report.checked += 1
@@ -76,7 +78,7 @@ def watch_once(store: Store, cold: str, namespace: str | None = None, tolerance:
                         "is %s, cold gives %s (margin %s)", sample.record, sample.hit, len(sample.prompt),
                         sample.engine or "?", sample.created, verdict.position, verdict.restored_token,
                         verdict.cold_token, "n/a" if verdict.margin is None else f"{verdict.margin:.3g}")
-        store.delete_many([key])
+        store.delete_many([name])
         if on_verdict is not None:
             on_verdict(verdict)
     return report

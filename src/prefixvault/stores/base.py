@@ -35,7 +35,8 @@ _KEY = re.compile(rf"[A-Za-z0-9/._:=-]{{1,{MAX_KEY_LEN}}}")
 def check_key(key: str) -> str:
     """Reject keys a store could not hold faithfully."""
     if not isinstance(key, str) or _KEY.fullmatch(key) is None:
-        raise ValueError(f"invalid store key {key!r}: use 1..{MAX_KEY_LEN} chars of [A-Za-z0-9/._:-=]")
+        raise ValueError(
+            f"invalid store key {_cut(str(key))!r}: use 1..{MAX_KEY_LEN} chars of [A-Za-z0-9/._:-=]")
     return key
 
 
@@ -46,13 +47,21 @@ def redact(uri: str) -> str:
     ``@`` in the authority part goes)."""
     head, sep, rest = uri.partition("://")
     if not sep:
-        return uri
+        return _cut(uri)
     authority, slash, tail = rest.partition("/")
     if "@" in authority:
         userinfo, _, host = authority.rpartition("@")
         user, colon, _ = userinfo.partition(":")
         authority = f"{user}{':***' if colon else ''}@{host}"
-    return f"{head}://{authority}{slash}{tail}"
+    return _cut(f"{head}://{authority}{slash}{tail}")
+
+
+#: Longest user-given text a message echoes back (a 5,000-character path is cut, not printed).
+SHOWN_CHARS = 200
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= SHOWN_CHARS else f"{text[:SHOWN_CHARS]}...({len(text)} chars)"
 
 
 def copy_into(data: Buffer, buf: memoryview) -> int:

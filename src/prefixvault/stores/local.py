@@ -140,7 +140,7 @@ class LocalStore(Store):
                              "(known: capacity, shared)")
         shared = params.get("shared", "0")
         if shared not in ("0", "1"):
-            raise StoreError(f"bad local store parameter shared={shared!r}: use 0 or 1")
+            raise StoreError(f"bad local store parameter shared={shared[:100]!r}: use 0 or 1")
         capacity: int | None = None
         if params.get("capacity"):
             try:

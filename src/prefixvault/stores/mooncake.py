@@ -111,7 +111,7 @@ def _split_hostport(text: str, default_port: int, what: str) -> tuple[str, int]:
     if not host:
         host, port = text, str(default_port)
     if not port.isdigit() or not host:
-        raise StoreError(f"bad mooncake {what} address {text!r}: expected host:port")
+        raise StoreError(f"bad mooncake {what} address {text[:100]!r}: expected host:port")
     return host.strip("[]"), int(port)
 
 
@@ -354,7 +354,7 @@ class MooncakeStore(Store):
         protocol = str(settings.get("protocol", "tcp"))
         if protocol not in ("tcp", "rdma"):
             raise StoreError(f"bad mooncake store URI {redact(uri)!r}: protocol must be tcp or rdma, "
-                             f"got {protocol!r}")
+                             f"got {protocol[:100]!r}")
         admin_host, admin_port = _split_hostport(
             str(settings.get("admin", f"{host}:{DEFAULT_ADMIN_PORT}")), DEFAULT_ADMIN_PORT, "admin")
         _check_reachable(host, port, timeout, "master")

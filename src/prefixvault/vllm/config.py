@@ -9,6 +9,7 @@ from typing import Any
 
 from prefixvault.keys import check_namespace
 from prefixvault.stores import StoreError, check_uri
+from prefixvault.tenancy import NamespaceKey, SecretError, namespace_key
 
 
 class CapturePolicy(StrEnum):
@@ -32,11 +33,20 @@ class ConnectorSettings:
     capture_interval: int = 0
     model_id: str = ""  # overrides the model name in the layout fingerprint
     verify_sample: float = 0.0  # fraction of restored greedy requests written as verification samples
+    # Where the namespace's secret is (a file path, or an environment variable's name); the
+    # secret itself is never part of the config, so it never reaches vLLM's logs.
+    namespace_secret_file: str = ""
+    namespace_secret_env: str = ""
+
+    def namespace_key(self) -> NamespaceKey | None:
+        """The namespace's derived keys; None if it has no secret."""
+        return namespace_key(self.namespace, self.namespace_secret_file, self.namespace_secret_env)
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
-        known = {"store", "namespace", "capture", "capture_interval", "model_id", "verify_sample"}
+        known = {"store", "namespace", "capture", "capture_interval", "model_id", "verify_sample",
+                 "namespace_secret_file", "namespace_secret_env"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -51,7 +61,7 @@ class ConnectorSettings:
             policy = CapturePolicy(capture)
         except ValueError:
             raise ValueError(
-                f"prefixvault: capture must be one of checkpoints, steps, interval:N; got {capture!r}"
+                f"prefixvault: capture must be one of checkpoints, steps, interval:N; got {capture[:100]!r}"
             ) from None
         if policy is CapturePolicy.INTERVAL and interval <= 0:
             raise ValueError("prefixvault: capture 'interval' needs a positive capture_interval")
@@ -66,12 +76,19 @@ class ConnectorSettings:
             verify_sample = -1.0
         if not 0.0 <= verify_sample <= 1.0:
             raise ValueError(f"prefixvault: verify_sample must be a number in [0, 1], got "
-                             f"{extra.get('verify_sample')!r}")
-        return cls(
+                             f"{str(extra.get('verify_sample'))[:100]!r}")
+        out = cls(
             store=str(extra.get("store", "local://")),
             namespace=namespace,
             capture=policy,
             capture_interval=interval,
             model_id=str(extra.get("model_id", "")),
             verify_sample=verify_sample,
+            namespace_secret_file=str(extra.get("namespace_secret_file") or ""),
+            namespace_secret_env=str(extra.get("namespace_secret_env") or ""),
         )
+        try:
+            out.namespace_key()  # a secret that cannot be read fails at start, not at the first request
+        except SecretError as e:
+            raise ValueError(f"prefixvault: {e}") from None
+        return out

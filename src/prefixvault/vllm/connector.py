@@ -45,7 +45,9 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         ktc = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
         self.layout = build_layout(vllm_config, kv_cache_config, self.settings.model_id)
-        self.vault = Vault(open_store_or_retry(self.settings.store), self.layout, self.settings.namespace)
+        key = self.settings.namespace_key()
+        store = open_store_or_retry(self.settings.store)
+        self.vault = Vault(store, self.layout, self.settings.namespace, key)
         self._snapshot = Snapshot()
         # Every entry point vLLM calls goes through this guard (the scheduler side's own ones
         # included): an error of ours becomes a miss, a skipped save or a recomputed load,
@@ -61,8 +63,11 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                                            load=ktc.is_kv_consumer, save=ktc.is_kv_producer, guard=self.guard)
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
                                             enabled=any(g.is_state for g in self.layout.groups))
-            log.info("prefixvault: %s on %s, namespace %s, layout %s, block size %d, capture %s",
+            log.info("prefixvault: %s on %s, namespace %s%s, layout %s, block size %d, capture %s",
                      ktc.kv_role, redact(self.settings.store), self.settings.namespace,
+                     " (keyed: secret from " + (self.settings.namespace_secret_file
+                                                or "$" + self.settings.namespace_secret_env) + ")"
+                     if key is not None else " (no secret: a label, not a tenant boundary)",
                      self.vault.fingerprint.hex()[:12], self.layout.block_size, self.settings.capture.value)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank

@@ -276,7 +276,7 @@ class SchedulerSide:
             record = self.vault.keys.record(self._hashes(st, st.loaded)[-1])
             sample = VerifySample(st.prompt, st.loaded, record, output, time.time(),
                                   f"{socket.gethostname()}:{os.getpid()}")
-            if write_sample(self.vault.store, sample):
+            if write_sample(self.vault.store, sample, self.vault.key):
                 self.counters.samples += 1
                 return
         except Exception as e:  # a sample is best effort; never an error in the engine

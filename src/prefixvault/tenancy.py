@@ -1,0 +1,91 @@
+"""Namespace secrets: what turns a namespace from a label into a boundary between tenants.
+
+Without a secret a namespace only prefixes keys: anyone who can reach the store can compute
+the keys of a guessed prompt, read its objects and write objects that verify. With a secret,
+two keys are derived from it (and from the namespace's name, so that one secret shared by two
+namespaces still keeps them apart):
+
+- ``hash_key`` keys the seed of the hash chain, so every block hash, and with it every store
+  key, is a keyed hash: without the secret nobody can name the key of a prompt, so nobody
+  can ask the store whether it is cached.
+- ``mac_key`` is the AES-256 key of the GMAC that seals every object and record (see
+  ``codec``): without the secret nobody can write bytes that a reader accepts.
+
+The secret itself is read from a file or an environment variable named in the config, never
+given inline, and no repr, log line or error message ever contains it or a key derived from it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+#: Shortest secret accepted (bytes, after trailing whitespace is stripped).
+MIN_SECRET_BYTES = 16
+#: Largest secret file read (a secret is small; anything bigger is the wrong file).
+MAX_SECRET_FILE = 64 * 1024
+
+
+class SecretError(ValueError):
+    """A namespace secret that cannot be used; the message names its source, never its bytes."""
+
+
+@dataclass(frozen=True)
+class NamespaceKey:
+    """Keys derived from one namespace's secret. ``repr`` never shows them."""
+
+    namespace: str
+    hash_key: bytes = field(repr=False)
+    mac_key: bytes = field(repr=False)
+
+    @classmethod
+    def derive(cls, secret: bytes, namespace: str) -> NamespaceKey:
+        if len(secret) < MIN_SECRET_BYTES:
+            raise SecretError(f"a namespace secret needs at least {MIN_SECRET_BYTES} bytes")
+        root = hashlib.blake2b(secret, digest_size=64, person=b"pv-ns-root").digest()
+        name = namespace.encode()
+
+        def sub(person: bytes) -> bytes:
+            return hashlib.blake2b(name, key=root, digest_size=32, person=person).digest()
+
+        return cls(namespace, sub(b"pv-ns-hash"), sub(b"pv-ns-mac"))
+
+    def __repr__(self) -> str:
+        return f"NamespaceKey({self.namespace!r}, <secret>)"
+
+
+def read_secret(file: str = "", env: str = "") -> bytes | None:
+    """The secret named by a file path or an environment variable name (at most one); None if
+    neither is given. Trailing whitespace (a newline left by an editor) is not part of it."""
+    if file and env:
+        raise SecretError("give the namespace secret as a file or an environment variable, not both")
+    if env:
+        value = os.environ.get(env)
+        if not value:
+            raise SecretError(f"namespace secret: environment variable {env[:100]!r} is not set or empty")
+        secret = value.encode("utf-8", "surrogateescape").rstrip()
+        source = f"environment variable {env[:100]!r}"
+    elif file:
+        path = Path(file)
+        try:
+            with path.open("rb") as f:
+                raw = f.read(MAX_SECRET_FILE + 1)
+        except OSError as e:
+            raise SecretError(f"namespace secret file {file[:200]!r}: {e.strerror or e}") from None
+        if len(raw) > MAX_SECRET_FILE:
+            raise SecretError(f"namespace secret file {file[:200]!r} is larger than {MAX_SECRET_FILE} bytes")
+        secret = raw.rstrip()
+        source = f"file {file[:200]!r}"
+    else:
+        return None
+    if len(secret) < MIN_SECRET_BYTES:
+        raise SecretError(f"namespace secret from {source} is shorter than {MIN_SECRET_BYTES} bytes")
+    return secret
+
+
+def namespace_key(namespace: str, file: str = "", env: str = "") -> NamespaceKey | None:
+    """The keys of ``namespace`` from the secret its config names; None without a secret."""
+    secret = read_secret(file, env)
+    return None if secret is None else NamespaceKey.derive(secret, namespace)
