@@ -3,6 +3,7 @@ traceback and never a silent default."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ from prefixvault.cli import app
 from prefixvault.keys import check_namespace
 from prefixvault.stores import StoreError, open_store
 from prefixvault.units import parse_size
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a fuzzed --model never reaches for the network
 
 BAD = [
     ("local:///tmp/pv-bad?capacity=99999999999999999999999999999999TiB", "larger than 1 EiB"),
@@ -187,10 +190,12 @@ OPTIONS = {
                "--consumer-repeats", "--max-tokens", "--logprobs", "--timeout", "--json"],
     "watch": ["--store", "--cold", "--namespace", "--tolerance", "--interval", "--timeout", "--json",
               "--secret-file", "--secret-env"],
+    "explain": ["--store", "--model", "--prompt-file", "--token-ids", "--namespace", "--cache-salt",
+                "--secret-file", "--secret-env", "--json"],
 }
 FLAGS = {"--repair", "--json"}
 REQUIRED = {"stats": ["--store"], "audit": ["--store"], "verify": ["--cold", "--restored"],
-            "watch": ["--store", "--cold"], "serve": []}
+            "watch": ["--store", "--cold"], "serve": [], "explain": ["--store", "--model"]}
 
 
 @st.composite

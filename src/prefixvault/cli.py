@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -182,6 +183,77 @@ def audit(
     raise typer.Exit(1 if broken and not repair else 0)
 
 
+@app.command()
+def explain(
+    store: StoreOpt,
+    model: Annotated[str, typer.Option(help="Model path or hub id (its tokenizer and weights), as served")],
+    prompt_file: Annotated[str, typer.Option(help="Text file with the prompt (tokenized as vLLM does)")] = "",
+    token_ids: Annotated[str, typer.Option(help="JSON file with the prompt's token ids")] = "",
+    namespace: Annotated[str, typer.Option(help="Store namespace")] = "default",
+    cache_salt: Annotated[str, typer.Option(help="The request's cache_salt, if it has one")] = "",
+    secret_file: SecretFileOpt = "",
+    secret_env: SecretEnvOpt = "",
+    json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Why a prompt restores what it restores: the longest restorable boundary, the longest
+    with a record, and why each shorter one does not restore."""
+    from prefixvault.explain import as_json, render
+    from prefixvault.explain import explain as run_explain
+    from prefixvault.identity import model_content
+    from prefixvault.keys import check_namespace
+
+    if bool(prompt_file) == bool(token_ids):
+        raise _fail("give the prompt as --prompt-file or --token-ids (one of them)")
+    try:
+        check_namespace(namespace)
+    except ValueError as e:
+        raise _fail(str(e)) from None
+    key = _namespace_key(namespace, secret_file, secret_env)
+    tokens = _prompt_tokens(model, prompt_file, token_ids)
+    s = _open_existing(store)
+    try:
+        ex = run_explain(s, tokens, namespace, key, cache_salt or None, model_content(model))
+    except StoreError as e:
+        raise _fail(str(e)) from None
+    finally:
+        s.close()
+    if json_out:
+        print(json.dumps(as_json(ex)))
+    else:
+        for line in render(ex):
+            console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _prompt_tokens(model: str, prompt_file: str, token_ids: str) -> list[int]:
+    """The prompt's token ids: read from a JSON file, or the text tokenized as vLLM's completions
+    endpoint does (the model's tokenizer, special tokens added)."""
+    if token_ids:
+        try:
+            with open(token_ids) as f:
+                data = json.loads(f.read())
+        except OSError as e:
+            raise _fail(f"cannot read token ids from {token_ids[:200]!r}: {e.strerror}") from None
+        except ValueError as e:
+            raise _fail(f"{token_ids[:200]!r} is not JSON: {e}") from None
+        if not isinstance(data, list) or not all(isinstance(t, int) and t >= 0 for t in data):
+            raise _fail(f"{token_ids[:200]!r} must hold a JSON list of non-negative token ids")
+        return data
+    try:
+        with open(prompt_file, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise _fail(f"cannot read the prompt from {prompt_file[:200]!r}: {e.strerror}") from None
+    except ValueError as e:  # not UTF-8
+        raise _fail(f"cannot read the prompt from {prompt_file[:200]!r}: {str(e)[:300]}") from None
+    try:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model)
+    except Exception as e:  # any failure to load a tokenizer is the user's to fix, in one line
+        raise _fail(f"cannot load the tokenizer of {model[:200]!r}: {str(e).splitlines()[0][:300]}") from None
+    return list(tokenizer.encode(text))
+
+
 PROFILE_NAMES = ("gdn-hybrid", "shortconv-hybrid", "mamba2", "mamba2-hybrid", "mamba1")
 
 
@@ -312,7 +384,6 @@ def verify(
 ) -> None:
     """Compare a cold and a restored server: text, token ids and per-token logprobs, exactly."""
     import dataclasses
-    import json
 
     from prefixvault.verify import MAX_REPEATS, VerifyError, check_base_url, load_requests, report_pair
     from prefixvault.verify import verify as run_verify
@@ -374,7 +445,6 @@ def watch(
 
     Samples of a namespace with a secret are sealed: only a watch given --namespace and its
     secret reads them (others leave them alone)."""
-    import json
     import logging
 
     from prefixvault.keys import check_namespace

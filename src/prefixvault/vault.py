@@ -21,13 +21,14 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
 from prefixvault.boundary import Refusal, SavePlan, choose_hit, max_resume_tokens, needed_blocks
 from prefixvault.codec import HEADER_SIZE, IntegrityError, ObjectHeader, ObjectKind, decode, encode
 from prefixvault.keys import ExtraKeys, KeySpace, chain_hashes
-from prefixvault.layout import CacheGroup, CacheLayout
+from prefixvault.layout import CacheGroup, CacheLayout, GroupKind
 from prefixvault.records import BoundaryRecord
 from prefixvault.stores.base import Buffer, Store
 from prefixvault.tenancy import NamespaceKey
@@ -71,6 +72,24 @@ class RankAck:
     reason: Refusal | None = None
 
 
+class Miss(StrEnum):
+    """Why a lookup restored less than the longest block-aligned prefix it could have."""
+
+    SHORT_PROMPT = "short_prompt"  # no block-aligned prefix leaves a prompt token to compute
+    LOCAL_HIT = "local_hit"  # the engine's own cache already holds the longest one
+    NO_RECORD = "no_record"  # nothing published there (for this layout, namespace and salt)
+    NO_STATE = "no_state"  # KV blocks are stored past the hit, but no exact state was kept there
+    EVICTED = "evicted"  # published, but objects it needs are gone from the store
+    STORE_ERROR = "store_error"  # the store failed during the lookup
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    hit: int  # tokens of the boundary to restore, 0 if none
+    longest: int  # the longest block-aligned prefix that leaves a token to compute
+    miss: Miss | None  # why ``hit < longest``; None when it is not
+
+
 @dataclass
 class VaultCounters:
     """What the vault did; adapters export these as engine metrics."""
@@ -89,6 +108,7 @@ class VaultCounters:
     rejected: Counter[str] = field(default_factory=Counter)
     lookups: int = 0
     hit_tokens: int = 0
+    misses: Counter[str] = field(default_factory=Counter)  # lookups short of the longest prefix, by Miss
 
 
 @dataclass(frozen=True)
@@ -369,28 +389,38 @@ class Vault:
     # -- lookup ----------------------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int = 0) -> int:
-        """Tokens of the longest published, still complete boundary beyond ``min_tokens``; 0 if none.
+        """Tokens of the longest published, still complete boundary beyond ``min_tokens``; 0 if none."""
+        return self.lookup_explained(hashes, prompt_tokens, min_tokens).hit
+
+    def lookup_explained(
+        self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int = 0
+    ) -> LookupResult:
+        """The hit, and why it is shorter than the longest prefix when it is (counted by reason).
 
         Two round trips whatever the prompt length (records, then objects), and work linear
         in the prompt: the objects of every published candidate are checked in one batch, and
-        prefix counts of missing blocks answer each candidate in constant time.
+        prefix counts of missing blocks answer each candidate in constant time. For layouts
+        with state, each round trip also asks for the KV block and the state just past the
+        longest published boundary (two keys), so that a miss says whether the prefix's KV
+        was stored further while no exact state was kept there.
         """
         self.counters.lookups += 1
         bs = self.layout.block_size
         limit = min(max_resume_tokens(prompt_tokens, bs), len(hashes) * bs)
         candidates = list(range(limit, min_tokens, -bs))
         if not candidates:
-            return 0
+            return self._result(0, limit, Miss.LOCAL_HIT if limit else Miss.SHORT_PROMPT)
         hexes = [h.hex() for h in hashes[: limit // bs]]
         rprefix = self.keys.record_prefix()
         # Touches: a hit keeps its records, objects and the layout fresh for the store's eviction.
         record_keys = [rprefix + hexes[b // bs - 1] for b in candidates]
-        exists = self.store.touch_many([self.keys.layout(), *record_keys])
-        published = [b for b, e in zip(candidates, exists[1:], strict=True) if e]
+        probes = self._probes(hexes[0])  # past boundary 0: the first block
+        exists = self.store.touch_many([self.keys.layout(), *record_keys, *probes])
+        published = [b for b, e in zip(candidates, exists[1 : 1 + len(candidates)], strict=True) if e]
         if published and not exists[0]:
             self.keep_layout(present=False)  # evicted or removed: write it again (rare)
         if not published:
-            return 0
+            return self._result(0, limit, self._past_hit(probes, exists[len(exists) - len(probes):]))
         top, low = published[0] // bs, published[-1] // bs
         # Per (group, rank): the block (or state) indices to check.
         wanted: list[tuple[int, int, str, range | list[int]]] = []
@@ -403,7 +433,9 @@ class Vault:
                     first = needed_blocks(group, low * bs, bs).start
                     wanted.append((gi, rank, self.keys.block_prefix(gi, rank), range(first, top)))
         keys = [prefix + hexes[i] for _, _, prefix, idx in wanted for i in idx]
-        flags = self.store.touch_many(keys)
+        probes = self._probes(hexes[top]) if top * bs < limit else []  # past the top published
+        flags = self.store.touch_many([*keys, *probes])
+        probed = flags[len(keys) :]
         # missing[g][i]: missing blocks of group g with index < i (over all ranks), for blocks;
         # the set of boundaries whose state is missing, for states.
         pos = 0
@@ -433,7 +465,30 @@ class Vault:
 
         hit = choose_hit(published, prompt_tokens, bs, resumable)
         self.counters.hit_tokens += hit
-        return hit
+        if hit == limit:
+            return self._result(hit, limit, None)
+        if hit < published[0]:  # the longest published boundary cannot resume any more
+            return self._result(hit, limit, Miss.EVICTED)
+        return self._result(hit, limit, self._past_hit(probes, probed))
+
+    def _probes(self, block_hex: str) -> list[str]:
+        """For layouts with state: a KV block of a full-attention group, and the state at the
+        end of that block (rank 0)."""
+        attn = next((i for i, g in enumerate(self.layout.groups) if g.kind is GroupKind.FULL_ATTENTION), None)
+        state = next((i for i, g in enumerate(self.layout.groups) if g.is_state), None)
+        if attn is None or state is None:
+            return []
+        return [self.keys.block_prefix(attn, 0) + block_hex, self.keys.state_prefix(state, 0) + block_hex]
+
+    @staticmethod
+    def _past_hit(probes: list[str], found: Sequence[bool]) -> Miss:
+        """The KV block past the hit is stored but no state at its end: a state is missing."""
+        return Miss.NO_STATE if probes and found[0] and not found[1] else Miss.NO_RECORD
+
+    def _result(self, hit: int, longest: int, miss: Miss | None) -> LookupResult:
+        if miss is not None:
+            self.counters.misses[miss.value] += 1
+        return LookupResult(hit, longest, miss)
 
     # -- load --------------------------------------------------------------------------------------
 

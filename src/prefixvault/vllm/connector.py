@@ -25,8 +25,9 @@ from prefixvault.vault import Vault
 from prefixvault.vllm.alignment import ChunkAlignment
 from prefixvault.vllm.config import ConnectorSettings
 from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.layout import build_layout
+from prefixvault.vllm.layout import build_layout, cache_shape
 from prefixvault.vllm.metadata import PrefixVaultMetadata
+from prefixvault.vllm.preflight import can_cache, preflight
 from prefixvault.vllm.scheduler import SchedulerSide
 from prefixvault.vllm.stats import PrefixVaultPromMetrics, PrefixVaultStats, Snapshot
 from prefixvault.vllm.worker import WorkerSide
@@ -44,10 +45,6 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra(ktc.kv_connector_extra_config)
-        self.layout = build_layout(vllm_config, kv_cache_config, self.settings.model_id)
-        key = self.settings.namespace_key()
-        store = open_store_or_retry(self.settings.store)
-        self.vault = Vault(store, self.layout, self.settings.namespace, key)
         self._snapshot = Snapshot()
         # Every entry point vLLM calls goes through this guard (the scheduler side's own ones
         # included): an error of ours becomes a miss, a skipped save or a recomputed load,
@@ -55,6 +52,19 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         self.guard = Guard()
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
+        self.vault: Vault | None = None
+        shape = cache_shape(kv_cache_config)
+        if role == KVConnectorRole.SCHEDULER:
+            for problem in preflight(vllm_config, shape, self.settings, ktc.kv_role):
+                log.warning("prefixvault: %s", problem)
+        if not can_cache(vllm_config, shape):
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("prefixvault: off for this engine (see above): every request is computed")
+            return  # inert: vLLM runs as without a connector
+        self.layout = build_layout(vllm_config, kv_cache_config, self.settings.model_id)
+        key = self.settings.namespace_key()
+        store = open_store_or_retry(self.settings.store)
+        self.vault = Vault(store, self.layout, self.settings.namespace, key)
         if role == KVConnectorRole.SCHEDULER:
             if ktc.kv_load_failure_policy != "recompute" and ktc.is_kv_consumer:
                 # A bad or missing object must cost a recompute, never a failed request.
@@ -86,16 +96,18 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        assert self.scheduler is not None
+        if self.scheduler is None:
+            return 0, False  # off for this engine
         self.guard.call("alignment", self.alignment.check, lambda: None)  # before the first chunk
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)  # never raises
 
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
-        assert self.scheduler is not None
-        self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+        if self.scheduler is not None:
+            self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
-        assert self.scheduler is not None
+        if self.scheduler is None:
+            return PrefixVaultMetadata()
         self.guard.call("alignment", self.alignment.check, lambda: None)
         return self.scheduler.build_connector_meta(scheduler_output)  # never raises
 
@@ -112,14 +124,14 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        assert self.worker is not None
-        self.worker.register_kv_caches(kv_caches)
+        if self.worker is not None:
+            self.worker.register_kv_caches(kv_caches)
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         worker = self.worker
-        assert isinstance(meta, PrefixVaultMetadata) and worker is not None
-        if meta.loads:
+        assert isinstance(meta, PrefixVaultMetadata)
+        if meta.loads and worker is not None:
             self.guard.call("start_load_kv", lambda: worker.load(meta.loads),
                             lambda: worker.fail_loads(meta.loads))
 
@@ -132,8 +144,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         worker = self.worker
-        assert isinstance(meta, PrefixVaultMetadata) and worker is not None
-        if meta.saves:
+        assert isinstance(meta, PrefixVaultMetadata)
+        if meta.saves and worker is not None:
             self.guard.call("wait_for_save", lambda: worker.save(meta.saves), lambda: None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
@@ -149,6 +161,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     # -- metrics ----------------------------------------------------------------------------------
 
     def _totals(self) -> dict[str, int]:
+        if self.vault is None:
+            return {}
         c = self.vault.counters
         totals = {
             "put_keys": c.put_keys, "put_bytes": c.put_bytes, "put_failed": c.put_failed,
@@ -156,6 +170,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             "records_published": c.records_published,
         }
         totals.update({f"rejected:{k}": v for k, v in c.rejected.items()})
+        totals.update({f"lookup_misses:{k}": v for k, v in c.misses.items()})
         totals["internal_errors"] = self.guard.total
         if self.scheduler is not None:
             s = self.scheduler.counters
@@ -182,4 +197,5 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         return PrefixVaultPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        self.vault.store.close()
+        if self.vault is not None:
+            self.vault.store.close()

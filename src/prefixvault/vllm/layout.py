@@ -8,6 +8,7 @@ tensors they are given.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 from prefixvault.identity import model_content
@@ -65,6 +66,24 @@ def group_tensors(
             return GroupKind.SLIDING_WINDOW, tensors, int(window), None
         return GroupKind.FULL_ATTENTION, tensors, None, None
     raise ValueError(f"prefixvault: unsupported KV cache spec {type(first).__name__}")
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    """What the checks need to know of an engine's cache before any layout is built."""
+
+    has_state: bool
+    block_size: int  # of the attention groups (state groups' own may differ when caching is off)
+
+
+def cache_shape(kv_cache_config: Any) -> CacheShape:
+    """Whether the engine's cache has state groups, and its attention block size, read before
+    a layout can be built (an engine may have no usable layout: see ``preflight``)."""
+    kinds = [(group_tensors(g.kv_cache_spec, len(g.layer_names))[0], g.kv_cache_spec.block_size)
+             for g in kv_cache_config.kv_cache_groups]
+    attention = [bs for kind, bs in kinds if kind is not GroupKind.STATE]
+    return CacheShape(any(kind is GroupKind.STATE for kind, _ in kinds),
+                      min(attention or [bs for _, bs in kinds]))
 
 
 def build_layout(vllm_config: Any, kv_cache_config: Any, model_id: str = "") -> CacheLayout:

@@ -20,7 +20,7 @@ from prefixvault.identity import content_digest
 from prefixvault.keys import ExtraKeys, MultimodalItem
 from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample, write_sample
-from prefixvault.vault import Vault
+from prefixvault.vault import Miss, Vault
 from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, SaveSpec
@@ -142,9 +142,14 @@ class SchedulerSide:
             self.counters.lookups += 1
             try:
                 hashes = self._hashes(st, len(st.prompt))
-                st.hit = self.vault.lookup(hashes, request.num_tokens, min_tokens=num_computed_tokens)
+                found = self.vault.lookup_explained(hashes, request.num_tokens, num_computed_tokens)
+                st.hit = found.hit
+                if found.miss is not None and log.isEnabledFor(logging.DEBUG):
+                    log.debug("prefixvault: request %s restores %d of %d block-aligned prompt tokens: %s",
+                              request.request_id, found.hit, found.longest, found.miss.value)
             except Exception as e:  # fail closed: a store problem is a miss
                 self.counters.lookup_errors += 1
+                self.vault.counters.misses[Miss.STORE_ERROR.value] += 1
                 log.warning("prefixvault: lookup failed, computing request %s: %s", request.request_id, e)
                 st.hit = 0
         if st.hit > num_computed_tokens:

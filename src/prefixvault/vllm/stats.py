@@ -29,7 +29,11 @@ COUNTERS: dict[str, str] = {
     "verify_sample_errors": "Verification samples that could not be written",
     "internal_errors": "Errors of prefixvault turned into a miss, a skipped save or a recomputed load",
 }
-LABELLED = {"refused": "Boundaries refused, by reason", "rejected": "Objects rejected on load, by reason"}
+LABELLED = {
+    "refused": "Boundaries refused, by reason",
+    "rejected": "Objects rejected on load, by reason",
+    "lookup_misses": "Lookups that restored less than the longest block-aligned prefix, by reason",
+}
 
 
 class PrefixVaultStats(KVConnectorStats):

@@ -1,0 +1,60 @@
+"""Configurations under which prefixvault cannot hit or cannot save, said once at start.
+
+The most common complaint about hybrid prefix caching is a silent 0% hit rate. Each check
+here names what is wrong and what to change, in one warning line, so that the first lines
+of an engine's log answer it. (A store that is down is said where it is opened.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
+from prefixvault.vllm.layout import CacheShape
+
+#: Block sizes at or above this many tokens make hits coarse for typical chat prompts.
+LARGE_BLOCK = 1024
+
+
+def can_cache(vllm_config: Any, shape: CacheShape) -> bool:
+    """False where the engine keeps no exact state at block boundaries: a hybrid model without
+    prefix caching or without ``mamba_cache_mode="align"`` (the connector then stays out of
+    the way and every request is computed)."""
+    cache = vllm_config.cache_config
+    return not shape.has_state or (bool(getattr(cache, "enable_prefix_caching", False))
+                                   and getattr(cache, "mamba_cache_mode", "align") == "align")
+
+
+def preflight(vllm_config: Any, shape: CacheShape, settings: ConnectorSettings, role: str) -> list[str]:
+    """One line per configuration problem, each saying what to change; empty when none."""
+    out: list[str] = []
+    cache = vllm_config.cache_config
+    max_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
+    bs = shape.block_size
+    if shape.has_state:
+        if not getattr(cache, "enable_prefix_caching", False):
+            out.append("prefix caching is off: a hybrid model can neither restore nor save exact "
+                       "states; serve with --enable-prefix-caching --mamba-cache-mode align")
+        elif getattr(cache, "mamba_cache_mode", "align") != "align":
+            out.append(f"mamba_cache_mode is {cache.mamba_cache_mode!r}: the engine keeps no state "
+                       "at block boundaries, so nothing can be saved or restored; use "
+                       "--mamba-cache-mode align")
+        if (settings.capture is CapturePolicy.INTERVAL and max_len
+                and settings.capture_interval > max_len):
+            out.append(f"capture interval:{settings.capture_interval} is longer than max_model_len "
+                       f"{max_len}: only the engine's own checkpoints are saved (about one per "
+                       "prompt); use a shorter interval or capture 'steps'")
+    if role == "kv_producer":
+        out.append("kv_role is kv_producer: this engine saves but never restores; use kv_both "
+                   "(or kv_consumer) on engines that should hit")
+    elif role == "kv_consumer":
+        out.append("kv_role is kv_consumer: this engine restores but never saves; use kv_both "
+                   "(or a kv_producer engine) to fill the store")
+    if max_len and bs >= max_len:
+        out.append(f"block size {bs} is not below max_model_len {max_len}: no prompt can leave a "
+                   "token to compute after a whole block, so nothing ever hits; use a smaller "
+                   "--block-size")
+    elif bs >= LARGE_BLOCK:
+        out.append(f"block size {bs}: only prompts longer than {bs} tokens can hit, and every hit "
+                   "is rounded down to a multiple of it; a smaller --block-size hits more often")
+    return out

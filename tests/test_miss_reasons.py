@@ -1,0 +1,90 @@
+"""Every miss says why: each reason produced on purpose on a real store, and named right."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from types import SimpleNamespace
+
+import pytest
+from test_vault import BS, fill, layout
+
+from prefixvault.stores.base import StoreUnavailable
+from prefixvault.stores.memory import MemoryStore
+from prefixvault.vault import LookupResult, Miss, Vault
+from prefixvault.vllm.config import ConnectorSettings
+from prefixvault.vllm.scheduler import SchedulerSide
+
+TOKENS = list(range(64))
+
+
+def filled() -> Vault:
+    vault = Vault(MemoryStore(), layout())
+    assert fill(vault, TOKENS, [16, 40, 56]) == [16, 40, 56]  # KV of blocks 0..6, states at 16, 40, 56
+    return vault
+
+
+def ask(vault: Vault, prompt: Sequence[int], local: int = 0) -> LookupResult:
+    return vault.lookup_explained(vault.hashes(prompt), len(prompt), local)
+
+
+def test_a_full_hit_has_no_reason() -> None:
+    vault = filled()
+    assert ask(vault, TOKENS[:41]) == LookupResult(40, 40, None)
+    assert not vault.counters.misses
+
+
+def test_each_reason_on_purpose() -> None:
+    vault = filled()
+    # the prompt is shorter than a block and a token
+    assert ask(vault, TOKENS[:BS]) == LookupResult(0, 0, Miss.SHORT_PROMPT)
+    # the engine's own cache already holds the longest prefix
+    assert ask(vault, TOKENS[:41], local=40) == LookupResult(0, 40, Miss.LOCAL_HIT)
+    # KV stored past 40, no state captured at 48: the state is what is missing
+    assert ask(vault, [*TOKENS[:48], 999]) == LookupResult(40, 48, Miss.NO_STATE)
+    # past what was ever stored: nothing published
+    assert ask(vault, [*TOKENS, *range(100, 120)]) == LookupResult(56, 80, Miss.NO_RECORD)
+    assert ask(vault, list(range(500, 540))) == LookupResult(0, 32, Miss.NO_RECORD)
+    # a prompt that shares only the first block: its KV is stored, no state at its end
+    assert ask(vault, [*TOKENS[:BS], *range(300, 340)]) == LookupResult(0, 40, Miss.NO_STATE)
+    # published at 40, but its state was evicted
+    h = vault.hashes(TOKENS)
+    state = next(r for r in vault.needed(h, 40) if r.kind.name == "STATE")
+    vault.store.delete_many([state.key])
+    assert ask(vault, TOKENS[:41]) == LookupResult(16, 40, Miss.EVICTED)
+    assert dict(vault.counters.misses) == {"short_prompt": 1, "local_hit": 1, "no_state": 2,
+                                           "no_record": 2, "evicted": 1}
+
+
+def test_another_salt_or_namespace_is_no_record() -> None:
+    from prefixvault.keys import ExtraKeys
+
+    vault = filled()
+    salted = vault.hashes(TOKENS[:41], ExtraKeys(cache_salt="other"))
+    assert vault.lookup_explained(salted, 41).miss is Miss.NO_RECORD
+    other = Vault(vault.store, layout(), "elsewhere")
+    assert ask(other, TOKENS[:41]).miss is Miss.NO_RECORD
+
+
+class DownStore(MemoryStore):
+    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+        raise StoreUnavailable("down")
+
+
+def test_a_store_error_is_a_miss_with_its_reason_logged(caplog: pytest.LogCaptureFixture) -> None:
+    vault = Vault(DownStore(), layout())
+    side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=False)
+    req = SimpleNamespace(request_id="r1", prompt_token_ids=TOKENS[:41], num_tokens=41, cache_salt=None,
+                          lora_request=None, mm_features=None)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert vault.counters.misses == {"store_error": 1}
+
+
+def test_the_scheduler_logs_each_miss_at_debug(caplog: pytest.LogCaptureFixture) -> None:
+    vault = filled()
+    side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=False)
+    req = SimpleNamespace(request_id="r2", prompt_token_ids=[*TOKENS[:48], 999], num_tokens=49,
+                          cache_salt=None, lora_request=None, mm_features=None)
+    with caplog.at_level(logging.DEBUG, logger="vllm.prefixvault"):
+        assert side.get_num_new_matched_tokens(req, 0) == (40, True)
+    assert "request r2 restores 40 of 48 block-aligned prompt tokens: no_state" in caplog.text

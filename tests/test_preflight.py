@@ -1,0 +1,45 @@
+"""Start-up warnings: every configuration that cannot hit or cannot save is named, with the fix."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from prefixvault.vllm.config import ConnectorSettings
+from prefixvault.vllm.layout import CacheShape
+from prefixvault.vllm.preflight import can_cache, preflight
+
+HYBRID = CacheShape(has_state=True, block_size=16)
+ATTENTION = CacheShape(has_state=False, block_size=16)
+
+
+def config(prefix: bool = True, mode: str = "align", max_len: int = 4096) -> SimpleNamespace:
+    return SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=prefix, mamba_cache_mode=mode),
+                           model_config=SimpleNamespace(max_model_len=max_len))
+
+
+def test_a_good_configuration_says_nothing() -> None:
+    assert preflight(config(), HYBRID, ConnectorSettings(), "kv_both") == []
+    assert preflight(config(prefix=False, mode="none"), ATTENTION, ConnectorSettings(), "kv_both") == []
+
+
+def test_each_bad_configuration_is_one_line_with_its_fix() -> None:
+    cases = [
+        (config(prefix=False), HYBRID, ConnectorSettings(), "kv_both", "--enable-prefix-caching"),
+        (config(mode="all"), HYBRID, ConnectorSettings(), "kv_both", "--mamba-cache-mode align"),
+        (config(max_len=2048), HYBRID, ConnectorSettings.from_extra({"capture": "interval:100000"}),
+         "kv_both", "use a shorter interval"),
+        (config(), HYBRID, ConnectorSettings(), "kv_producer", "never restores"),
+        (config(), HYBRID, ConnectorSettings(), "kv_consumer", "never saves"),
+        (config(max_len=8), HYBRID, ConnectorSettings(), "kv_both", "nothing ever hits"),
+        (config(max_len=100_000), CacheShape(False, 2048),
+         ConnectorSettings(), "kv_both", "smaller --block-size"),
+    ]
+    for cfg, lay, settings, role, fix in cases:
+        lines = preflight(cfg, lay, settings, role)
+        assert len(lines) == 1 and fix in lines[0] and "\n" not in lines[0], (fix, lines)
+
+
+def test_a_hybrid_without_exact_states_turns_the_connector_off() -> None:
+    assert can_cache(config(), HYBRID) and can_cache(config(prefix=False, mode="none"), ATTENTION)
+    assert not can_cache(config(prefix=False), HYBRID)
+    assert not can_cache(config(mode="none"), HYBRID)
