@@ -37,6 +37,10 @@ class EngineSpec:
     logprobs: int = 5
     sequential: bool = True  # one request at a time (True) or all at once (False)
     salts: list[str] = field(default_factory=list)  # cache_salt per prompt ("" for none)
+    ignore_eos: bool = False  # generate max_tokens whatever the model says
+    # A conversation: ``prompts`` are its messages, and turn n's prompt is turn n-1's prompt,
+    # the token ids it generated, then message n (token ids: no chat template in the way).
+    conversation: bool = False
 
 
 @dataclass
@@ -69,7 +73,11 @@ def _run(spec: EngineSpec) -> dict[str, Any]:
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     started = time.perf_counter() - t0
-    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, logprobs=spec.logprobs)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, logprobs=spec.logprobs,
+                            ignore_eos=spec.ignore_eos)
+    if spec.conversation:
+        return {"completions": conversation(llm, spec.prompts, params), "start_s": started,
+                "metrics": connector_metrics(llm)}
     salts = spec.salts or [""] * len(spec.prompts)
     inputs: list[dict[str, Any]] = [
         {"prompt_token_ids": p, **({"cache_salt": s} if s else {})}
@@ -91,6 +99,17 @@ def _run(spec: EngineSpec) -> dict[str, Any]:
         "max_num_batched_tokens": int(llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens),
         "metrics": connector_metrics(llm),
     }
+
+
+def conversation(llm: Any, messages: list[list[int]], params: Any) -> list[dict[str, Any]]:
+    """Each turn's prompt is the previous prompt, its generated ids, then the next message."""
+    outs: list[dict[str, Any]] = []
+    prompt: list[int] = []
+    for message in messages:
+        prompt = [*prompt, *(outs[-1]["token_ids"] if outs else []), *message]
+        result = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+        outs.append({**asdict(completion_of(result)), "prompt_tokens": len(prompt)})
+    return outs
 
 
 def completion_of(result: Any) -> Completion:

@@ -33,6 +33,11 @@ class ConnectorSettings:
     capture_interval: int = 0
     model_id: str = ""  # overrides the model name in the layout fingerprint
     verify_sample: float = 0.0  # fraction of restored greedy requests written as verification samples
+    # Publish boundaries over generated tokens too (a conversation's next turn restores its
+    # previous answer); capture policies thin them as they thin prompt boundaries. Off by
+    # default: a decode step's KV and states round differently from a prefill's, so restoring
+    # them is equivalent to a cold run, not bit-identical (tests/test_vllm_conversation.py).
+    capture_outputs: bool = False
     # Where the namespace's secret is (a file path, or an environment variable's name); the
     # secret itself is never part of the config, so it never reaches vLLM's logs.
     namespace_secret_file: str = ""
@@ -46,7 +51,7 @@ class ConnectorSettings:
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
         known = {"store", "namespace", "capture", "capture_interval", "model_id", "verify_sample",
-                 "namespace_secret_file", "namespace_secret_env"}
+                 "namespace_secret_file", "namespace_secret_env", "capture_outputs"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -86,9 +91,20 @@ class ConnectorSettings:
             verify_sample=verify_sample,
             namespace_secret_file=str(extra.get("namespace_secret_file") or ""),
             namespace_secret_env=str(extra.get("namespace_secret_env") or ""),
+            capture_outputs=_flag(extra.get("capture_outputs", False), "capture_outputs"),
         )
         try:
             out.namespace_key()  # a secret that cannot be read fails at start, not at the first request
         except SecretError as e:
             raise ValueError(f"prefixvault: {e}") from None
         return out
+
+
+def _flag(value: Any, name: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("1", "true", "yes", "on"):
+        return True
+    if str(value).lower() in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"prefixvault: {name} must be true or false, got {str(value)[:100]!r}")

@@ -54,8 +54,13 @@ def extra_keys(request: Any) -> ExtraKeys:
 
 @dataclass
 class _Request:
-    prompt: list[int]
+    prompt: list[int]  # what the request's lookup is for
     extra: ExtraKeys
+    # Token ids the engine has computed or will compute, prompt first, then generated tokens
+    # as vLLM appends them (read from ``source``, vLLM's own request): decode boundaries are
+    # keyed by these, so the next turn of a conversation finds them.
+    tokens: list[int] = field(default_factory=list)
+    source: Any = None
     hashes: list[bytes] = field(default_factory=list)
     hit: int | None = None  # external hit found by lookup (tokens), None before lookup
     loaded: int = 0  # tokens restored from the store
@@ -100,13 +105,24 @@ class SchedulerSide:
             prompt = getattr(request, "prompt_token_ids", None)
             if prompt is None:  # prompt embeddings: no token ids to key on
                 return None
-            st = self._reqs[request.request_id] = _Request(list(prompt), extra_keys(request))
+            st = self._reqs[request.request_id] = _Request(list(prompt), extra_keys(request), list(prompt),
+                                                           request)
         return st
+
+    def _known(self, st: _Request, upto: int) -> int:
+        """How many of the request's tokens are known, read up to ``upto`` (the prompt, then
+        the generated tokens vLLM has appended; with async scheduling the last one may not be
+        known yet when the step that computes it is planned: then it is not counted)."""
+        if len(st.tokens) < upto and st.source is not None:
+            all_ids = getattr(st.source, "all_token_ids", None)
+            if all_ids is not None and len(all_ids) > len(st.tokens):
+                st.tokens.extend(int(t) for t in all_ids[len(st.tokens) : upto])
+        return len(st.tokens)
 
     def _hashes(self, st: _Request, upto_tokens: int) -> list[bytes]:
         n = upto_tokens // self.block_size
         if len(st.hashes) < n:
-            st.hashes = self.vault.hashes(st.prompt[: n * self.block_size], st.extra, st.hashes) \
+            st.hashes = self.vault.hashes(st.tokens[: n * self.block_size], st.extra, st.hashes) \
                 if self.vault else []
         return st.hashes[:n]
 
@@ -206,6 +222,7 @@ class SchedulerSide:
             return []
         offers: dict[str, list[tuple[int, int, int]]] = state.boundary_state_offloads or {}
         starts = self._starts(out)
+        drafts = getattr(out, "scheduled_spec_decode_tokens", None) or {}
         saves = []
         for req_id, n_new in out.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
@@ -214,33 +231,42 @@ class SchedulerSide:
             start = starts[req_id]
             # One request's error skips its own saves only.
             spec = self.guard.call("build_connector_meta",
-                                   partial(self._plan_request, req_id, st, start, n_new, state, offers),
+                                   partial(self._plan_request, req_id, st, start, n_new, state, offers,
+                                           bool(drafts.get(req_id))),
                                    lambda: None)
             if spec is not None:
                 saves.append(spec)
         return saves
 
     def _plan_request(self, req_id: str, st: _Request, start: int, n_new: int, state: Any,
-                      offers: dict[str, list[tuple[int, int, int]]]) -> SaveSpec | None:
+                      offers: dict[str, list[tuple[int, int, int]]], speculative: bool = False
+                      ) -> SaveSpec | None:
         """What one request's step lets it publish, as the boundary rule decides."""
         bs = self.block_size
-        prompt_len = len(st.prompt)
-        if start >= prompt_len:
-            return None  # decoding: only prompt prefixes are published
         chunk = StepChunk(start, start + n_new)
-        end = min(chunk.end, prompt_len)
+        prompt_len = len(st.prompt)
+        # Generated tokens: boundaries over them are kept with capture_outputs, from decode
+        # steps that end on a block boundary and compute no draft tokens (a rejected draft
+        # would leave a state past what the request keeps).
+        outputs = self.settings.capture_outputs and not speculative
+        if start >= prompt_len and (not outputs or chunk.end % bs):
+            return None
+        known = self._known(st, chunk.end) if outputs and chunk.end > prompt_len else prompt_len
+        if start >= known:
+            return None  # the tokens this step computes are not known yet (async scheduling)
+        end = min(chunk.end, known)
         tables = state.get_block_ids(req_id)
         if tables is None:
             return None
         captures = [StateCapture(g, t, b, self._step) for g, b, t in offers.get(req_id, []) if t <= end]
-        at_end = step_end_captures(self.layout, chunk, prompt_len,
+        at_end = step_end_captures(self.layout, chunk, known,
                                    {g: tables[g] for g in self.state_groups}, self._step)
         if at_end and self._capture_step_end(st, end):
             captures += at_end
         candidates = {c.tokens for c in captures}
         if not self.state_groups:
             candidates = set(range((start // bs + 1) * bs, end + 1, bs))
-        candidates = {t for t in candidates if t > st.saved and t % bs == 0 and t < prompt_len + 1}
+        candidates = {t for t in candidates if t > st.saved and t % bs == 0 and t <= end}
         if not candidates:
             return None
         decision = plan_saves(self.layout, end, {g: tables[g] for g in self.attn_groups}, captures,
