@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -28,11 +29,27 @@ def test_repro_passes_for_each_profile(profile: str, tmp_path: Path) -> None:
     assert out["consumer"].get("get_failed", 0) == 0
 
 
+@pytest.mark.slow
+def test_repro_turns_reports_every_turn(tmp_path: Path) -> None:
+    """``--turns 3``: each turn's prompt is the last one, its answer and a message; every turn
+    matches cold and restores the longest boundary the producer published for it, which lies
+    past the previous turn's prompt (inside its answer)."""
+    res = _repro("--turns", "3", "--producer-repeats", "300", "--consumer-repeats", "300",
+                 "--max-tokens", "300", "--workdir", str(tmp_path), "--json")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    turns = out["turns"]
+    assert out["ok"] and len(turns) == 3 and all(t["identical"] for t in turns)
+    for prev, turn in itertools.pairwise(turns):
+        assert turn["hit"] == turn["longest"] > prev["prompt_tokens"], turns
+
+
 @pytest.mark.parametrize(
     "args,needle",
     [(["--profile", "mamba1"], "no CPU prefill kernel for Mamba1"),
      (["--profile", "rwkv"], "unknown profile"),
-     (["--tp", "0"], "positive")],
+     (["--tp", "0"], "positive"),
+     (["--turns", "0"], "--turns in 1..20")],
 )
 def test_repro_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
     res = _repro(*args)

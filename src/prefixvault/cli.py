@@ -275,6 +275,10 @@ def repro(
     max_num_batched_tokens: Annotated[int, typer.Option(help="vLLM's step size (0: the profile's)")] = 0,
     tp: Annotated[int, typer.Option("--tp", help="Tensor parallel size")] = 1,
     capture: Annotated[str, typer.Option(help="Capture policy: steps, checkpoints, interval:N")] = "steps",
+    turns: Annotated[int, typer.Option(
+        help="A conversation of N turns: each adds the previous output and a message")] = 1,
+    capture_outputs: Annotated[bool, typer.Option(
+        "--capture-outputs", help="Publish boundaries over generated tokens too (not bit-exact)")] = False,
     workdir: Annotated[
         str, typer.Option(help="Where models, logs and the store go (default: a temp dir)")
     ] = "",
@@ -285,8 +289,8 @@ def repro(
         raise _fail(f"unknown profile {profile[:100]!r}; choose one of {', '.join(PROFILE_NAMES)}")
     if not model and profile == "mamba1":
         raise _fail("vLLM has no CPU prefill kernel for Mamba1: run the mamba1 profile on a GPU machine")
-    if producer_repeats < 0 or consumer_repeats < 0 or max_tokens <= 0 or tp <= 0:
-        raise _fail("repeats must be >= 0, --max-tokens and --tp positive")
+    if producer_repeats < 0 or consumer_repeats < 0 or max_tokens <= 0 or tp <= 0 or not 1 <= turns <= 20:
+        raise _fail("repeats must be >= 0, --max-tokens and --tp positive, --turns in 1..20")
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -306,6 +310,8 @@ def repro(
         tensor_parallel_size=tp,
         capture=capture,
         workdir=workdir,
+        turns=turns,
+        capture_outputs=capture_outputs,
     )
     started = time.perf_counter()
     with out.status("prefixvault repro") as status:

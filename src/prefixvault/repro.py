@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,8 @@ class ReproConfig:
     capture: str = "steps"
     workdir: str = ""
     varied: bool = False
+    turns: int = 1  # > 1: a conversation; turn n's prompt = turn n-1's prompt + its output + a message
+    capture_outputs: bool = False
 
 
 @dataclass
@@ -72,6 +75,19 @@ class ReproResult:
     logprobs_equal: bool
     max_abs_logprob_diff: float
     problems: list[str] = field(default_factory=list)
+    turns: list[TurnResult] = field(default_factory=list)
+
+
+@dataclass
+class TurnResult:
+    """One turn of a conversation (``--turns``): what the consumer restored against the
+    longest it could have, and whether it matched cold."""
+
+    prompt_tokens: int
+    hit: int
+    longest: int  # the longest boundary the producer's previous turns published for this prompt
+    identical: bool
+    max_abs_logprob_diff: float
 
 
 def _engine_args(cfg: ReproConfig) -> tuple[str, dict[str, Any]]:
@@ -118,30 +134,36 @@ def run_repro(cfg: ReproConfig, progress: Any = None) -> ReproResult:
     producer, consumer = request_pair(cfg, model)
     store = cfg.store or f"local://{work}/store?capacity=4GiB"
     namespace = f"repro-{time.strftime('%Y%m%d%H%M%S')}-{time.monotonic_ns() % 10**6}"
-    extra = {"namespace": namespace, "capture": cfg.capture}
+    extra: dict[str, Any] = {"namespace": namespace, "capture": cfg.capture,
+                             "capture_outputs": cfg.capture_outputs}
     env = (
         {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         if cfg.tensor_parallel_size == 1
         else {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(cfg.tensor_parallel_size))}
     )
 
-    def engine_run(role: str, prompt: list[int]) -> tuple[Completion, dict[str, Any]]:
+    def engine_run(role: str, prompt: list[int], more: Sequence[list[int]] = ()
+                   ) -> tuple[Completion, dict[str, Any]]:
         spec = EngineSpec(
             model=model,
             engine=dict(engine),
-            prompts=[prompt],
+            prompts=[prompt, *more],
             role=role,
             store=store,
             extra_config=extra,
             max_tokens=cfg.max_tokens,
             logprobs=cfg.logprobs,
+            conversation=bool(more),
         )
-        say(f"{role} engine: starting (tens of seconds) and running {len(prompt)} prompt tokens")
+        what = f"{1 + len(more)} turns" if more else f"{len(prompt)} prompt tokens"
+        say(f"{role} engine: starting (tens of seconds) and running {what}")
         t = time.perf_counter()
         result = run_engine(spec, work / "engines", env=env)
         say(f"{role} engine: done in {time.perf_counter() - t:.0f}s")
         return completions(result)[0], result
 
+    if cfg.turns > 1:
+        return _conversation(cfg, model, engine, store, namespace, producer, consumer, engine_run)
     cold, _ = engine_run("cold", consumer)
     _, produced = engine_run("kv_producer", producer)
     restored, consumed = engine_run("kv_consumer", consumer)
@@ -193,6 +215,50 @@ def run_repro(cfg: ReproConfig, progress: Any = None) -> ReproResult:
     )
 
 
+def _conversation(cfg: ReproConfig, model: str, engine: dict[str, Any], store: str, namespace: str,
+                  producer: list[int], consumer: list[int], engine_run: Any) -> ReproResult:
+    """``--turns N``: the producer prompt is turn 1; each later turn adds the consumer prompt's
+    last 64 tokens as its message. Cold, producer and consumer engines each run the whole
+    conversation; each turn's restored tokens are compared with the longest boundary the
+    producer's turns published for that turn's prompt (walked in the store, as ``explain``)."""
+    from prefixvault.explain import explain
+    from prefixvault.stores import open_store
+
+    message = consumer[-64:]
+    more = [message] * (cfg.turns - 1)
+    _, cold_run = engine_run("cold", producer, more)
+    _, produced = engine_run("kv_producer", producer, more)
+    _, consumed = engine_run("kv_consumer", producer, more)
+    cold_turns, restored_turns = completions(cold_run), completions(consumed)
+    prompts = [producer]
+    for out in restored_turns[:-1]:
+        prompts.append([*prompts[-1], *out.token_ids, *message])
+    with open_store(store, existing=True, readonly=True) as s:
+        longest = [explain(s, p, namespace).restorable for p in prompts]
+    turns: list[TurnResult] = []
+    problems: list[str] = []
+    for n, (c, r, p, best) in enumerate(zip(cold_turns, restored_turns, prompts, longest, strict=True)):
+        same = identical(c, r)
+        turns.append(TurnResult(len(p), r.cached_tokens, best, same, max_logprob_diff(c, r)))
+        if not same:
+            problems.append(f"turn {n + 1} differs from cold")
+        if n and r.cached_tokens != best:
+            problems.append(f"turn {n + 1} restored {r.cached_tokens} of {best} published tokens")
+    last_c, last_r = cold_turns[-1], restored_turns[-1]
+    return ReproResult(
+        ok=not problems, model=model, store=store,
+        prompt_tokens={"producer": len(producer), "consumer": len(prompts[-1])},
+        common_prefix_tokens=len(prompts[-2]) if len(prompts) > 1 else 0,
+        block_size=int(produced.get("block_size") or 0),
+        max_num_batched_tokens=int(produced.get("max_num_batched_tokens") or 0), producer_step_ends=[],
+        longest_resumable_boundary=longest[-1], external_hit_tokens=last_r.cached_tokens,
+        producer=produced["metrics"], consumer=consumed["metrics"], cold_text=last_c.text,
+        consumer_text=last_r.text, tokens_equal=last_c.token_ids == last_r.token_ids,
+        logprobs_equal=identical(last_c, last_r), max_abs_logprob_diff=max_logprob_diff(last_c, last_r),
+        problems=problems, turns=turns,
+    )
+
+
 def render(result: ReproResult, console: Any) -> None:
     """The report's figures, in the report's terms."""
     from rich.table import Table
@@ -234,6 +300,14 @@ def render(result: ReproResult, console: Any) -> None:
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
+    if result.turns:
+        tt = Table(title="turns: what the consumer restored against the longest the producer published")
+        for col in ("turn", "prompt tokens", "restored", "longest published", "== cold", "max |Δlogprob|"):
+            tt.add_column(col)
+        for n, turn in enumerate(result.turns, 1):
+            tt.add_row(str(n), str(turn.prompt_tokens), str(turn.hit), str(turn.longest) if n > 1 else "-",
+                       str(turn.identical), f"{turn.max_abs_logprob_diff:.6g}")
+        console.print(tt)
     if result.ok:
         console.print("[green]OK[/]: the consumer matches cold exactly")
     else:

@@ -75,8 +75,11 @@ def _run(spec: EngineSpec) -> dict[str, Any]:
     started = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=spec.max_tokens, logprobs=spec.logprobs,
                             ignore_eos=spec.ignore_eos)
+    config = llm.llm_engine.vllm_config
     if spec.conversation:
         return {"completions": conversation(llm, spec.prompts, params), "start_s": started,
+                "block_size": int(config.cache_config.block_size),
+                "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
                 "metrics": connector_metrics(llm)}
     salts = spec.salts or [""] * len(spec.prompts)
     inputs: list[dict[str, Any]] = [
