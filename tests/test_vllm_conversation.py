@@ -25,11 +25,15 @@ from prefixvault.testing.compare import compare_namespaces
 pytestmark = pytest.mark.slow
 
 
+# ShortConv (LFM2) is left out on purpose: on vLLM CPU its decode-computed KV blocks differ from
+# the prefill-computed ones of the same tokens by 0.64-0.89 of their scale (not rounding), a gap
+# this test would report and docs/configuration.md records; capture_outputs is not for it yet.
+@pytest.mark.parametrize("profile", ["gdn-hybrid"])
 def test_a_consumer_restores_the_previous_answer_with_capture_outputs(
-    tmp_path_factory: pytest.TempPathFactory,
+    profile: str, tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
-    root = tmp_path_factory.mktemp("conversation")
-    seed = make_seed("gdn-hybrid", root / "models")
+    root = tmp_path_factory.mktemp(f"conversation-{profile}")
+    seed = make_seed(profile, root / "models")
     turn1 = seed.producer[:700]
     store_uri = f"local://{root}/store?capacity=1GiB"
 
@@ -51,4 +55,4 @@ def test_a_consumer_restores_the_previous_answer_with_capture_outputs(
     compared = compare_namespaces(open_store(store_uri), "decode", "prefill")
     matches = [m for m in compared if m.error is not None]
     assert {m.is_state for m in matches} == {True, False}, matches
-    assert all(m.error < 0.1 for m in matches), matches
+    assert all(m.error < 0.1 for m in matches), [(m.suffix[:12], m.error) for m in matches]
