@@ -88,3 +88,22 @@ def test_the_scheduler_logs_each_miss_at_debug(caplog: pytest.LogCaptureFixture)
     with caplog.at_level(logging.DEBUG, logger="vllm.prefixvault"):
         assert side.get_num_new_matched_tokens(req, 0) == (40, True)
     assert "request r2 restores 40 of 48 block-aligned prompt tokens: no_state" in caplog.text
+
+
+def test_an_open_breaker_is_its_own_reason_and_logs_nothing_per_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from prefixvault.stores.breaker import BreakerPolicy, BreakerStore
+
+    down = DownStore()
+    store = BreakerStore("memory://down", lambda uri: down, down, policy=BreakerPolicy(failures=1))
+    vault = Vault(store, layout())
+    side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=False)
+    with caplog.at_level(logging.WARNING, logger="vllm.prefixvault"):
+        for i in range(5):
+            req = SimpleNamespace(request_id=f"b{i}", prompt_token_ids=TOKENS[:41], num_tokens=41,
+                                  cache_salt=None, lora_request=None, mm_features=None)
+            assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert vault.counters.misses == {"store_error": 1, "breaker_open": 4}
+    # one warning for the failed lookup, one for the breaker opening; none per refused request
+    assert len(caplog.records) == 2, caplog.text

@@ -81,6 +81,7 @@ class Miss(StrEnum):
     NO_STATE = "no_state"  # KV blocks are stored past the hit, but no exact state was kept there
     EVICTED = "evicted"  # published, but objects it needs are gone from the store
     STORE_ERROR = "store_error"  # the store failed during the lookup
+    BREAKER_OPEN = "breaker_open"  # the store failed too often lately and was not called
 
 
 @dataclass(frozen=True)

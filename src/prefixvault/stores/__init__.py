@@ -131,16 +131,17 @@ def _open(uri: str, *, existing: bool, readonly: bool) -> Store:
 
 
 def open_store_or_retry(uri: str) -> Store:
-    """Open a store for a serving engine: bad configuration still fails here, but a store that
-    is down only costs hits until it is back (calls fail fast and the open is retried)."""
+    """Open a store for a serving engine, behind a circuit breaker (``breaker.py``): bad
+    configuration still fails here, but a store that is down at start, or goes down later,
+    only costs hits until it is back (calls fail fast; a probe now and then)."""
+    from prefixvault.stores.breaker import BreakerStore
+
     try:
-        return open_store(uri)
+        return BreakerStore(uri, open_store, open_store(uri))
     except StoreUnavailable as exc:
         import logging
-
-        from prefixvault.stores.retrying import RetryingStore
 
         logging.getLogger("vllm.prefixvault").error(
             "prefixvault: store %s is unavailable (%s); serving without it until it is back",
             redact(uri), exc)
-        return RetryingStore(uri, open_store, exc)
+        return BreakerStore(uri, open_store, first_error=exc)

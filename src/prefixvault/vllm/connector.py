@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from prefixvault.stores import open_store_or_retry, redact
+from prefixvault.stores.breaker import BreakerStore
 from prefixvault.vault import Vault
 from prefixvault.vllm.alignment import ChunkAlignment
 from prefixvault.vllm.config import ConnectorSettings
@@ -172,6 +173,9 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         totals.update({f"rejected:{k}": v for k, v in c.rejected.items()})
         totals.update({f"lookup_misses:{k}": v for k, v in c.misses.items()})
         totals["internal_errors"] = self.guard.total
+        if isinstance(self.vault.store, BreakerStore):
+            totals["breaker_opened"] = self.vault.store.breaker.opened
+            totals["breaker_refused"] = self.vault.store.breaker.refused
         if self.scheduler is not None:
             s = self.scheduler.counters
             totals.update(lookups=s.lookups, lookup_errors=s.lookup_errors, hit_tokens=s.hit_tokens,

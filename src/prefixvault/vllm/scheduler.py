@@ -20,6 +20,7 @@ from prefixvault.identity import content_digest
 from prefixvault.keys import ExtraKeys, MultimodalItem
 from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample, write_sample
+from prefixvault.stores.breaker import BreakerOpen
 from prefixvault.vault import Miss, Vault
 from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
 from prefixvault.vllm.guard import Guard
@@ -165,8 +166,10 @@ class SchedulerSide:
                               request.request_id, found.hit, found.longest, found.miss.value)
             except Exception as e:  # fail closed: a store problem is a miss
                 self.counters.lookup_errors += 1
-                self.vault.counters.misses[Miss.STORE_ERROR.value] += 1
-                log.warning("prefixvault: lookup failed, computing request %s: %s", request.request_id, e)
+                breaker = isinstance(e, BreakerOpen)  # said once when it opened, not per request
+                self.vault.counters.misses[(Miss.BREAKER_OPEN if breaker else Miss.STORE_ERROR).value] += 1
+                log.log(logging.DEBUG if breaker else logging.WARNING,
+                        "prefixvault: lookup failed, computing request %s: %s", request.request_id, e)
                 st.hit = 0
         if st.hit > num_computed_tokens:
             return st.hit - num_computed_tokens, True

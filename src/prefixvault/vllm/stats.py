@@ -28,6 +28,8 @@ COUNTERS: dict[str, str] = {
     "verify_samples": "Restored requests written as verification samples (verify_sample)",
     "verify_sample_errors": "Verification samples that could not be written",
     "internal_errors": "Errors of prefixvault turned into a miss, a skipped save or a recomputed load",
+    "breaker_opened": "Times the store's circuit breaker opened (the store failed repeatedly)",
+    "breaker_refused": "Store calls not made because the breaker was open (misses, skipped saves)",
 }
 LABELLED = {
     "refused": "Boundaries refused, by reason",

@@ -17,6 +17,7 @@ import numpy as np
 
 from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheLayout
+from prefixvault.stores.breaker import BreakerOpen
 from prefixvault.vault import ObjectRef, Vault
 from prefixvault.vllm.metadata import LoadSpec, SaveSpec
 
@@ -101,7 +102,9 @@ class WorkerSide:
                 self.counters.published += sum(why is None for why in results.values())
             except Exception as e:  # a store problem costs future hits, never this request
                 self.counters.save_errors += 1
-                log.warning("prefixvault: save for request %s failed: %s", spec.req_id, e)
+                # an open breaker was said once when it opened; not once per request
+                log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
+                        "prefixvault: save for request %s failed: %s", spec.req_id, e)
 
     # -- load -------------------------------------------------------------------------------------
 
@@ -111,8 +114,9 @@ class WorkerSide:
             try:
                 ok = self._load_one(spec)
             except Exception as e:
-                log.warning("prefixvault: load for request %s failed: %s", spec.req_id, e)
-                self._count_failure("store_error")
+                log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
+                        "prefixvault: load for request %s failed: %s", spec.req_id, e)
+                self._count_failure("breaker_open" if isinstance(e, BreakerOpen) else "store_error")
             self.counters.loads += 1
             if ok:
                 self.counters.loaded_tokens += spec.tokens - spec.local_tokens

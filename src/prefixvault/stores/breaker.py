@@ -1,0 +1,208 @@
+"""A circuit breaker around a serving engine's store: one failure policy for every store.
+
+A store that is down or stalled costs each call up to its timeout. Calls come from inside
+engine steps, so without a breaker a dead Redis costs every lookup, load and save a full
+timeout, step after step. The breaker counts calls that fail for want of the store
+(``StoreUnavailable``: unreachable, timed out, a Mooncake call still stuck):
+
+- **closed**: calls go through; ``failures`` of them in a row open it.
+- **open**: every call fails at once with ``BreakerOpen`` (a miss or a skipped save for the
+  caller) for ``open_s`` seconds.
+- **half-open**: then one call, the probe, goes through; success closes the breaker, failure
+  opens it again for twice as long (up to ``max_open_s``).
+
+A store that could not be opened at start is simply an open breaker whose probe opens it: the
+engine starts and serves cold, and picks the store up when it is back. Errors that are not
+about availability (a key too long, a value refused) pass through and change nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TypeVar
+
+from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable, redact
+
+log = logging.getLogger("vllm.prefixvault")
+T = TypeVar("T")
+
+
+class BreakerOpen(StoreUnavailable):
+    """The store is not called: it failed too often and its next probe is not due yet."""
+
+
+class BreakerState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"
+
+
+@dataclass(frozen=True)
+class BreakerPolicy:
+    failures: int = 3  # consecutive unavailable calls that open the breaker
+    open_s: float = 5.0  # first wait before a probe
+    max_open_s: float = 60.0  # the wait doubles after each failed probe, up to this
+
+
+class CircuitBreaker:
+    """The state machine alone (thread-safe; the clock can be given for tests)."""
+
+    def __init__(self, policy: BreakerPolicy = BreakerPolicy(), clock: Callable[[], float] = time.monotonic,
+                 name: str = "store") -> None:
+        self.policy = policy
+        self.name = name
+        self._clock = clock
+        self._lock = threading.Lock()
+        self.state = BreakerState.CLOSED
+        self._failures = 0  # consecutive, while closed
+        self._wait = policy.open_s
+        self._until = 0.0  # while open: when the next probe may go
+        self._probing = False  # half-open: the probe is in flight
+        self.last_error = ""
+        self.opened = 0  # times it opened (for metrics)
+        self.refused = 0  # calls failed fast
+
+    def trip(self, error: str) -> None:
+        """Open now, quietly: a store that could not be opened at start (its opener says so)."""
+        with self._lock:
+            self.opened += 1
+            self.state = BreakerState.OPEN
+            self.last_error = error
+            self._until = self._clock() + self._wait
+
+    def allow(self) -> bool:
+        """Whether a call may go to the store now (the probe, when half-open)."""
+        with self._lock:
+            if self.state is BreakerState.CLOSED:
+                return True
+            if self.state is BreakerState.OPEN and self._clock() >= self._until:
+                self.state = BreakerState.HALF_OPEN
+            if self.state is BreakerState.HALF_OPEN and not self._probing:
+                self._probing = True
+                return True
+            self.refused += 1
+            return False
+
+    def success(self) -> None:
+        with self._lock:
+            if self.state is not BreakerState.CLOSED:
+                log.warning("prefixvault: %s is back; calling it again", self.name)
+            self.state = BreakerState.CLOSED
+            self._failures = 0
+            self._wait = self.policy.open_s
+            self._probing = False
+
+    def neutral(self) -> None:
+        """A call that failed for a reason of its own: a probe may go again."""
+        with self._lock:
+            self._probing = False
+
+    def failure(self, error: str) -> None:
+        with self._lock:
+            self.last_error = error
+            if self.state is BreakerState.HALF_OPEN:
+                self._wait = min(self._wait * 2, self.policy.max_open_s)
+                self._open(error)
+                return
+            self._failures += 1
+            if self.state is BreakerState.CLOSED and self._failures >= self.policy.failures:
+                self._open(error)
+
+    def _open(self, error: str) -> None:
+        if self.state is BreakerState.CLOSED:  # an outage begins (a failed probe only extends it)
+            self.opened += 1
+            log.warning("prefixvault: %s unavailable (%s); not calling it for %.0f s, serving without it",
+                        self.name, error, self._wait)
+        elif self.state is BreakerState.HALF_OPEN:
+            log.warning("prefixvault: %s still unavailable (%s); next try in %.0f s", self.name, error,
+                        self._wait)
+        self.state = BreakerState.OPEN
+        self.last_error = error
+        self._until = self._clock() + self._wait
+        self._probing = False
+
+    def next_probe_in(self) -> float:
+        with self._lock:
+            return max(0.0, self._until - self._clock()) if self.state is BreakerState.OPEN else 0.0
+
+
+class BreakerStore(Store):
+    """Every call of a store through a ``CircuitBreaker``; opens the store on the first
+    probe if it could not be opened at start."""
+
+    def __init__(self, uri: str, opener: Callable[[str], Store], store: Store | None = None,
+                 first_error: StoreError | None = None, policy: BreakerPolicy = BreakerPolicy(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.uri = redact(uri)  # what it shows; ``_open_uri`` keeps the password to open with
+        self._open_uri = uri
+        self._opener = opener
+        self._store = store
+        self.breaker = CircuitBreaker(policy, clock, f"store {self.uri}")
+        if store is None:
+            self.breaker.trip(str(first_error or "not opened"))
+
+    def _call(self, fn: Callable[[Store], T]) -> T:
+        if not self.breaker.allow():
+            raise BreakerOpen(f"store {self.uri} not called (breaker open, next probe in "
+                              f"{self.breaker.next_probe_in():.1f} s): {self.breaker.last_error}")
+        try:
+            if self._store is None:
+                self._store = self._opener(self._open_uri)
+            out = fn(self._store)
+        except StoreUnavailable as exc:
+            self.breaker.failure(str(exc))
+            raise
+        except StoreError as exc:
+            if self._store is None:  # it answers, but refuses us: still nothing to call
+                self.breaker.failure(str(exc))
+                raise StoreUnavailable(f"store {self.uri} cannot be opened: {exc}") from None
+            self.breaker.success()  # it answered; the error is about the call, not the store
+            raise
+        except BaseException:
+            self.breaker.neutral()  # not about the store's availability: its state stays
+            raise
+        self.breaker.success()
+        return out
+
+    @property
+    def inner(self) -> Store | None:
+        return self._store
+
+    def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        return self._call(lambda s: s.put_many(items))
+
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        return self._call(lambda s: s.put_if_absent(key, data))
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        return self._call(lambda s: s.get_into(keys, buffers))
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        return self._call(lambda s: s.get_many(keys))
+
+    def exists_many(self, keys: Sequence[str]) -> list[bool]:
+        return self._call(lambda s: s.exists_many(keys))
+
+    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+        return self._call(lambda s: s.touch_many(keys))
+
+    def delete_many(self, keys: Sequence[str]) -> int:
+        return self._call(lambda s: s.delete_many(keys))
+
+    def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        return iter(self._call(lambda s: list(s.scan(prefix))))
+
+    def stats(self) -> StoreStats:
+        return self._call(lambda s: s.stats())
+
+    def staging_buffer(self, nbytes: int) -> memoryview | None:
+        return self._store.staging_buffer(nbytes) if self._store is not None else None
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
