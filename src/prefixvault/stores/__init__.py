@@ -124,7 +124,8 @@ def _open(uri: str, *, existing: bool, readonly: bool) -> Store:
         try:
             from prefixvault.stores.mooncake import MooncakeStore
         except ImportError as exc:
-            raise StoreError(f"mooncake:// needs Mooncake: pip install 'prefixvault[mooncake]': {exc}"
+            raise StoreError(f"mooncake:// needs Mooncake: pip install 'prefixvault[mooncake]' (GPU) or "
+                             f"'prefixvault[mooncake-cpu]': {exc}"
                              ) from None
         return MooncakeStore.from_uri(uri, params)
     raise AssertionError(f"check_uri let an unknown scheme through: {scheme}")

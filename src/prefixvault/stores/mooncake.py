@@ -372,7 +372,8 @@ class MooncakeStore(Store):
         try:
             client = _acquire(config, staging)
         except ImportError as exc:
-            raise StoreError(f"mooncake:// needs Mooncake: pip install 'prefixvault[mooncake]': {exc}"
+            raise StoreError(f"mooncake:// needs Mooncake: pip install 'prefixvault[mooncake]' (GPU) or "
+                             f"'prefixvault[mooncake-cpu]': {exc}"
                              ) from None
         prefix = str(settings.get("prefix", DEFAULT_PREFIX))
         store = cls(client, uri=uri, admin=f"{admin_host}:{admin_port}", prefix=prefix,
