@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 from test_vault import BS, fill, layout
+from vllm_support.asking import ask as ask_side
 
 from prefixvault.stores.base import StoreUnavailable
 from prefixvault.stores.memory import MemoryStore
@@ -76,7 +77,7 @@ def test_a_store_error_is_a_miss_with_its_reason_logged(caplog: pytest.LogCaptur
     side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=False)
     req = SimpleNamespace(request_id="r1", prompt_token_ids=TOKENS[:41], num_tokens=41, cache_salt=None,
                           lora_request=None, mm_features=None)
-    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert ask_side(side, req, 0) == (0, False)
     assert vault.counters.misses == {"store_error": 1}
 
 
@@ -86,7 +87,7 @@ def test_the_scheduler_logs_each_miss_at_debug(caplog: pytest.LogCaptureFixture)
     req = SimpleNamespace(request_id="r2", prompt_token_ids=[*TOKENS[:48], 999], num_tokens=49,
                           cache_salt=None, lora_request=None, mm_features=None)
     with caplog.at_level(logging.DEBUG, logger="vllm.prefixvault"):
-        assert side.get_num_new_matched_tokens(req, 0) == (40, True)
+        assert ask_side(side, req, 0) == (40, True)
     assert "request r2 restores 40 of 48 block-aligned prompt tokens: no_state" in caplog.text
 
 
@@ -103,7 +104,53 @@ def test_an_open_breaker_is_its_own_reason_and_logs_nothing_per_request(
         for i in range(5):
             req = SimpleNamespace(request_id=f"b{i}", prompt_token_ids=TOKENS[:41], num_tokens=41,
                                   cache_salt=None, lora_request=None, mm_features=None)
-            assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+            assert ask_side(side, req, 0) == (0, False)
     assert vault.counters.misses == {"store_error": 1, "breaker_open": 4}
     # one warning for the failed lookup, one for the breaker opening; none per refused request
     assert len(caplog.records) == 2, caplog.text
+
+
+class SlowStore(MemoryStore):
+    """A store whose every existence check takes ``delay`` seconds (a stalled network store)."""
+
+    def __init__(self, delay: float) -> None:
+        super().__init__()
+        self.delay = delay
+
+    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+        import time
+
+        time.sleep(self.delay)
+        return super().touch_many(keys)
+
+
+def test_a_slow_lookup_never_holds_the_scheduler_and_answers_later() -> None:
+    import time
+
+    slow = SlowStore(0.0)
+    slow_vault = Vault(slow, layout())
+    fill(slow_vault, TOKENS, [16, 40])
+    slow.delay = 0.2  # from now on, every round trip takes 0.2 s
+    side = SchedulerSide(ConnectorSettings(), slow_vault.layout, slow_vault, load=True, save=False)
+    req = SimpleNamespace(request_id="s1", prompt_token_ids=TOKENS[:41], num_tokens=41, cache_salt=None,
+                          lora_request=None, mm_features=None)
+    t0 = time.monotonic()
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)  # undetermined: asked next step
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    assert time.monotonic() - t0 < 0.1, "the scheduler waited for the store"
+    assert ask_side(side, req) == (40, True)
+
+
+def test_a_lookup_past_its_timeout_is_a_miss() -> None:
+    import time
+
+    slow_vault = Vault(SlowStore(0.5), layout())
+    side = SchedulerSide(ConnectorSettings(lookup_timeout=0.1), slow_vault.layout, slow_vault, load=True,
+                         save=False)
+    req = SimpleNamespace(request_id="s2", prompt_token_ids=TOKENS[:41], num_tokens=41, cache_salt=None,
+                          lora_request=None, mm_features=None)
+    assert side.get_num_new_matched_tokens(req, 0) == (None, False)
+    time.sleep(0.15)
+    assert side.get_num_new_matched_tokens(req, 0) == (0, False)
+    assert slow_vault.counters.misses["lookup_timeout"] == 1
+    side.close()

@@ -8,6 +8,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from vllm_support.asking import ask
+
 from prefixvault.keys import chain_hashes
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores.memory import MemoryStore
@@ -29,7 +31,7 @@ def side(capture_outputs: bool) -> tuple[SchedulerSide, Any]:
     s = SchedulerSide(ConnectorSettings(capture_outputs=capture_outputs), LAYOUT, vault, load=True, save=True)
     req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, num_tokens=6, cache_salt=None,
                           lora_request=None, mm_features=None, all_token_ids=list(PROMPT))
-    s.get_num_new_matched_tokens(req, 0)
+    ask(s, req, 0)
     return s, req
 
 

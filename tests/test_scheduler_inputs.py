@@ -13,6 +13,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from vllm_support.asking import ask
 
 from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.keys import ExtraKeys, chain_hashes
@@ -69,7 +70,7 @@ VAULT = _store_with_prefix()
 @given(req=requests(), computed=st.integers(0, 20), data=st.data())
 def test_no_request_makes_the_scheduler_side_raise(req: Any, computed: Any, data: st.DataObject) -> None:
     side = SchedulerSide(ConnectorSettings(verify_sample=1.0), LAYOUT, VAULT, load=True, save=True)
-    n, load = side.get_num_new_matched_tokens(req, computed)
+    n, load = ask(side, req, computed)
     assert isinstance(n, int) and isinstance(load, bool) and n >= 0
     blocks = SimpleNamespace(get_block_ids=lambda: ([11, 12, 13, 14], [0, 21, 0, 0]))
     side.update_state_after_alloc(req, blocks, n)
@@ -100,5 +101,5 @@ def test_a_lone_surrogate_salt_is_keyed_apart_from_every_other_salt() -> None:
     side = SchedulerSide(ConnectorSettings(), LAYOUT, VAULT, load=True, save=True)
     req = SimpleNamespace(request_id="s", prompt_token_ids=PROMPT, num_tokens=13, cache_salt="\ud800",
                           lora_request=None, mm_features=None)
-    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # another salt: a miss, no error
+    assert ask(side, req, 0) == (0, False)  # another salt: a miss, no error
     assert side.guard.total == 0

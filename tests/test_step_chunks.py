@@ -14,6 +14,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from vllm_support.asking import ask
 
 from prefixvault.boundary import (
     NULL_BLOCK_ID,
@@ -112,7 +113,7 @@ def test_every_planned_state_is_the_state_at_its_boundary(plan: list[tuple[int, 
                                      lora_request=None, cache_salt=None, mm_features=None)
             for i, (n, _) in enumerate(plan)}
     for r in reqs.values():
-        side.get_num_new_matched_tokens(r, 0)
+        ask(side, r, 0)
     pending = {f"r{i}": list(ends) for i, (_, ends) in enumerate(plan)}
     done = dict.fromkeys(pending, 0)
     tables = {r: {0: [], 1: []} for r in pending}
@@ -163,7 +164,7 @@ def test_step_end_capture_needs_a_block_aligned_end_inside_the_prompt() -> None:
 def test_chunk_ends_and_the_last_chunk_publish_their_states() -> None:
     side = _side()
     req = _request("a", 12)
-    side.get_num_new_matched_tokens(req, 0)
+    ask(side, req, 0)
     tables = {"a": {0: [11, 12], 1: [0, 21]}}
     meta = side.build_connector_meta(_output({"a": (0, 8)}, {}, tables, {"a"}))
     assert _planned(meta) == {"a": [(8, ((1, 21),))]}
@@ -178,7 +179,7 @@ def test_chunk_ends_and_the_last_chunk_publish_their_states() -> None:
 def test_resumed_after_preemption_never_publishes_a_state_holding_outputs() -> None:
     side = _side()
     req = _request("p", 10)
-    side.get_num_new_matched_tokens(req, 0)
+    ask(side, req, 0)
     # Preempted, then resumed: prompt (10) + 3 output tokens recomputed in one chunk [0, 13).
     tables = {"p": {0: [1, 2, 3, 4], 1: [0, 5, 0, 6]}}
     offers = {"p": [(1, 5, 8), (1, 6, 16)]}  # 8 inside the chunk; 16 past everything
@@ -187,7 +188,7 @@ def test_resumed_after_preemption_never_publishes_a_state_holding_outputs() -> N
     assert side.counters.refused == {Refusal.INSIDE_CHUNK.value: 1}
     # Resumed in chunks: [0, 8) ends inside the prompt (exact), [8, 13) runs past it.
     side = _side()
-    side.get_num_new_matched_tokens(req, 0)
+    ask(side, req, 0)
     meta = side.build_connector_meta(_output({"p": (0, 8)}, {}, tables, {"p"}))
     assert _planned(meta) == {"p": [(8, ((1, 5),))]}
     meta = side.build_connector_meta(_output({"p": (8, 13)}, {"p": [(1, 6, 12)]}, tables, set()))
@@ -198,7 +199,7 @@ def test_several_requests_in_one_step_and_one_finishing() -> None:
     side = _side()
     a, b = _request("a", 9), _request("b", 20)
     for r in (a, b):
-        side.get_num_new_matched_tokens(r, 0)
+        ask(side, r, 0)
     tables = {"a": {0: [1, 2], 1: [0, 3]}, "b": {0: [4, 5, 6], 1: [0, 0, 7]}}
     meta = side.build_connector_meta(_output({"a": (0, 8), "b": (0, 12)}, {}, tables, {"a", "b"}))
     assert _planned(meta) == {"a": [(8, ((1, 3),))], "b": [(12, ((1, 7),))]}
@@ -214,7 +215,7 @@ def test_several_requests_in_one_step_and_one_finishing() -> None:
 def test_decode_steps_publish_nothing() -> None:
     side = _side()
     req = _request("d", 8)
-    side.get_num_new_matched_tokens(req, 0)
+    ask(side, req, 0)
     tables = {"d": {0: [1, 2, 3], 1: [0, 4, 5]}}
     side.build_connector_meta(_output({"d": (0, 8)}, {}, tables, {"d"}))
     for t in range(8, 13):
@@ -231,11 +232,11 @@ def test_a_request_asked_again_after_a_load_saves_from_the_first_block() -> None
     d = plan_saves(LAYOUT, 8, {0: [1, 2]}, [StateCapture(1, 8, 3, 1)], step=1)
     assert vault.publish(hashes, vault.save(0, hashes, d.publishable, lambda r, b: bytes(8))) == {8: None}
     side = SchedulerSide(ConnectorSettings(), LAYOUT, vault, load=True, save=True)
-    assert side.get_num_new_matched_tokens(req, 0) == (8, True)
+    assert ask(side, req, 0) == (8, True)
     blocks = SimpleNamespace(get_block_ids=lambda: ([11, 12, 13, 14], [0, 21, 0, 0]))
     side.update_state_after_alloc(req, blocks, 8)
     store.delete_many([vault.block_ref(0, 0, hashes[0], 0).key])  # found bad at load, removed
-    assert side.get_num_new_matched_tokens(req, 0) == (0, False)  # asked again: a miss now
+    assert ask(side, req, 0) == (0, False)  # asked again: a miss now
     tables = {"l": {0: [11, 12, 13], 1: [0, 0, 22]}}
     meta = side.build_connector_meta(_output({"l": (0, 12)}, {}, tables, {"l"}))
     (spec,) = meta.saves

@@ -82,6 +82,7 @@ class Miss(StrEnum):
     EVICTED = "evicted"  # published, but objects it needs are gone from the store
     STORE_ERROR = "store_error"  # the store failed during the lookup
     BREAKER_OPEN = "breaker_open"  # the store failed too often lately and was not called
+    LOOKUP_TIMEOUT = "lookup_timeout"  # the lookup took longer than the connector's lookup_timeout
 
 
 @dataclass(frozen=True)

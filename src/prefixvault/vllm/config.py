@@ -38,6 +38,7 @@ class ConnectorSettings:
     # default: a decode step's KV and states round differently from a prefill's, so restoring
     # them is equivalent to a cold run, not bit-identical (tests/test_vllm_conversation.py).
     capture_outputs: bool = False
+    lookup_timeout: float = 1.0  # seconds a lookup may take before its request is computed without it
     # Where the namespace's secret is (a file path, or an environment variable's name); the
     # secret itself is never part of the config, so it never reaches vLLM's logs.
     namespace_secret_file: str = ""
@@ -51,7 +52,7 @@ class ConnectorSettings:
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
         known = {"store", "namespace", "capture", "capture_interval", "model_id", "verify_sample",
-                 "namespace_secret_file", "namespace_secret_env", "capture_outputs"}
+                 "namespace_secret_file", "namespace_secret_env", "capture_outputs", "lookup_timeout"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -92,6 +93,7 @@ class ConnectorSettings:
             namespace_secret_file=str(extra.get("namespace_secret_file") or ""),
             namespace_secret_env=str(extra.get("namespace_secret_env") or ""),
             capture_outputs=_flag(extra.get("capture_outputs", False), "capture_outputs"),
+            lookup_timeout=_seconds(extra.get("lookup_timeout", 1.0), "lookup_timeout"),
         )
         try:
             out.namespace_key()  # a secret that cannot be read fails at start, not at the first request
@@ -108,3 +110,14 @@ def _flag(value: Any, name: str) -> bool:
     if str(value).lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"prefixvault: {name} must be true or false, got {str(value)[:100]!r}")
+
+
+def _seconds(value: Any, name: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not 0 < seconds <= 600:
+        raise ValueError(f"prefixvault: {name} must be a number of seconds in (0, 600], "
+                         f"got {str(value)[:100]!r}")
+    return seconds

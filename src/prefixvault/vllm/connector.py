@@ -201,5 +201,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         return PrefixVaultPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.close()
         if self.vault is not None:
             self.vault.store.close()

@@ -1,7 +1,12 @@
 """Scheduler side of the connector: look up hits, and turn engine reports into save plans.
 
-Everything here runs in vLLM's engine-core process. Lookups cost two store round trips per
-request (records, then objects); a store error is a miss, never a failed request.
+Everything here runs in vLLM's engine-core process, inside the scheduler's step. Lookups
+(hashing the prompt, then two store round trips) run on a background thread: the scheduler
+waits for a new one at most ``LOOKUP_WAIT_S`` (a local store answers within it), and not at
+all for one already in flight; until it answers the request is reported undetermined
+(``None``: vLLM keeps it waiting and asks again next step)
+while every other request goes on, and a lookup that takes longer than ``lookup_timeout`` is a
+miss. A store error is a miss, never a failed request.
 """
 
 from __future__ import annotations
@@ -11,6 +16,8 @@ import os
 import random
 import socket
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -21,7 +28,7 @@ from prefixvault.keys import ExtraKeys, MultimodalItem
 from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample, write_sample
 from prefixvault.stores.breaker import BreakerOpen
-from prefixvault.vault import Miss, Vault
+from prefixvault.vault import LookupResult, Miss, Vault
 from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, SaveSpec
@@ -30,6 +37,8 @@ log = logging.getLogger("vllm.prefixvault")
 
 #: After this many loads for one request, it is computed without the store.
 MAX_LOADS_PER_REQUEST = 2
+#: How long the scheduler waits for a lookup before it lets the step go on without it.
+LOOKUP_WAIT_S = 0.005
 
 
 def lora_key(lora: Any) -> str:
@@ -68,6 +77,8 @@ class _Request:
     saved: int = 0  # highest boundary already handed to workers to save
     loads: int = 0  # loads issued; a request reset after a load looks up afresh
     last_capture: int = 0
+    lookup: Future[tuple[list[bytes], LookupResult]] | None = None  # in flight on the lookup thread
+    lookup_since: float = 0.0
 
 
 @dataclass
@@ -97,6 +108,11 @@ class SchedulerSide:
         self._pending_loads: list[LoadSpec] = []
         self._step = 0
         self.counters = SchedulerCounters()
+        # One thread: the scheduler's store calls stay in order, and never run in its step.
+        self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-lookup")
+
+    def close(self) -> None:
+        self._lookups.shutdown(wait=False, cancel_futures=True)
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -130,7 +146,7 @@ class SchedulerSide:
     # The entry points vLLM calls never raise (``Guard``): an error of ours is a miss, a skipped
     # save, or a load that fails and is recomputed.
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         return self.guard.call("get_num_new_matched_tokens",
                                lambda: self._matched(request, num_computed_tokens), lambda: (0, False))
 
@@ -142,7 +158,7 @@ class SchedulerSide:
     def request_finished(self, request: Any) -> None:
         self.guard.call("request_finished", lambda: self._finished(request), lambda: None)
 
-    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+    def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._track(request)
         if st is None or not self.load_enabled or self.vault is None:
             return 0, False
@@ -151,29 +167,63 @@ class SchedulerSide:
         if st.loads >= MAX_LOADS_PER_REQUEST:
             return 0, False  # its loads keep failing: compute it
         if st.hit is None:
-            if st.loads:
-                # Asked again after a load: it failed (a bad object was removed) or the request
-                # was preempted. Plan saves from the first block again, so what went missing
-                # is written again rather than trusted to the record it was loaded from.
-                st.saved = 0
-            self.counters.lookups += 1
-            try:
-                hashes = self._hashes(st, len(st.prompt))
-                found = self.vault.lookup_explained(hashes, request.num_tokens, num_computed_tokens)
-                st.hit = found.hit
-                if found.miss is not None and log.isEnabledFor(logging.DEBUG):
-                    log.debug("prefixvault: request %s restores %d of %d block-aligned prompt tokens: %s",
-                              request.request_id, found.hit, found.longest, found.miss.value)
-            except Exception as e:  # fail closed: a store problem is a miss
-                self.counters.lookup_errors += 1
-                breaker = isinstance(e, BreakerOpen)  # said once when it opened, not per request
-                self.vault.counters.misses[(Miss.BREAKER_OPEN if breaker else Miss.STORE_ERROR).value] += 1
-                log.log(logging.DEBUG if breaker else logging.WARNING,
-                        "prefixvault: lookup failed, computing request %s: %s", request.request_id, e)
-                st.hit = 0
+            if st.lookup is None:
+                if st.loads:
+                    # Asked again after a load: it failed (a bad object was removed) or the request
+                    # was preempted. Plan saves from the first block again, so what went missing
+                    # is written again rather than trusted to the record it was loaded from.
+                    st.saved = 0
+                self.counters.lookups += 1
+                st.lookup = self._lookups.submit(self._lookup, self.vault, list(st.prompt), st.extra,
+                                                 list(st.hashes), request.num_tokens, num_computed_tokens)
+                st.lookup_since = time.monotonic()
+                wait = LOOKUP_WAIT_S
+            else:
+                wait = 0.0  # asked again: never hold the step for a lookup already in flight
+            if not self._finish_lookup(st, request.request_id, wait):
+                return None, False  # still in flight: vLLM asks again next step
+        assert st.hit is not None
         if st.hit > num_computed_tokens:
             return st.hit - num_computed_tokens, True
         return 0, False
+
+    @staticmethod
+    def _lookup(vault: Vault, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
+                min_tokens: int) -> tuple[list[bytes], LookupResult]:
+        """On the lookup thread: hash the prompt, then look it up (it touches no request state)."""
+        hashes = vault.hashes(prompt, extra, known)
+        return hashes, vault.lookup_explained(hashes, num_tokens, min_tokens)
+
+    def _finish_lookup(self, st: _Request, req_id: str, wait: float) -> bool:
+        """Take the lookup's answer if it is in (waiting up to ``wait`` s for it); a lookup
+        past ``lookup_timeout`` is a miss. False while it is still undetermined."""
+        assert st.lookup is not None and self.vault is not None
+        try:
+            hashes, found = st.lookup.result(timeout=wait)
+        except FutureTimeout:
+            if time.monotonic() - st.lookup_since < self.settings.lookup_timeout:
+                return False
+            self.counters.lookup_errors += 1
+            self.vault.counters.misses[Miss.LOOKUP_TIMEOUT.value] += 1
+            log.debug("prefixvault: lookup for request %s took over %.1f s: computing it", req_id,
+                      self.settings.lookup_timeout)
+            st.hit, st.lookup = 0, None
+            return True
+        except Exception as e:  # fail closed: a store problem is a miss
+            self.counters.lookup_errors += 1
+            breaker = isinstance(e, BreakerOpen)  # said once when it opened, not per request
+            self.vault.counters.misses[(Miss.BREAKER_OPEN if breaker else Miss.STORE_ERROR).value] += 1
+            log.log(logging.DEBUG if breaker else logging.WARNING,
+                    "prefixvault: lookup failed, computing request %s: %s", req_id, e)
+            st.hit, st.lookup = 0, None
+            return True
+        if len(hashes) > len(st.hashes):
+            st.hashes = hashes
+        st.hit, st.lookup = found.hit, None
+        if found.miss is not None and log.isEnabledFor(logging.DEBUG):
+            log.debug("prefixvault: request %s restores %d of %d block-aligned prompt tokens: %s",
+                      req_id, found.hit, found.longest, found.miss.value)
+        return True
 
     def _after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
