@@ -494,18 +494,21 @@ class Vault:
 
     # -- load --------------------------------------------------------------------------------------
 
-    def load(self, refs: Sequence[ObjectRef], staging: np.ndarray | None = None) -> Loaded:
+    def load(self, refs: Sequence[ObjectRef], staging: np.ndarray | None = None,
+             borrow: bool = True) -> Loaded:
         """Fetch and verify objects; bad ones are counted, removed from the store and reported.
 
-        Payloads may be views of memory the store lent: use them before the next call on the
-        same store."""
+        With ``borrow``, payloads may be views of memory the store lent: use them before the
+        next call on the same store (a load beside other calls on their own thread passes
+        ``borrow=False``)."""
         headers = [self.expected_header(r) for r in refs]
         sizes = [HEADER_SIZE + h.length for h in headers]
         total = sum(sizes)
         if staging is not None and staging.nbytes >= total:
             buf = staging.data.cast("B")
         else:  # memory the store can fill directly, where it has such memory
-            buf = self.store.staging_buffer(total) or np.empty(total, dtype=np.uint8).data.cast("B")
+            lent = self.store.staging_buffer(total) if borrow else None
+            buf = lent or np.empty(total, dtype=np.uint8).data.cast("B")
         views, off = [], 0
         for s in sizes:
             views.append(buf[off : off + s])

@@ -203,5 +203,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self.scheduler is not None:
             self.scheduler.close()
+        if self.worker is not None:
+            self.worker.close()
         if self.vault is not None:
             self.vault.store.close()

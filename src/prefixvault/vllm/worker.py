@@ -1,15 +1,20 @@
 """Worker side of the connector: gather objects out of vLLM's cache tensors, scatter them back.
 
 One worker per tensor-parallel rank. Saves run in ``wait_for_save``, right after the forward
-that computed them, while the source blocks cannot yet be reused; loads run in
-``start_load_kv`` of the step in which the request waits for them (vLLM's async load), so
-they land after vLLM's own state-block copies and before the request's first chunk.
+that computed them, while the source blocks cannot yet be reused. Loads are handed, in
+``start_load_kv``, to a load thread that reads and verifies the objects and writes them into
+the request's blocks while the engine goes on with other requests; the request is reported
+finished (``get_finished``) only after its objects landed, and vLLM schedules its first chunk
+only then. Its blocks are fresh (vLLM caches them only once loaded), so nothing else reads or
+writes them meanwhile.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,9 +49,14 @@ class WorkerSide:
         self.rank = rank
         self.layer_groups = [list(g) for g in layer_groups]
         self._pages: list[list[np.ndarray]] = []  # per group, per layer: [num_blocks, page bytes] uint8
-        self._finished_loads: set[str] = set()
+        self._finished_loads: set[str] = set()  # guarded by _lock (the load thread adds to them)
         self._failed_loads: set[str] = set()
+        self._lock = threading.Lock()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-load")
         self.counters = WorkerCounters()
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Keep a flat byte view of every layer; check it against the layout."""
@@ -109,14 +119,19 @@ class WorkerSide:
     # -- load -------------------------------------------------------------------------------------
 
     def load(self, specs: Sequence[LoadSpec]) -> None:
+        """Queue the loads on the load thread; each is reported by ``take_finished`` once done."""
         for spec in specs:
-            ok = False
-            try:
-                ok = self._load_one(spec)
-            except Exception as e:
-                log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
-                        "prefixvault: load for request %s failed: %s", spec.req_id, e)
-                self._count_failure("breaker_open" if isinstance(e, BreakerOpen) else "store_error")
+            self._loader.submit(self._load_and_report, spec)
+
+    def _load_and_report(self, spec: LoadSpec) -> None:
+        ok = False
+        try:
+            ok = self._load_one(spec)
+        except Exception as e:  # any error of ours or of the store: the request recomputes
+            log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
+                    "prefixvault: load for request %s failed: %s", spec.req_id, e)
+            self._count_failure("breaker_open" if isinstance(e, BreakerOpen) else "store_error")
+        with self._lock:
             self.counters.loads += 1
             if ok:
                 self.counters.loaded_tokens += spec.tokens - spec.local_tokens
@@ -127,15 +142,18 @@ class WorkerSide:
 
     def fail_loads(self, specs: Sequence[LoadSpec]) -> None:
         """Report loads that could not run (an error of ours): vLLM recomputes them."""
-        for spec in specs:
-            self.counters.loads += 1
-            self.counters.load_failures += 1
-            self._count_failure("internal_error")
-            self._failed_loads.add(spec.req_id)
-            self._finished_loads.add(spec.req_id)
+        with self._lock:
+            for spec in specs:
+                self.counters.loads += 1
+                self.counters.load_failures += 1
+                self.counters.failure_reasons["internal_error"] = \
+                    self.counters.failure_reasons.get("internal_error", 0) + 1
+                self._failed_loads.add(spec.req_id)
+                self._finished_loads.add(spec.req_id)
 
     def _count_failure(self, reason: str) -> None:
-        self.counters.failure_reasons[reason] = self.counters.failure_reasons.get(reason, 0) + 1
+        with self._lock:
+            self.counters.failure_reasons[reason] = self.counters.failure_reasons.get(reason, 0) + 1
 
     def _load_one(self, spec: LoadSpec) -> bool:
         assert self.vault is not None
@@ -151,7 +169,7 @@ class WorkerSide:
                 self._count_failure("no_block")
                 return False
             targets.append(block_id)
-        loaded = self.vault.load(refs)
+        loaded = self.vault.load(refs, borrow=False)  # never memory the store lends the save path
         if not loaded.ok:
             for why in loaded.failed.values():
                 self._count_failure(why)
@@ -166,6 +184,7 @@ class WorkerSide:
         return True
 
     def take_finished(self) -> tuple[set[str], set[str]]:
-        done, failed = self._finished_loads, self._failed_loads
-        self._finished_loads, self._failed_loads = set(), set()
+        with self._lock:
+            done, failed = self._finished_loads, self._failed_loads
+            self._finished_loads, self._failed_loads = set(), set()
         return done, failed
