@@ -22,22 +22,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import tempfile
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 from prefixvault.serve import engine_flags, serve_command, vllm_command
 from prefixvault.testing.models import build_model, engine_kwargs
-from prefixvault.testing.servers import benchmark, prefix_repetition, server
-
-
-def _metric(url: str, name: str) -> float:
-    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
-    pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
-    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))
+from prefixvault.testing.servers import benchmark, metric, prefix_repetition, server
 
 
 def _texts(result: dict[str, Any]) -> list[str]:
@@ -66,7 +58,7 @@ def run_seed(model: Path, profile: str, seed: int, args: argparse.Namespace, wor
                 texts.append(_texts(benchmark(url, name, work / f"{tag}-{seed}-{i}.json", bench_args)))
             for m in ("vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
                       "vllm:prefixvault_refused_total"):
-                metrics[m] = _metric(url, m)
+                metrics[m] = metric(url, m)
         print(f"  seed {seed}: {tag} done", flush=True)
         return texts, metrics
 

@@ -102,3 +102,50 @@ class FaultyLink:
             for s in self._conns:
                 with contextlib.suppress(OSError):
                     s.close()
+
+
+class SlowLink:
+    """Forwards 127.0.0.1:``port`` to 127.0.0.1:``target``, holding every chunk the client sends
+    for ``delay`` seconds: each request/response round trip costs ``delay`` more, like a store
+    across a network."""
+
+    def __init__(self, target: int, delay: float) -> None:
+        self.target = target
+        self.delay = delay
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port: int = self._listener.getsockname()[1]
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self._closed:
+            try:
+                client, _ = self._listener.accept()
+                server = socket.create_connection(("127.0.0.1", self.target))
+            except OSError:
+                if self._closed:
+                    return
+                continue
+            for src, dst, delay in ((client, server, self.delay), (server, client, 0.0)):
+                threading.Thread(target=self._pump, args=(src, dst, delay), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, delay: float) -> None:
+        try:
+            while not self._closed:
+                data = src.recv(1 << 20)
+                if not data:
+                    break
+                if delay:
+                    threading.Event().wait(delay)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.close()

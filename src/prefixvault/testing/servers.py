@@ -96,3 +96,13 @@ def prefix_repetition(prefix: int, suffix: int, prefixes: int, output: int, prom
             "--prefix-repetition-output-len", str(output), "--num-prompts", str(prompts),
             "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", "0",
             "--ignore-eos", "--seed", str(seed)]
+
+
+def metric(url: str, name: str) -> float:
+    """A Prometheus counter of a server, summed over its labels (0 if absent)."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
+    return sum(float(m.group(1)) for m in re.finditer(pattern, text, re.M))

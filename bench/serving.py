@@ -1,0 +1,122 @@
+"""Serving with prefixvault against serving without it, measured by vLLM's own benchmark client.
+
+    python bench/serving.py [--profile gdn-hybrid] [--store local|redis] [--redis-delay-ms 20]
+                            [--prompts 32] [--concurrency 8] [--prefix 2048] [--suffix 512]
+
+OpenAI servers as operators start them (``prefixvault serve`` for the connector; the cold
+server is plain vLLM with its own prefix cache): a producer fills the store with the workload,
+then a cold server and a consumer server each serve the same requests, one after the other.
+Workload: vLLM's ``prefix_repetition`` dataset (shared prefixes, random suffixes), greedy,
+``--ignore-eos``, at most ``--concurrency`` requests in flight. ``--store redis`` puts a Valkey
+server behind a loopback proxy that adds ``--redis-delay-ms`` to every round trip.
+``--connector-path OTHER/src`` makes the servers import prefixvault from another checkout, to
+measure a version before a change with the same client and workload.
+
+Prints, for cold and consumer: mean and p99 TTFT, p50 and p99 ITL, output throughput,
+completed and failed requests, the consumer's external hit tokens, and whether every generated
+text equals cold's; then the ratios consumer/cold. The last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from prefixvault.serve import engine_flags, serve_command, vllm_command
+from prefixvault.testing.models import build_model, engine_kwargs
+from prefixvault.testing.servers import benchmark, metric, prefix_repetition, server
+
+FIGURES = ("mean_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
+GOALS = {"p99_itl_ms": 1.1, "mean_ttft_ms": 0.5}  # consumer/cold at most
+
+
+def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    model = build_model(args.profile, work / "models" / args.profile, seed=0)
+    engine = engine_kwargs(args.profile, model)
+    engine.pop("model")
+    engine.pop("tokenizer", None)
+    engine["max_num_batched_tokens"] = args.batched
+    flags = engine_flags(engine)  # --block-size included: the same for every server
+    load = prefix_repetition(args.prefix, args.suffix, args.prefixes, args.output, args.prompts,
+                             args.concurrency, args.seed)
+    name = str(model)
+    cleanup: list[Any] = []
+    if args.store == "redis":
+        from prefixvault.testing.netfault import SlowLink
+        from prefixvault.testing.valkey import Valkey
+
+        valkey = Valkey()
+        link = SlowLink(valkey.port, args.redis_delay_ms / 1000)
+        cleanup += [link.close, valkey.stop]
+        store = f"redis://127.0.0.1:{link.port}/0?prefix=bench:&timeout=5"
+    else:
+        store = f"local://{work}/store?capacity=4GiB"
+
+    env = {"PYTHONPATH": args.connector_path} if args.connector_path else None
+
+    def serve(tag: str, command: list[str]) -> tuple[dict[str, Any], float]:
+        with server(command, work / f"{tag}.log", env=env) as url:
+            result = benchmark(url, name, work / f"{tag}.json", load)
+            hits = metric(url, "vllm:external_prefix_cache_hits_total")
+        print(f"  {tag} done", flush=True)
+        return result, hits
+
+    try:
+        serve("producer", serve_command(name, store, "kv_producer", extra=flags))
+        cold, _ = serve("cold", [*vllm_command(name), *flags, "--enable-prefix-caching",
+                                 "--mamba-cache-mode", "align"])
+        consumer, hits = serve("consumer", serve_command(name, store, "kv_consumer", extra=flags))
+    finally:
+        for close in cleanup:
+            close()
+    out: dict[str, Any] = {"profile": args.profile, "store": args.store, "prompts": args.prompts,
+                           "concurrency": args.concurrency}
+    for tag, res in (("cold", cold), ("consumer", consumer)):
+        out[tag] = {k: round(float(res.get(k, 0.0)), 3) for k in FIGURES}
+        out[tag]["completed"] = int(res.get("completed", 0))
+        out[tag]["failed"] = int(res.get("failed", 0))
+    out["consumer"]["external_hit_tokens"] = hits
+    out["texts_equal"] = cold["generated_texts"] == consumer["generated_texts"]
+    out["ratios"] = {k: round(out["consumer"][k] / out["cold"][k], 3) if out["cold"][k] else None
+                     for k in FIGURES}
+    out["goals"] = GOALS
+    out["goals_met"] = all(out["ratios"][k] is not None and out["ratios"][k] <= v for k, v in GOALS.items()) \
+        and out["consumer"]["failed"] == 0
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--profile", default="gdn-hybrid")
+    p.add_argument("--store", choices=["local", "redis"], default="local")
+    p.add_argument("--redis-delay-ms", type=float, default=20.0)
+    p.add_argument("--batched", type=int, default=512, help="--max-num-batched-tokens")
+    p.add_argument("--prefix", type=int, default=2048)
+    p.add_argument("--suffix", type=int, default=512)
+    p.add_argument("--prefixes", type=int, default=4)
+    p.add_argument("--output", type=int, default=64)
+    p.add_argument("--prompts", type=int, default=32)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--workdir", default="", help="keep servers' logs and results here")
+    p.add_argument("--connector-path", default="",
+                   help="a checkout's src/ the servers import prefixvault from (another version)")
+    args = p.parse_args()
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="prefixvault-serving-"))
+    work.mkdir(parents=True, exist_ok=True)
+    out = run(args, work)
+    print(f"{'':10}" + "".join(f"{k:>20}" for k in FIGURES))
+    for tag in ("cold", "consumer"):
+        print(f"{tag:10}" + "".join(f"{out[tag][k]:>20.2f}" for k in FIGURES))
+    print(f"{'ratio':10}" + "".join(f"{out['ratios'][k] or 0:>20.3f}" for k in FIGURES))
+    c = out["consumer"]
+    print(f"completed {c['completed']}/{args.prompts}, failed {c['failed']}, "
+          f"external hit tokens {c['external_hit_tokens']:.0f}, texts equal {out['texts_equal']}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
