@@ -58,7 +58,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     env = {"PYTHONPATH": args.connector_path} if args.connector_path else None
 
     def serve(tag: str, command: list[str]) -> tuple[dict[str, Any], float]:
-        with server(command, work / f"{tag}.log", env=env) as url:
+        with server(command, work / f"{tag}-server.log", env=env) as url:
             result = benchmark(url, name, work / f"{tag}.json", load)
             hits = metric(url, "vllm:external_prefix_cache_hits_total")
         print(f"  {tag} done", flush=True)
