@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import pytest
 
 from prefixvault.stores import StoreError, StoreUnavailable, open_store, open_store_or_retry
-from prefixvault.stores.breaker import BreakerOpen, BreakerPolicy, BreakerState, BreakerStore
+from prefixvault.stores.breaker import BreakerOpen, BreakerPolicy, BreakerState, BreakerStore, CircuitBreaker
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.testing.mooncake import MooncakeCluster, _free_port
 from prefixvault.testing.valkey import Valkey
@@ -70,6 +70,24 @@ def test_the_breaker_opens_probes_backs_off_and_closes() -> None:
         with pytest.raises(StoreUnavailable):
             store.exists_many(["k"])
     assert store.breaker.state is BreakerState.CLOSED
+
+
+def test_only_the_probe_decides_out_of_half_open() -> None:
+    clock = Clock()
+    b = CircuitBreaker(BreakerPolicy(1, 5.0, 60.0), clock)
+    late = b.allow()  # admitted while closed, still running
+    assert late is False
+    b.failure("down", b.allow())  # another call fails: open
+    assert b.state is BreakerState.OPEN
+    clock.now = 5.0
+    probe = b.allow()
+    assert probe is True and b.state is BreakerState.HALF_OPEN
+    b.failure("late", late)  # the old call's late answers change nothing
+    b.success(late)
+    b.neutral(late)
+    assert b.state is BreakerState.HALF_OPEN and b.allow() is None  # the probe is still out
+    b.success(probe)
+    assert b.state is BreakerState.CLOSED
 
 
 def test_errors_that_are_not_about_availability_change_nothing() -> None:

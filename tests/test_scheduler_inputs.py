@@ -103,3 +103,19 @@ def test_a_lone_surrogate_salt_is_keyed_apart_from_every_other_salt() -> None:
                           lora_request=None, mm_features=None)
     assert ask(side, req, 0) == (0, False)  # another salt: a miss, no error
     assert side.guard.total == 0
+
+
+def test_a_failed_alloc_is_loaded_as_a_failure_once_then_computed() -> None:
+    """An error of ours in update_state_after_alloc queues a failing load; asked again, the
+    request is computed (no loop of lookups and failing loads)."""
+    side = SchedulerSide(ConnectorSettings(), LAYOUT, VAULT, load=True, save=True)
+    req = SimpleNamespace(request_id="f", prompt_token_ids=PROMPT, num_tokens=13, cache_salt=None,
+                          lora_request=None, mm_features=None)
+    n, load = ask(side, req, 0)
+    assert n == 8 and load
+    side.update_state_after_alloc(req, SimpleNamespace(get_block_ids=lambda: 1 / 0), n)  # raises inside
+    meta = side.build_connector_meta(SimpleNamespace(scheduled_new_reqs=[], num_scheduled_tokens={},
+                                                     scheduled_cached_reqs=SimpleNamespace(req_ids=[],
+                                                                                          num_computed_tokens=[])))
+    assert [spec.req_id for spec in meta.loads] == ["f"] and meta.loads[0].hashes == []
+    assert ask(side, req, 0) == (0, False)

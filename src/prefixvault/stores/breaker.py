@@ -75,21 +75,26 @@ class CircuitBreaker:
             self.last_error = error
             self._until = self._clock() + self._wait
 
-    def allow(self) -> bool:
-        """Whether a call may go to the store now (the probe, when half-open)."""
+    def allow(self) -> bool | None:
+        """Whether a call may go to the store now: None (no), False (yes, the breaker is
+        closed) or True (yes, as the probe). Pass the answer to ``success``/``failure``/
+        ``neutral``: out of half-open, only the probe's outcome counts (a call let through
+        while closed may finish late)."""
         with self._lock:
             if self.state is BreakerState.CLOSED:
-                return True
+                return False
             if self.state is BreakerState.OPEN and self._clock() >= self._until:
                 self.state = BreakerState.HALF_OPEN
             if self.state is BreakerState.HALF_OPEN and not self._probing:
                 self._probing = True
                 return True
             self.refused += 1
-            return False
+            return None
 
-    def success(self) -> None:
+    def success(self, probe: bool = False) -> None:
         with self._lock:
+            if self.state is not BreakerState.CLOSED and not probe:
+                return  # a late answer of a call made while closed: the probe decides
             if self.state is not BreakerState.CLOSED:
                 log.warning("prefixvault: %s is back; calling it again", self.name)
             self.state = BreakerState.CLOSED
@@ -97,14 +102,17 @@ class CircuitBreaker:
             self._wait = self.policy.open_s
             self._probing = False
 
-    def neutral(self) -> None:
-        """A call that failed for a reason of its own: a probe may go again."""
+    def neutral(self, probe: bool = False) -> None:
+        """A call that failed for a reason of its own: if it was the probe, a probe may go again."""
         with self._lock:
-            self._probing = False
+            if probe:
+                self._probing = False
 
-    def failure(self, error: str) -> None:
+    def failure(self, error: str, probe: bool = False) -> None:
         with self._lock:
             self.last_error = error
+            if self.state is not BreakerState.CLOSED and not probe:
+                return  # a late failure of a call made while closed: the outage is already known
             if self.state is BreakerState.HALF_OPEN:
                 self._wait = min(self._wait * 2, self.policy.max_open_s)
                 self._open(error)
@@ -147,7 +155,8 @@ class BreakerStore(Store):
             self.breaker.trip(str(first_error or "not opened"))
 
     def _call(self, fn: Callable[[Store], T]) -> T:
-        if not self.breaker.allow():
+        probe = self.breaker.allow()
+        if probe is None:
             raise BreakerOpen(f"store {self.uri} not called (breaker open, next probe in "
                               f"{self.breaker.next_probe_in():.1f} s): {self.breaker.last_error}")
         try:
@@ -155,18 +164,18 @@ class BreakerStore(Store):
                 self._store = self._opener(self._open_uri)
             out = fn(self._store)
         except StoreUnavailable as exc:
-            self.breaker.failure(str(exc))
+            self.breaker.failure(str(exc), probe)
             raise
         except StoreError as exc:
             if self._store is None:  # it answers, but refuses us: still nothing to call
-                self.breaker.failure(str(exc))
+                self.breaker.failure(str(exc), probe)
                 raise StoreUnavailable(f"store {self.uri} cannot be opened: {exc}") from None
-            self.breaker.success()  # it answered; the error is about the call, not the store
+            self.breaker.success(probe)  # it answered; the error is about the call, not the store
             raise
         except BaseException:
-            self.breaker.neutral()  # not about the store's availability: its state stays
+            self.breaker.neutral(probe)  # not about the store's availability: its state stays
             raise
-        self.breaker.success()
+        self.breaker.success(probe)
         return out
 
     @property

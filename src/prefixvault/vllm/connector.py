@@ -170,8 +170,9 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             "get_keys": c.get_keys, "get_bytes": c.get_bytes, "get_failed": c.get_failed,
             "records_published": c.records_published,
         }
-        totals.update({f"rejected:{k}": v for k, v in c.rejected.items()})
-        totals.update({f"lookup_misses:{k}": v for k, v in c.misses.items()})
+        # Copies first: the lookup and load threads may add a reason while these are read.
+        totals.update({f"rejected:{k}": v for k, v in dict(c.rejected).items()})
+        totals.update({f"lookup_misses:{k}": v for k, v in dict(c.misses).items()})
         totals["internal_errors"] = self.guard.total
         if isinstance(self.vault.store, BreakerStore):
             totals["breaker_opened"] = self.vault.store.breaker.opened
@@ -188,7 +189,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_kv_connector_stats(self) -> PrefixVaultStats | None:
         stats = PrefixVaultStats()
-        stats.add(self._snapshot.delta(self._totals()))
+        stats.add(self._snapshot.delta(self.guard.call("get_kv_connector_stats", self._totals, dict)))
         return None if stats.is_empty() else stats
 
     @classmethod

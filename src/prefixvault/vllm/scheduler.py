@@ -17,7 +17,7 @@ import random
 import socket
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -110,6 +110,7 @@ class SchedulerSide:
         self.counters = SchedulerCounters()
         # One thread: the scheduler's store calls stay in order, and never run in its step.
         self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-lookup")
+        self._wait_left = LOOKUP_WAIT_S  # what this step may still wait for new lookups
 
     def close(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
@@ -164,23 +165,28 @@ class SchedulerSide:
             return 0, False
         if getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
+        if st.hit is None and st.lookup is None and st.loads:
+            # Asked again after a load: it failed (a bad object was removed) or the request was
+            # preempted. Plan saves from the first block again, so what went missing is written
+            # again rather than trusted to the record it was loaded from; and until a load
+            # succeeds again, it is not a restored request.
+            st.saved = 0
+            st.loaded = 0
         if st.loads >= MAX_LOADS_PER_REQUEST:
             return 0, False  # its loads keep failing: compute it
         if st.hit is None:
             if st.lookup is None:
-                if st.loads:
-                    # Asked again after a load: it failed (a bad object was removed) or the request
-                    # was preempted. Plan saves from the first block again, so what went missing
-                    # is written again rather than trusted to the record it was loaded from.
-                    st.saved = 0
                 self.counters.lookups += 1
                 st.lookup = self._lookups.submit(self._lookup, self.vault, list(st.prompt), st.extra,
                                                  list(st.hashes), request.num_tokens, num_computed_tokens)
                 st.lookup_since = time.monotonic()
-                wait = LOOKUP_WAIT_S
+                wait = self._wait_left  # one budget per step, however many requests are new
             else:
                 wait = 0.0  # asked again: never hold the step for a lookup already in flight
-            if not self._finish_lookup(st, request.request_id, wait):
+            t0 = time.monotonic()
+            done = self._finish_lookup(st, request.request_id, wait)
+            self._wait_left = max(0.0, self._wait_left - (time.monotonic() - t0))
+            if not done:
                 return None, False  # still in flight: vLLM asks again next step
         assert st.hit is not None
         if st.hit > num_computed_tokens:
@@ -198,17 +204,18 @@ class SchedulerSide:
         """Take the lookup's answer if it is in (waiting up to ``wait`` s for it); a lookup
         past ``lookup_timeout`` is a miss. False while it is still undetermined."""
         assert st.lookup is not None and self.vault is not None
-        try:
-            hashes, found = st.lookup.result(timeout=wait)
-        except FutureTimeout:
+        if not futures_wait([st.lookup], timeout=wait).done:
             if time.monotonic() - st.lookup_since < self.settings.lookup_timeout:
                 return False
+            st.lookup.cancel()  # if it has not started, it never will
             self.counters.lookup_errors += 1
             self.vault.counters.misses[Miss.LOOKUP_TIMEOUT.value] += 1
             log.debug("prefixvault: lookup for request %s took over %.1f s: computing it", req_id,
                       self.settings.lookup_timeout)
             st.hit, st.lookup = 0, None
             return True
+        try:
+            hashes, found = st.lookup.result()
         except Exception as e:  # fail closed: a store problem is a miss
             self.counters.lookup_errors += 1
             breaker = isinstance(e, BreakerOpen)  # said once when it opened, not per request
@@ -252,10 +259,13 @@ class SchedulerSide:
         if num_external_tokens > 0:
             rid = str(getattr(request, "request_id", ""))
             self._pending_loads.append(LoadSpec(rid, [], num_external_tokens, 0, ()))
-            self._reqs.pop(rid, None)
+            st = self._reqs.get(rid)
+            if st is not None:  # asked again, it is computed: no loop of failing loads
+                st.loads, st.hit, st.loaded, st.saved = MAX_LOADS_PER_REQUEST, None, 0, 0
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixVaultMetadata:
         self._step += 1
+        self._wait_left = LOOKUP_WAIT_S  # the next step's scheduling may wait again
         meta = PrefixVaultMetadata(step=self._step, loads=self._pending_loads)
         self._pending_loads = []  # loads are handed over whatever happens below
         if self.save_enabled and self.vault is not None:
@@ -349,6 +359,8 @@ class SchedulerSide:
 
     def _finished(self, request: Any) -> None:
         st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.lookup is not None:
+            st.lookup.cancel()  # aborted or finished while its lookup waits: drop the lookup
         rate = self.settings.verify_sample
         if st is None or not st.loaded or rate <= 0 or self.vault is None or random.random() >= rate:
             return

@@ -131,14 +131,15 @@ class WorkerSide:
             log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
                     "prefixvault: load for request %s failed: %s", spec.req_id, e)
             self._count_failure("breaker_open" if isinstance(e, BreakerOpen) else "store_error")
-        with self._lock:
-            self.counters.loads += 1
-            if ok:
-                self.counters.loaded_tokens += spec.tokens - spec.local_tokens
-            else:
-                self.counters.load_failures += 1
-                self._failed_loads.add(spec.req_id)
-            self._finished_loads.add(spec.req_id)
+        finally:  # reported whatever happened: vLLM waits for every load it was promised
+            with self._lock:
+                self.counters.loads += 1
+                if ok:
+                    self.counters.loaded_tokens += spec.tokens - spec.local_tokens
+                else:
+                    self.counters.load_failures += 1
+                    self._failed_loads.add(spec.req_id)
+                self._finished_loads.add(spec.req_id)
 
     def fail_loads(self, specs: Sequence[LoadSpec]) -> None:
         """Report loads that could not run (an error of ours): vLLM recomputes them."""
