@@ -218,6 +218,21 @@ class Vault:
         which lets a store that lends registered memory put objects with no copy. KV blocks
         already in the store are not written again.
         """
+        wanted, per_plan = self.objects_of(rank, hashes, plans)
+        ok_keys = self._put_missing(wanted, read, read_into)
+        acks = []
+        for plan, keys in zip(plans, per_plan, strict=True):
+            good = all(k in ok_keys for k in keys)
+            n = plan.tokens // self.layout.block_size
+            acks.append(RankAck(rank, plan.tokens, hashes[n - 1], good,
+                                None if good else Refusal.STORE_ERROR))
+        return acks
+
+    def objects_of(
+        self, rank: int, hashes: Sequence[bytes], plans: Sequence[SavePlan]
+    ) -> tuple[list[tuple[ObjectRef, int]], list[list[str]]]:
+        """The distinct objects ``plans`` store on ``rank``, each with the engine block it is
+        read from, and each plan's object keys."""
         wanted: dict[str, tuple[ObjectRef, int]] = {}
         per_plan: list[list[str]] = []
         for plan in plans:
@@ -232,14 +247,7 @@ class Vault:
                 wanted[ref.key] = (ref, block_id)
                 keys.append(ref.key)
             per_plan.append(keys)
-        ok_keys = self._put_missing(list(wanted.values()), read, read_into)
-        acks = []
-        for plan, keys in zip(plans, per_plan, strict=True):
-            good = all(k in ok_keys for k in keys)
-            n = plan.tokens // self.layout.block_size
-            acks.append(RankAck(rank, plan.tokens, hashes[n - 1], good,
-                                None if good else Refusal.STORE_ERROR))
-        return acks
+        return list(wanted.values()), per_plan
 
     def _put_missing(
         self,

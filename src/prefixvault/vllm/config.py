@@ -39,6 +39,10 @@ class ConnectorSettings:
     # them is equivalent to a cold run, not bit-identical (tests/test_vllm_conversation.py).
     capture_outputs: bool = False
     lookup_timeout: float = 1.0  # seconds a lookup may take before its request is computed without it
+    # Host memory (MiB per worker) for saves copied out of the engine and not yet stored; a
+    # save that does not fit is dropped. 0: saves are stored inside the engine's step.
+    save_staging_mib: int = 256
+    save_drain_timeout: float = 30.0  # seconds a stopping engine waits for queued saves
     # Where the namespace's secret is (a file path, or an environment variable's name); the
     # secret itself is never part of the config, so it never reaches vLLM's logs.
     namespace_secret_file: str = ""
@@ -52,7 +56,8 @@ class ConnectorSettings:
     def from_extra(cls, extra: dict[str, Any] | None) -> ConnectorSettings:
         extra = dict(extra or {})
         known = {"store", "namespace", "capture", "capture_interval", "model_id", "verify_sample",
-                 "namespace_secret_file", "namespace_secret_env", "capture_outputs", "lookup_timeout"}
+                 "namespace_secret_file", "namespace_secret_env", "capture_outputs", "lookup_timeout",
+                 "save_staging_mib", "save_drain_timeout"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -94,6 +99,8 @@ class ConnectorSettings:
             namespace_secret_env=str(extra.get("namespace_secret_env") or ""),
             capture_outputs=_flag(extra.get("capture_outputs", False), "capture_outputs"),
             lookup_timeout=_seconds(extra.get("lookup_timeout", 1.0), "lookup_timeout"),
+            save_staging_mib=_mib(extra.get("save_staging_mib", 256), "save_staging_mib"),
+            save_drain_timeout=_seconds(extra.get("save_drain_timeout", 30.0), "save_drain_timeout"),
         )
         try:
             out.namespace_key()  # a secret that cannot be read fails at start, not at the first request
@@ -121,3 +128,14 @@ def _seconds(value: Any, name: str) -> float:
         raise ValueError(f"prefixvault: {name} must be a number of seconds in (0, 600], "
                          f"got {str(value)[:100]!r}")
     return seconds
+
+
+def _mib(value: Any, name: str) -> int:
+    try:
+        mib = int(value) if not isinstance(value, bool) and float(value) == int(value) else -1
+    except (TypeError, ValueError, OverflowError):
+        mib = -1
+    if not 0 <= mib <= 1 << 20:
+        raise ValueError(f"prefixvault: {name} must be a whole number of MiB in [0, 1048576], "
+                         f"got {str(value)[:100]!r}")
+    return mib

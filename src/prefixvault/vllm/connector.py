@@ -10,6 +10,7 @@ Enable it with::
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -19,6 +20,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.v1.outputs import KVConnectorOutput
 
 from prefixvault.stores import open_store_or_retry, redact
 from prefixvault.stores.breaker import BreakerStore
@@ -27,7 +29,7 @@ from prefixvault.vllm.alignment import ChunkAlignment
 from prefixvault.vllm.config import ConnectorSettings
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.layout import build_layout, cache_shape
-from prefixvault.vllm.metadata import PrefixVaultMetadata
+from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled
 from prefixvault.vllm.preflight import can_cache, preflight
 from prefixvault.vllm.scheduler import SchedulerSide
 from prefixvault.vllm.stats import PrefixVaultPromMetrics, PrefixVaultStats, Snapshot
@@ -84,7 +86,9 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             groups = [g.layer_names for g in kv_cache_config.kv_cache_groups]
-            self.worker = WorkerSide(self.layout, self.vault, get_tensor_model_parallel_rank(), groups)
+            self.worker = WorkerSide(self.layout, self.vault, get_tensor_model_parallel_rank(), groups,
+                                     staging_bytes=self.settings.save_staging_mib << 20,
+                                     drain_timeout=self.settings.save_drain_timeout)
 
     # -- properties vLLM asks -------------------------------------------------------------------
 
@@ -147,7 +151,20 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self.worker
         assert isinstance(meta, PrefixVaultMetadata)
         if meta.saves and worker is not None:
-            self.guard.call("wait_for_save", lambda: worker.save(meta.saves), lambda: None)
+            self.guard.call("wait_for_save", lambda: worker.save(meta.saves, meta.step), lambda: None)
+
+    def build_connector_worker_meta(self) -> SavesSettled | None:
+        worker = self.worker
+        if worker is None:
+            return None
+        settled: list[str] = self.guard.call("build_connector_worker_meta", worker.take_settled, lambda: [])
+        return SavesSettled(Counter(settled)) if settled else None
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        report = connector_output.kv_connector_worker_meta
+        scheduler = self.scheduler
+        if scheduler is not None and isinstance(report, SavesSettled):
+            self.guard.call("update_connector_output", lambda: scheduler.settle(report), lambda: None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
@@ -185,6 +202,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is not None:
             w = self.worker.counters
             totals.update(load_failures=w.load_failures, save_errors=w.save_errors)
+            totals.update({f"save_dropped:{k}": v for k, v in dict(w.save_dropped).items()})
         return totals
 
     def get_kv_connector_stats(self) -> PrefixVaultStats | None:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from prefixvault.boundary import SavePlan
 
@@ -35,3 +36,21 @@ class PrefixVaultMetadata(KVConnectorMetadata):
     step: int = 0
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+
+
+def save_id(step: int, req_id: str) -> str:
+    """Names one request's save of one step, the same on the scheduler and every rank."""
+    return f"{step}:{req_id}"
+
+
+@dataclass
+class SavesSettled(KVConnectorWorkerMetadata):
+    """What the workers tell the scheduler after a step: saves stored or dropped, by
+    ``save_id``, with how many ranks settled each (vLLM sums the ranks' reports)."""
+
+    ranks: Counter[str] = field(default_factory=Counter)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> SavesSettled:
+        if isinstance(other, SavesSettled):
+            self.ranks.update(other.ranks)
+        return self

@@ -7,6 +7,11 @@ all for one already in flight; until it answers the request is reported undeterm
 (``None``: vLLM keeps it waiting and asks again next step)
 while every other request goes on, and a lookup that takes longer than ``lookup_timeout`` is a
 miss. A store error is a miss, never a failed request.
+
+Saves are stored by the workers after the step that planned them. A request whose prompt
+continues a prefix with a save still in flight (the previous turn of a conversation, a system
+prompt another request is storing) is held, up to ``lookup_timeout``, until the workers report
+that save settled, and looked up then: what the store is about to hold is not computed again.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import random
 import socket
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -31,7 +37,7 @@ from prefixvault.stores.breaker import BreakerOpen
 from prefixvault.vault import LookupResult, Miss, Vault
 from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
 from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, SaveSpec
+from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, SaveSpec, SavesSettled, save_id
 
 log = logging.getLogger("vllm.prefixvault")
 
@@ -39,6 +45,8 @@ log = logging.getLogger("vllm.prefixvault")
 MAX_LOADS_PER_REQUEST = 2
 #: How long the scheduler waits for a lookup before it lets the step go on without it.
 LOOKUP_WAIT_S = 0.005
+#: A save no worker reported settled (a report lost) stops holding lookups after this long.
+SAVE_FORGET_S = 60.0
 
 
 def lora_key(lora: Any) -> str:
@@ -77,8 +85,9 @@ class _Request:
     saved: int = 0  # highest boundary already handed to workers to save
     loads: int = 0  # loads issued; a request reset after a load looks up afresh
     last_capture: int = 0
-    lookup: Future[tuple[list[bytes], LookupResult]] | None = None  # in flight on the lookup thread
+    lookup: Future[tuple[list[bytes], LookupResult | None]] | None = None  # on the lookup thread
     lookup_since: float = 0.0
+    held: bool = False  # its lookup found a save of its prefix in flight; it waits for it once
 
 
 @dataclass
@@ -111,6 +120,11 @@ class SchedulerSide:
         # One thread: the scheduler's store calls stay in order, and never run in its step.
         self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-lookup")
         self._wait_left = LOOKUP_WAIT_S  # what this step may still wait for new lookups
+        # Saves planned and not yet reported settled by every rank: save_id -> (boundary
+        # hashes, ranks still to report, when planned); and how many of them name each hash.
+        # Written on the scheduler's thread only; the lookup thread only asks ``in``.
+        self._saving: dict[str, tuple[list[bytes], int, float]] = {}
+        self._saving_hashes: Counter[bytes] = Counter()
 
     def close(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
@@ -176,9 +190,16 @@ class SchedulerSide:
             return 0, False  # its loads keep failing: compute it
         if st.hit is None:
             if st.lookup is None:
-                self.counters.lookups += 1
+                hold = not st.held
+                if st.held:  # held for a save of its prefix: until it settles, or for lookup_timeout
+                    if (self._saving_any(st.hashes)
+                            and time.monotonic() - st.lookup_since < self.settings.lookup_timeout):
+                        return None, False
+                else:
+                    self.counters.lookups += 1
                 st.lookup = self._lookups.submit(self._lookup, self.vault, list(st.prompt), st.extra,
-                                                 list(st.hashes), request.num_tokens, num_computed_tokens)
+                                                 list(st.hashes), request.num_tokens, num_computed_tokens,
+                                                 self._saving_hashes if hold else None)
                 st.lookup_since = time.monotonic()
                 wait = self._wait_left  # one budget per step, however many requests are new
             else:
@@ -195,10 +216,36 @@ class SchedulerSide:
 
     @staticmethod
     def _lookup(vault: Vault, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
-                min_tokens: int) -> tuple[list[bytes], LookupResult]:
-        """On the lookup thread: hash the prompt, then look it up (it touches no request state)."""
+                min_tokens: int, saving: Counter[bytes] | None) -> tuple[list[bytes], LookupResult | None]:
+        """On the lookup thread: hash the prompt, then look it up (it touches no request state);
+        None instead of an answer if ``saving`` names a boundary of it (a save in flight)."""
         hashes = vault.hashes(prompt, extra, known)
+        if saving and any(h in saving for h in hashes):
+            return hashes, None
         return hashes, vault.lookup_explained(hashes, num_tokens, min_tokens)
+
+    def _saving_any(self, hashes: list[bytes]) -> bool:
+        saving = self._saving_hashes
+        return bool(saving) and any(h in saving for h in hashes)
+
+    def settle(self, report: SavesSettled) -> None:
+        """Workers' reports of saves stored or dropped: lookups they held may go on."""
+        for sid, ranks in report.ranks.items():
+            entry = self._saving.get(sid)
+            if entry is None:
+                continue
+            hashes, left, since = entry
+            if left > ranks:
+                self._saving[sid] = (hashes, left - ranks, since)
+            else:
+                self._forget_save(sid)
+
+    def _forget_save(self, sid: str) -> None:
+        hashes, _, _ = self._saving.pop(sid)
+        self._saving_hashes.subtract(hashes)
+        for h in hashes:
+            if self._saving_hashes[h] <= 0:
+                del self._saving_hashes[h]
 
     def _finish_lookup(self, st: _Request, req_id: str, wait: float) -> bool:
         """Take the lookup's answer if it is in (waiting up to ``wait`` s for it); a lookup
@@ -226,6 +273,10 @@ class SchedulerSide:
             return True
         if len(hashes) > len(st.hashes):
             st.hashes = hashes
+        if found is None:  # a save of its prefix is in flight: ask again once it settled
+            st.lookup, st.held = None, True
+            log.debug("prefixvault: request %s waits for a save of its prefix in flight", req_id)
+            return False
         st.hit, st.lookup = found.hit, None
         if found.miss is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("prefixvault: request %s restores %d of %d block-aligned prompt tokens: %s",
@@ -267,6 +318,9 @@ class SchedulerSide:
         self._step += 1
         self._wait_left = LOOKUP_WAIT_S  # the next step's scheduling may wait again
         meta = PrefixVaultMetadata(step=self._step, loads=self._pending_loads)
+        now = time.monotonic()
+        for sid in [sid for sid, (_, _, since) in self._saving.items() if now - since > SAVE_FORGET_S]:
+            self._forget_save(sid)
         self._pending_loads = []  # loads are handed over whatever happens below
         if self.save_enabled and self.vault is not None:
             meta.saves = self.guard.call("build_connector_meta", lambda: self._plan_saves(scheduler_output),
@@ -342,6 +396,9 @@ class SchedulerSide:
         self.counters.plans += len(decision.publishable)
         spec = SaveSpec(req_id, self._hashes(st, top), list(decision.publishable), st.saved)
         st.saved = max(st.saved, top)
+        boundaries = [spec.hashes[p.tokens // bs - 1] for p in spec.plans]
+        self._saving[save_id(self._step, req_id)] = (boundaries, self.layout.world_size, time.monotonic())
+        self._saving_hashes.update(boundaries)
         return spec
 
     def _capture_step_end(self, st: _Request, end: int) -> bool:

@@ -35,6 +35,7 @@ LABELLED = {
     "refused": "Boundaries refused, by reason",
     "rejected": "Objects rejected on load, by reason",
     "lookup_misses": "Lookups that restored less than the longest block-aligned prefix, by reason",
+    "save_dropped": "Saves not stored, by reason (staging_full, too_large): raise save_staging_mib",
 }
 
 

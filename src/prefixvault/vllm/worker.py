@@ -1,12 +1,16 @@
 """Worker side of the connector: gather objects out of vLLM's cache tensors, scatter them back.
 
-One worker per tensor-parallel rank. Saves run in ``wait_for_save``, right after the forward
-that computed them, while the source blocks cannot yet be reused. Loads are handed, in
-``start_load_kv``, to a load thread that reads and verifies the objects and writes them into
-the request's blocks while the engine goes on with other requests; the request is reported
-finished (``get_finished``) only after its objects landed, and vLLM schedules its first chunk
-only then. Its blocks are fresh (vLLM caches them only once loaded), so nothing else reads or
-writes them meanwhile.
+One worker per tensor-parallel rank. Saves are copied, in ``wait_for_save`` right after the
+forward that computed them, out of the engine's blocks into staging memory (a block may be
+reused by the next step); a save thread then stores the objects and publishes the records, in
+the order the saves were made, while the engine goes on. Staging is a fixed budget: a save that
+does not fit is dropped and counted, never waited for. Each save, stored or dropped, is reported
+back to the scheduler (``take_settled``), which holds lookups of a prefix whose save is in flight.
+Loads are handed, in ``start_load_kv``, to a load thread that reads and verifies the objects and
+writes them into the request's blocks while the engine goes on with other requests; the request
+is reported finished (``get_finished``) only after its objects landed, and vLLM schedules its
+first chunk only then. Its blocks are fresh (vLLM caches them only once loaded), so nothing else
+reads or writes them meanwhile.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import numpy as np
 
 from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheLayout
+from prefixvault.staging import Reservation, StagingRing
 from prefixvault.stores.breaker import BreakerOpen
 from prefixvault.vault import ObjectRef, Vault
-from prefixvault.vllm.metadata import LoadSpec, SaveSpec
+from prefixvault.vllm.metadata import LoadSpec, SaveSpec, save_id
 
 log = logging.getLogger("vllm.prefixvault")
 
@@ -38,11 +43,13 @@ class WorkerCounters:
     load_failures: int = 0
     loaded_tokens: int = 0
     failure_reasons: dict[str, int] = field(default_factory=dict)
+    save_dropped: dict[str, int] = field(default_factory=dict)  # saves not stored, by reason
 
 
 class WorkerSide:
     def __init__(
-        self, layout: CacheLayout, vault: Vault | None, rank: int, layer_groups: Sequence[Sequence[str]]
+        self, layout: CacheLayout, vault: Vault | None, rank: int, layer_groups: Sequence[Sequence[str]],
+        staging_bytes: int = 0, drain_timeout: float = 30.0,
     ) -> None:
         self.layout = layout
         self.vault = vault
@@ -51,11 +58,27 @@ class WorkerSide:
         self._pages: list[list[np.ndarray]] = []  # per group, per layer: [num_blocks, page bytes] uint8
         self._finished_loads: set[str] = set()  # guarded by _lock (the load thread adds to them)
         self._failed_loads: set[str] = set()
+        self._settled: list[str] = []  # saves stored or dropped since the last report; under _lock
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-load")
+        # No staging budget: saves are stored in the step, as they are copied.
+        self._staging = StagingRing(staging_bytes) if staging_bytes > 0 and vault is not None else None
+        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-save")
+        self._in_flight = 0  # saves queued on the save thread; under _idle's lock
+        self._idle = threading.Condition(self._lock)
+        self._drain_timeout = drain_timeout
         self.counters = WorkerCounters()
 
     def close(self) -> None:
+        """Store the saves still queued (up to ``drain_timeout``), then stop the threads."""
+        with self._idle:
+            if self._in_flight:
+                log.info("prefixvault: storing %d queued saves before shutting down", self._in_flight)
+            drained = self._idle.wait_for(lambda: self._in_flight == 0, timeout=self._drain_timeout)
+            if not drained:
+                log.warning("prefixvault: %d saves not stored at shutdown (save_drain_timeout %.0f s)",
+                            self._in_flight, self._drain_timeout)
+        self._saver.shutdown(wait=drained, cancel_futures=True)
         self._loader.shutdown(wait=True, cancel_futures=True)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -100,21 +123,88 @@ class WorkerSide:
             out[off : off + n] = v[block_id]
             off += n
 
-    def save(self, specs: Sequence[SaveSpec]) -> None:
+    def save(self, specs: Sequence[SaveSpec], step: int = 0) -> None:
+        """Copy this step's saves out of the engine's blocks; store them on the save thread
+        (or here, without a staging budget)."""
         if self.vault is None:
             return
         for spec in specs:
-            try:
-                acks = self.vault.save(self.rank, spec.hashes, spec.plans, self._gather, self._gather_into)
-                self.counters.save_errors += sum(not a.ok for a in acks)
-                self.counters.saved_boundaries += sum(a.ok for a in acks)
-                results = self.vault.publish(spec.hashes, acks, parent=spec.parent)
-                self.counters.published += sum(why is None for why in results.values())
-            except Exception as e:  # a store problem costs future hits, never this request
-                self.counters.save_errors += 1
-                # an open breaker was said once when it opened; not once per request
-                log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
-                        "prefixvault: save for request %s failed: %s", spec.req_id, e)
+            sid = save_id(step, spec.req_id)
+            if self._staging is None:
+                self._store(spec, self._gather, self._gather_into)
+                self._settle(sid)
+                continue
+            staged = self._stage(spec)
+            if staged is None:
+                self._settle(sid)
+                continue
+            with self._idle:
+                self._in_flight += 1
+            self._saver.submit(self._store_staged, sid, spec, *staged)
+
+    def _stage(self, spec: SaveSpec) -> tuple[Reservation, dict[str, memoryview]] | None:
+        """The spec's objects copied into one staging reservation; None if dropped."""
+        assert self.vault is not None and self._staging is not None
+        objects, _ = self.vault.objects_of(self.rank, spec.hashes, spec.plans)
+        sizes = [self.layout.groups[ref.group].nbytes(self.rank) for ref, _ in objects]
+        total = sum(sizes)
+        r = self._staging.reserve(total)
+        if r is None:
+            reason = "too_large" if total > self._staging.capacity else "staging_full"
+            if reason == "too_large" and not self.counters.save_dropped.get(reason):
+                log.warning("prefixvault: a save of %d bytes does not fit save_staging_mib (%d bytes): "
+                            "raise it, or such saves are never stored", total, self._staging.capacity)
+            self._count(self.counters.save_dropped, reason)
+            return None
+        payloads: dict[str, memoryview] = {}
+        off = 0
+        try:
+            for (ref, block_id), n in zip(objects, sizes, strict=True):
+                view = r.view[off : off + n]
+                self._gather_into(ref, block_id, view)
+                payloads[ref.key] = view
+                off += n
+        except BaseException:
+            self._staging.release(r)
+            raise
+        return r, payloads
+
+    def _store_staged(self, sid: str, spec: SaveSpec, r: Reservation,
+                      payloads: dict[str, memoryview]) -> None:
+        """On the save thread: store one staged save, then give its staging back."""
+        try:
+            self._store(spec, lambda ref, _block: payloads[ref.key], None)
+        finally:
+            assert self._staging is not None
+            self._staging.release(r)
+            self._settle(sid)
+            with self._idle:
+                self._in_flight -= 1
+                self._idle.notify_all()
+
+    def _store(self, spec: SaveSpec, read: Any, read_into: Any) -> None:
+        assert self.vault is not None
+        try:
+            acks = self.vault.save(self.rank, spec.hashes, spec.plans, read, read_into)
+            self.counters.save_errors += sum(not a.ok for a in acks)
+            self.counters.saved_boundaries += sum(a.ok for a in acks)
+            results = self.vault.publish(spec.hashes, acks, parent=spec.parent)
+            self.counters.published += sum(why is None for why in results.values())
+        except Exception as e:  # a store problem costs future hits, never this request
+            self.counters.save_errors += 1
+            # an open breaker was said once when it opened; not once per request
+            log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
+                    "prefixvault: save for request %s failed: %s", spec.req_id, e)
+
+    def _settle(self, sid: str) -> None:
+        with self._lock:
+            self._settled.append(sid)
+
+    def take_settled(self) -> list[str]:
+        """Saves stored or dropped since the last call (``save_id``s)."""
+        with self._lock:
+            out, self._settled = self._settled, []
+        return out
 
     # -- load -------------------------------------------------------------------------------------
 
@@ -153,8 +243,11 @@ class WorkerSide:
                 self._finished_loads.add(spec.req_id)
 
     def _count_failure(self, reason: str) -> None:
+        self._count(self.counters.failure_reasons, reason)
+
+    def _count(self, counts: dict[str, int], reason: str) -> None:
         with self._lock:
-            self.counters.failure_reasons[reason] = self.counters.failure_reasons.get(reason, 0) + 1
+            counts[reason] = counts.get(reason, 0) + 1
 
     def _load_one(self, spec: LoadSpec) -> bool:
         assert self.vault is not None

@@ -1,0 +1,234 @@
+"""Saves leave the step: ``wait_for_save`` only copies the objects into staging, a save thread
+stores them and publishes the records, a save that does not fit staging is dropped and counted,
+and a stopping worker stores what is queued. Real vault, store and CPU tensors; no engine."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from test_vault import BS, layout
+from vllm_support.asking import ask as ask_side
+
+from prefixvault.boundary import StateCapture, plan_saves
+from prefixvault.stores.base import Buffer
+from prefixvault.stores.memory import MemoryStore
+from prefixvault.vault import Vault
+from prefixvault.vllm.config import ConnectorSettings
+from prefixvault.vllm.metadata import LoadSpec, SaveSpec, SavesSettled, save_id
+from prefixvault.vllm.scheduler import SchedulerSide
+from prefixvault.vllm.worker import WorkerSide
+
+TOKENS = list(range(3 * BS))  # three blocks
+STATE_BLOCK = 7
+
+
+class GatedStore(MemoryStore):
+    """Puts wait until ``gate`` is set: a store that is slow, on demand."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        self.gate.wait(10)
+        return super().put_many(items)
+
+
+def engine(vault: Vault, staging: int, drain: float = 30.0) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    caches = {"a": torch.zeros(16, 2, BS, 4), "w": torch.zeros(16, 2, BS, 4), "s": torch.zeros(16, 4, 4)}
+    for name, t in caches.items():  # every block holds its own id (+ a per-layer offset)
+        for b in range(16):
+            t[b] = b + {"a": 0.25, "w": 0.5, "s": 0.75}[name]
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], staging_bytes=staging,
+                        drain_timeout=drain)
+    worker.register_kv_caches(caches)
+    return worker, caches
+
+
+def spec(vault: Vault, req: str = "r", tokens: list[int] = TOKENS) -> SaveSpec:
+    hashes = vault.hashes(tokens)
+    n = len(tokens) // BS
+    tables = {0: list(range(1, n + 1)), 1: list(range(10, 10 + n))}
+    d = plan_saves(vault.layout, len(tokens), tables, [StateCapture(2, len(tokens), STATE_BLOCK, 1)], step=1)
+    return SaveSpec(req, hashes, list(d.publishable))
+
+
+def settle(worker: WorkerSide, want: set[str], timeout: float = 5.0) -> set[str]:
+    got: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while not want <= got and time.monotonic() < deadline:
+        got.update(worker.take_settled())
+        time.sleep(0.005)
+    return got
+
+
+def restored(vault: Vault, worker: WorkerSide, caches: dict[str, torch.Tensor]) -> None:
+    """Load the saved boundary into fresh blocks 11..13 (state 14) and check the bytes are
+    the ones the engine held when the save was made."""
+    for t in caches.values():
+        t[11:15] = -1
+    hashes = vault.hashes(TOKENS)
+    worker.load([LoadSpec("back", hashes, 3 * BS, 0, ([11, 12, 13], [0, 12, 13], [0, 0, 14]))])
+    assert settle_loads(worker) == ({"back"}, set()), worker.counters.failure_reasons
+    assert np.all(caches["a"][11:14].numpy() == np.array([1.25, 2.25, 3.25])[:, None, None, None])
+    assert np.all(caches["w"][13].numpy() == 12.5)  # a one-block window needs the last block only
+    assert np.all(caches["s"][14].numpy() == STATE_BLOCK + 0.75)
+
+
+def settle_loads(worker: WorkerSide) -> tuple[set[str], set[str]]:
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        done, failed = worker.take_finished()
+        if done:
+            return done, failed
+        time.sleep(0.005)
+    return set(), set()
+
+
+def test_a_save_returns_before_the_store_and_keeps_the_bytes_of_its_step() -> None:
+    store = GatedStore()
+    vault = Vault(store, layout())
+    worker, caches = engine(vault, staging=1 << 20)
+    store.gate.clear()  # the store does not answer yet
+    t0 = time.monotonic()
+    worker.save([spec(vault)], step=3)
+    assert time.monotonic() - t0 < 0.5, "wait_for_save waited for the store"
+    assert worker.take_settled() == []  # not stored yet
+    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 0
+    for t in caches.values():  # the next step reuses the blocks
+        t[:] = 99
+    store.gate.set()
+    assert settle(worker, {save_id(3, "r")}) == {save_id(3, "r")}
+    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS
+    assert worker.counters.published == 1
+    restored(vault, worker, caches)
+    worker.close()
+
+
+def test_without_staging_a_save_is_stored_in_the_step() -> None:
+    vault = Vault(MemoryStore(), layout())
+    worker, _ = engine(vault, staging=0)
+    worker.save([spec(vault)], step=1)
+    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS  # before save() returned
+    assert worker.take_settled() == [save_id(1, "r")]
+    worker.close()
+
+
+def test_a_save_that_does_not_fit_is_dropped_counted_and_settled() -> None:
+    store = GatedStore()
+    vault = Vault(store, layout())
+    first = spec(vault)
+    objects, _ = vault.objects_of(0, first.hashes, first.plans)
+    one = sum(vault.layout.groups[ref.group].nbytes(0) for ref, _ in objects)
+    worker, _ = engine(vault, staging=one + one // 2)  # room for one save in flight
+    store.gate.clear()
+    worker.save([spec(vault, "a")], step=1)
+    worker.save([spec(vault, "b", [*TOKENS[: 2 * BS], *range(500, 500 + BS)])], step=1)  # staging is full
+    assert worker.counters.save_dropped == {"staging_full": 1}
+    assert worker.take_settled() == [save_id(1, "b")]  # dropped: settled at once
+    store.gate.set()
+    assert settle(worker, {save_id(1, "a")}) == {save_id(1, "a")}
+    worker.save([spec(vault, "c", [*TOKENS[: 2 * BS], *range(600, 600 + BS)])], step=2)  # room again
+    assert settle(worker, {save_id(2, "c")}) == {save_id(2, "c")}
+    assert worker.counters.published == 2
+    worker.close()
+    other = Vault(MemoryStore(), layout())
+    small, _ = engine(other, staging=one // 2)
+    small.save([spec(other)], step=1)
+    assert small.counters.save_dropped == {"too_large": 1}
+    small.close()
+
+
+def test_a_stopping_worker_stores_its_queued_saves() -> None:
+    store = GatedStore()
+    vault = Vault(store, layout())
+    worker, _ = engine(vault, staging=1 << 20)
+    store.gate.clear()
+    prompts = [[*TOKENS[: 2 * BS], *range(1000 + BS * i, 1000 + BS * (i + 1))] for i in range(5)]
+    for i, prompt in enumerate(prompts):
+        worker.save([spec(vault, f"r{i}", prompt)], step=i)
+    threading.Timer(0.2, store.gate.set).start()
+    worker.close()  # waits for the five
+    assert worker.counters.published == 5
+    for prompt in prompts:
+        assert vault.lookup(vault.hashes(prompt), 3 * BS + 1) == 3 * BS
+
+
+def test_a_stopping_worker_waits_no_longer_than_its_drain_timeout(caplog: pytest.LogCaptureFixture) -> None:
+    store = GatedStore()
+    vault = Vault(store, layout())
+    worker, _ = engine(vault, staging=1 << 20, drain=0.3)
+    store.gate.clear()
+    worker.save([spec(vault)], step=1)
+    worker.save([spec(vault, "r2", [*TOKENS[: 2 * BS], *range(500, 500 + BS)])], step=1)
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="vllm.prefixvault"):
+        worker.close()
+    assert time.monotonic() - t0 < 2
+    assert "saves not stored at shutdown" in caplog.text
+    store.gate.set()
+
+
+def _request(rid: str, prompt: list[int]) -> SimpleNamespace:
+    return SimpleNamespace(request_id=rid, prompt_token_ids=prompt, num_tokens=len(prompt), cache_salt=None,
+                           lora_request=None, mm_features=None)
+
+
+def _first_step(side: SchedulerSide, rid: str, prompt: list[int]) -> Any:
+    """The scheduler output of a step that prefills ``prompt`` up to its last full block (the
+    step ends there, as chunk alignment makes it), with the state kept in ``STATE_BLOCK``."""
+    n = len(prompt) // BS
+    states = [0] * (n + 1)
+    states[n - 1] = STATE_BLOCK
+    return SimpleNamespace(
+        scheduled_new_reqs=[SimpleNamespace(req_id=rid, num_computed_tokens=0)],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=[], num_computed_tokens=[]),
+        num_scheduled_tokens={rid: n * BS},
+        kv_connector_block_state=SimpleNamespace(
+            boundary_state_offloads={},
+            get_block_ids=lambda r: (list(range(1, n + 2)), list(range(10, n + 11)), states)),
+    )
+
+
+@pytest.mark.parametrize("settled", [True, False])
+def test_a_lookup_waits_for_a_save_of_its_prefix_in_flight(settled: bool) -> None:
+    """The next turn of a conversation arrives while the previous turn's save is still being
+    stored: it is held (undetermined) until the workers report the save settled, then hits;
+    a report that never comes holds it for lookup_timeout at most, then it is looked up."""
+    store = GatedStore()
+    vault = Vault(store, layout())
+    worker, _ = engine(vault, staging=1 << 20)
+    side = SchedulerSide(ConnectorSettings(lookup_timeout=0.3), vault.layout, vault, load=True, save=True)
+    first = [*TOKENS, 777]
+    assert ask_side(side, _request("t1", first)) == (0, False)
+    meta = side.build_connector_meta(_first_step(side, "t1", first))
+    assert [s.req_id for s in meta.saves] == ["t1"], side.counters.refused
+    store.gate.clear()
+    worker.save(meta.saves, meta.step)
+    nxt = _request("t2", [*TOKENS, 888, 889])
+    for _ in range(5):
+        assert side.get_num_new_matched_tokens(nxt, 0) == (None, False)  # held
+        time.sleep(0.01)
+    store.gate.set()
+    done = settle(worker, {save_id(meta.step, "t1")})
+    if settled:
+        side.settle(SavesSettled(Counter(done)))
+        assert ask_side(side, nxt) == (3 * BS, True)
+    else:  # the report is lost: the request is held no longer than lookup_timeout
+        t0 = time.monotonic()
+        assert ask_side(side, nxt) == (3 * BS, True)
+        assert 0.1 < time.monotonic() - t0 < 1.0
+    assert side.counters.lookups == 2  # a held lookup is one lookup
+    assert vault.counters.misses["no_record"] == 1  # t1's; t2's held answer was never counted
+    side.close()
+    worker.close()
