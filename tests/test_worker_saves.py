@@ -44,8 +44,12 @@ class GatedStore(MemoryStore):
         return super().put_many(items)
 
 
-def engine(vault: Vault, staging: int, drain: float = 30.0) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
-    caches = {"a": torch.zeros(16, 2, BS, 4), "w": torch.zeros(16, 2, BS, 4), "s": torch.zeros(16, 4, 4)}
+def engine(vault: Vault, staging: int, drain: float = 30.0, strided: bool = False
+           ) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    """A worker on CPU caches; ``strided``: the attention layer's blocks are not one run of
+    bytes (heads outermost, vLLM's LHBNC layout)."""
+    attn = torch.zeros(2, 16, BS, 4).permute(1, 0, 2, 3) if strided else torch.zeros(16, 2, BS, 4)
+    caches = {"a": attn, "w": torch.zeros(16, 2, BS, 4), "s": torch.zeros(16, 4, 4)}
     for name, t in caches.items():  # every block holds its own id (+ a per-layer offset)
         for b in range(16):
             t[b] = b + {"a": 0.25, "w": 0.5, "s": 0.75}[name]
@@ -95,10 +99,11 @@ def settle_loads(worker: WorkerSide) -> tuple[set[str], set[str]]:
     return set(), set()
 
 
-def test_a_save_returns_before_the_store_and_keeps_the_bytes_of_its_step() -> None:
+@pytest.mark.parametrize("strided", [False, True])
+def test_a_save_returns_before_the_store_and_keeps_the_bytes_of_its_step(strided: bool) -> None:
     store = GatedStore()
     vault = Vault(store, layout())
-    worker, caches = engine(vault, staging=1 << 20)
+    worker, caches = engine(vault, staging=1 << 20, strided=strided)
     store.gate.clear()  # the store does not answer yet
     t0 = time.monotonic()
     worker.save([spec(vault)], step=3)

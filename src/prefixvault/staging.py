@@ -38,11 +38,14 @@ class StagingRing:
     bytes of live reservations plus any gap skipped at the end of the buffer by a wrap.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, buffer: np.ndarray | None = None) -> None:
+        """``buffer``: memory to hand out (e.g. pinned, for device copies); else allocated."""
         if capacity <= 0:
             raise ValueError("staging capacity must be positive")
         self.capacity = capacity
-        self._buf = np.empty(capacity, np.uint8)
+        self._buf = np.empty(capacity, np.uint8) if buffer is None else buffer.reshape(-1)[:capacity]
+        if self._buf.dtype != np.uint8 or self._buf.nbytes != capacity:
+            raise ValueError(f"staging buffer must be {capacity} uint8 bytes")
         self._buf.fill(0)  # pre-fault: the step must never pay for first touch
         self._lock = threading.Lock()
         self._live: deque[Reservation] = deque()

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from prefixvault.blockio import Done, GroupIO
 from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheLayout
 from prefixvault.staging import Reservation, StagingRing
@@ -55,14 +56,16 @@ class WorkerSide:
         self.vault = vault
         self.rank = rank
         self.layer_groups = [list(g) for g in layer_groups]
-        self._pages: list[list[np.ndarray]] = []  # per group, per layer: [num_blocks, page bytes] uint8
+        self._io: list[GroupIO] = []  # per cache group: copies between its layers' blocks and host bytes
         self._finished_loads: set[str] = set()  # guarded by _lock (the load thread adds to them)
         self._failed_loads: set[str] = set()
         self._settled: list[str] = []  # saves stored or dropped since the last report; under _lock
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-load")
-        # No staging budget: saves are stored in the step, as they are copied.
-        self._staging = StagingRing(staging_bytes) if staging_bytes > 0 and vault is not None else None
+        # No staging budget: saves are stored in the step, as they are copied. Allocated once the
+        # cache tensors are known (pinned host memory, for a device's copies to overlap).
+        self._staging_bytes = staging_bytes if vault is not None else 0
+        self._staging: StagingRing | None = None
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-save")
         self._in_flight = 0  # saves queued on the save thread; under _idle's lock
         self._idle = threading.Condition(self._lock)
@@ -82,46 +85,37 @@ class WorkerSide:
         self._loader.shutdown(wait=True, cancel_futures=True)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Keep a flat byte view of every layer; check it against the layout."""
+        """Block I/O for every cache group; checked against the layout."""
         import torch
 
-        self._pages = []
+        self._io = []
         for gi, names in enumerate(self.layer_groups):
-            views = []
-            for name in names:
-                t = kv_caches[name]
-                if t.device.type != "cpu":
-                    raise ValueError("prefixvault: only CPU KV caches are supported by this version")
-                u8 = t.view(torch.uint8) if t.dtype != torch.uint8 else t
-                n_blocks = u8.shape[0]
-                page = u8[0].numel()
-                # One block of one layer must be contiguous bytes (true for LBHNC and state pages).
-                if not u8[0].is_contiguous():
-                    raise ValueError(f"prefixvault: layer {name} blocks are not contiguous")
-                flat = torch.as_strided(u8, (n_blocks, page), (u8.stride(0), 1), u8.storage_offset())
-                views.append(flat.numpy())
+            tensors = [kv_caches[name] for name in names]
+            devices = {t.device.type for t in tensors}
+            if not devices <= {"cpu", "cuda"}:
+                raise ValueError(f"prefixvault: cache tensors on {sorted(devices)}: only CPU and CUDA "
+                                 "caches are supported")
+            io = GroupIO(tensors, names)
             expected = self.layout.groups[gi].nbytes(self.rank)
-            got = sum(v.shape[1] for v in views)
-            if got != expected:
-                raise ValueError(f"prefixvault: cache group {gi} has {got} bytes per block on rank "
-                                 f"{self.rank}, layout says {expected}")
-            self._pages.append(views)
+            if io.object_bytes != expected:
+                raise ValueError(f"prefixvault: cache group {gi} has {io.object_bytes} bytes per block on "
+                                 f"rank {self.rank}, layout says {expected}")
+            self._io.append(io)
+        if self._staging_bytes and self._staging is None:
+            pinned = any(io.device.type == "cuda" for io in self._io)
+            buf = torch.empty(self._staging_bytes, dtype=torch.uint8, pin_memory=pinned).numpy()
+            self._staging = StagingRing(self._staging_bytes, buf)
 
     # -- save -------------------------------------------------------------------------------------
 
     def _gather(self, ref: ObjectRef, block_id: int) -> memoryview:
-        out = np.empty(sum(v.shape[1] for v in self._pages[ref.group]), np.uint8)
+        out = np.empty(self._io[ref.group].object_bytes, np.uint8)
         self._gather_into(ref, block_id, out.data)
         return out.data
 
     def _gather_into(self, ref: ObjectRef, block_id: int, dest: memoryview) -> None:
-        """Copy one object's payload out of the engine's pages into ``dest``."""
-        out = np.frombuffer(dest, np.uint8)
-        off = 0
-        for v in self._pages[ref.group]:
-            n = v.shape[1]
-            out[off : off + n] = v[block_id]
-            off += n
+        """Copy one object's payload out of the engine's blocks into ``dest``."""
+        self._io[ref.group].gather([block_id], _host(dest, 1)).wait()
 
     def save(self, specs: Sequence[SaveSpec], step: int = 0) -> None:
         """Copy this step's saves out of the engine's blocks; store them on the save thread
@@ -130,7 +124,7 @@ class WorkerSide:
             return
         for spec in specs:
             sid = save_id(step, spec.req_id)
-            if self._staging is None:
+            if not self._staging_bytes:
                 self._store(spec, self._gather, self._gather_into)
                 self._settle(sid)
                 continue
@@ -142,12 +136,15 @@ class WorkerSide:
                 self._in_flight += 1
             self._saver.submit(self._store_staged, sid, spec, *staged)
 
-    def _stage(self, spec: SaveSpec) -> tuple[Reservation, dict[str, memoryview]] | None:
-        """The spec's objects copied into one staging reservation; None if dropped."""
+    def _stage(self, spec: SaveSpec) -> tuple[Reservation, dict[str, memoryview], list[Done]] | None:
+        """The spec's objects copied into one staging reservation, one gather per cache
+        group (on a device, still in flight: wait for each ``Done``); None if dropped."""
         assert self.vault is not None and self._staging is not None
         objects, _ = self.vault.objects_of(self.rank, spec.hashes, spec.plans)
-        sizes = [self.layout.groups[ref.group].nbytes(self.rank) for ref, _ in objects]
-        total = sum(sizes)
+        by_group: dict[int, list[tuple[ObjectRef, int]]] = {}
+        for ref, block_id in objects:
+            by_group.setdefault(ref.group, []).append((ref, block_id))
+        total = sum(len(objs) * self._io[g].object_bytes for g, objs in by_group.items())
         r = self._staging.reserve(total)
         if r is None:
             reason = "too_large" if total > self._staging.capacity else "staging_full"
@@ -157,22 +154,29 @@ class WorkerSide:
             self._count(self.counters.save_dropped, reason)
             return None
         payloads: dict[str, memoryview] = {}
+        copies: list[Done] = []
         off = 0
         try:
-            for (ref, block_id), n in zip(objects, sizes, strict=True):
-                view = r.view[off : off + n]
-                self._gather_into(ref, block_id, view)
-                payloads[ref.key] = view
-                off += n
+            for g, objs in by_group.items():
+                size = self._io[g].object_bytes
+                region = r.view[off : off + len(objs) * size]
+                copies.append(self._io[g].gather([b for _, b in objs], _host(region, len(objs))))
+                for j, (ref, _) in enumerate(objs):
+                    payloads[ref.key] = region[j * size : (j + 1) * size]
+                off += len(objs) * size
         except BaseException:
+            for c in copies:
+                c.wait()  # never hand back memory a copy may still write
             self._staging.release(r)
             raise
-        return r, payloads
+        return r, payloads, copies
 
-    def _store_staged(self, sid: str, spec: SaveSpec, r: Reservation,
-                      payloads: dict[str, memoryview]) -> None:
-        """On the save thread: store one staged save, then give its staging back."""
+    def _store_staged(self, sid: str, spec: SaveSpec, r: Reservation, payloads: dict[str, memoryview],
+                      copies: list[Done]) -> None:
+        """On the save thread: wait for the copies, store the save, give its staging back."""
         try:
+            for c in copies:
+                c.wait()
             self._store(spec, lambda ref, _block: payloads[ref.key], None)
         finally:
             assert self._staging is not None
@@ -268,13 +272,21 @@ class WorkerSide:
             for why in loaded.failed.values():
                 self._count_failure(why)
             return False
+        by_group: dict[int, list[tuple[memoryview, int]]] = {}
         for ref, block_id in zip(refs, targets, strict=True):
-            payload = np.frombuffer(loaded.payloads[ref], np.uint8)
-            off = 0
-            for v in self._pages[ref.group]:
-                n = v.shape[1]
-                v[block_id] = payload[off : off + n]
-                off += n
+            by_group.setdefault(ref.group, []).append((loaded.payloads[ref], block_id))
+        for g, items in by_group.items():
+            io = self._io[g]
+            if io.device.type == "cpu":  # straight from the loaded bytes, one copy per object
+                for payload, block_id in items:
+                    io.scatter([block_id], _host(payload, 1))
+            else:  # one transfer and one scatter per group
+                import torch
+
+                src = torch.empty((len(items), io.object_bytes), dtype=torch.uint8, pin_memory=True)
+                for j, (payload, _) in enumerate(items):
+                    src[j].copy_(_host(payload, 1)[0])
+                io.scatter([b for _, b in items], src)
         return True
 
     def take_finished(self) -> tuple[set[str], set[str]]:
@@ -282,3 +294,10 @@ class WorkerSide:
             done, failed = self._finished_loads, self._failed_loads
             self._finished_loads, self._failed_loads = set(), set()
         return done, failed
+
+
+def _host(buf: memoryview, rows: int) -> Any:
+    """Host bytes as the uint8 [rows, n / rows] tensor block I/O reads or writes (no copy)."""
+    import torch
+
+    return torch.from_numpy(np.frombuffer(buf, np.uint8)).view(rows, -1)
