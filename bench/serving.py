@@ -12,9 +12,11 @@ server behind a loopback proxy that adds ``--redis-delay-ms`` to every round tri
 ``--connector-path OTHER/src`` makes the servers import prefixvault from another checkout, to
 measure a version before a change with the same client and workload.
 
-Prints, for cold and consumer: mean and p99 TTFT, p50 and p99 ITL, output throughput,
-completed and failed requests, the consumer's external hit tokens, and whether every generated
-text equals cold's; then the ratios consumer/cold. The last line is one JSON object.
+Prints, for cold, producer and consumer: mean and p99 TTFT, p50 and p99 ITL, output
+throughput, completed and failed requests, the consumer's external hit tokens, and whether every
+generated text equals cold's; then the ratios consumer/cold (what restoring gains and costs)
+and producer/cold (what saving costs: the producer computes everything, as cold does, and
+stores it). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         return result, hits
 
     try:
-        serve("producer", serve_command(name, store, "kv_producer", extra=flags))
+        producer, _ = serve("producer", serve_command(name, store, "kv_producer", extra=flags))
         cold, _ = serve("cold", [*vllm_command(name), *flags, "--enable-prefix-caching",
                                  "--mamba-cache-mode", "align"])
         consumer, hits = serve("consumer", serve_command(name, store, "kv_consumer", extra=flags))
@@ -74,7 +76,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             close()
     out: dict[str, Any] = {"profile": args.profile, "store": args.store, "prompts": args.prompts,
                            "concurrency": args.concurrency}
-    for tag, res in (("cold", cold), ("consumer", consumer)):
+    for tag, res in (("cold", cold), ("producer", producer), ("consumer", consumer)):
         out[tag] = {k: round(float(res.get(k, 0.0)), 3) for k in FIGURES}
         out[tag]["completed"] = int(res.get("completed", 0))
         out[tag]["failed"] = int(res.get("failed", 0))
@@ -82,6 +84,9 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["texts_equal"] = cold["generated_texts"] == consumer["generated_texts"]
     out["ratios"] = {k: round(out["consumer"][k] / out["cold"][k], 3) if out["cold"][k] else None
                      for k in FIGURES}
+    out["producer_ratios"] = {k: round(out["producer"][k] / out["cold"][k], 3) if out["cold"][k] else None
+                              for k in FIGURES}
+    out["producer_texts_equal"] = cold["generated_texts"] == producer["generated_texts"]
     out["goals"] = GOALS
     out["goals_met"] = all(out["ratios"][k] is not None and out["ratios"][k] <= v for k, v in GOALS.items()) \
         and out["consumer"]["failed"] == 0
@@ -109,9 +114,10 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
     out = run(args, work)
     print(f"{'':10}" + "".join(f"{k:>20}" for k in FIGURES))
-    for tag in ("cold", "consumer"):
+    for tag in ("cold", "producer", "consumer"):
         print(f"{tag:10}" + "".join(f"{out[tag][k]:>20.2f}" for k in FIGURES))
-    print(f"{'ratio':10}" + "".join(f"{out['ratios'][k] or 0:>20.3f}" for k in FIGURES))
+    print(f"{'cons/cold':10}" + "".join(f"{out['ratios'][k] or 0:>20.3f}" for k in FIGURES))
+    print(f"{'prod/cold':10}" + "".join(f"{out['producer_ratios'][k] or 0:>20.3f}" for k in FIGURES))
     c = out["consumer"]
     print(f"completed {c['completed']}/{args.prompts}, failed {c['failed']}, "
           f"external hit tokens {c['external_hit_tokens']:.0f}, texts equal {out['texts_equal']}")

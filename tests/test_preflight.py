@@ -12,9 +12,10 @@ HYBRID = CacheShape(has_state=True, block_size=16)
 ATTENTION = CacheShape(has_state=False, block_size=16)
 
 
-def config(prefix: bool = True, mode: str = "align", max_len: int = 4096) -> SimpleNamespace:
+def config(prefix: bool = True, mode: str = "align", max_len: int = 4096,
+           shutdown: int = 30) -> SimpleNamespace:
     return SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=prefix, mamba_cache_mode=mode),
-                           model_config=SimpleNamespace(max_model_len=max_len))
+                           model_config=SimpleNamespace(max_model_len=max_len), shutdown_timeout=shutdown)
 
 
 def test_a_good_configuration_says_nothing() -> None:
@@ -31,6 +32,7 @@ def test_each_bad_configuration_is_one_line_with_its_fix() -> None:
         (config(), HYBRID, ConnectorSettings(), "kv_producer", "never restores"),
         (config(), HYBRID, ConnectorSettings(), "kv_consumer", "never saves"),
         (config(max_len=8), HYBRID, ConnectorSettings(), "kv_both", "nothing ever hits"),
+        (config(shutdown=0), HYBRID, ConnectorSettings(), "kv_both", "--shutdown-timeout 30"),
         (config(max_len=100_000), CacheShape(False, 2048),
          ConnectorSettings(), "kv_both", "smaller --block-size"),
     ]
@@ -43,3 +45,10 @@ def test_a_hybrid_without_exact_states_turns_the_connector_off() -> None:
     assert can_cache(config(), HYBRID) and can_cache(config(prefix=False, mode="none"), ATTENTION)
     assert not can_cache(config(prefix=False), HYBRID)
     assert not can_cache(config(mode="none"), HYBRID)
+
+
+def test_saves_in_the_step_need_no_shutdown_grace() -> None:
+    settings = ConnectorSettings.from_extra({"save_staging_mib": 0})
+    assert preflight(config(shutdown=0), HYBRID, settings, "kv_both") == []
+    assert preflight(config(shutdown=0), HYBRID, ConnectorSettings(), "kv_consumer") == [
+        preflight(config(), HYBRID, ConnectorSettings(), "kv_consumer")[0]]

@@ -349,7 +349,7 @@ def serve(
     import os
     import shlex
 
-    from prefixvault.serve import serve_command
+    from prefixvault.serve import serve_command, serve_env
     from prefixvault.vllm.config import ConnectorSettings
 
     try:
@@ -368,7 +368,7 @@ def serve(
     if dry_run:
         return
     sys.stdout.flush()
-    os.execv(cmd[0], cmd)
+    os.execve(cmd[0], cmd, serve_env(dict(os.environ), role))
 
 
 @app.command()

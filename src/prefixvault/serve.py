@@ -60,6 +60,22 @@ def kv_transfer_config(store: str, role: str, namespace: str, capture: str,
     }
 
 
+#: Seconds a saving server is given to stop (``--shutdown-timeout``): it finishes running
+#: requests and stores its queued saves (``save_drain_timeout``) within them.
+SHUTDOWN_TIMEOUT = 30
+#: vLLM's own wait for a worker process to exit; its default (5 s) may cut a drain short.
+WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
+
+
+def serve_env(environ: dict[str, str], role: str) -> dict[str, str]:
+    """The server's environment: a saving server's workers get ``SHUTDOWN_TIMEOUT`` to exit
+    (unless the operator set vLLM's variable)."""
+    env = dict(environ)
+    if role in ("kv_producer", "kv_both"):
+        env.setdefault(WORKER_SHUTDOWN_ENV, str(SHUTDOWN_TIMEOUT))
+    return env
+
+
 def _has(args: Sequence[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
 
@@ -87,6 +103,9 @@ def serve_command(
         cmd += ["--mamba-cache-mode", "align"]
     if _has(extra, "--kv-transfer-config"):
         raise ValueError("--kv-transfer-config is set by prefixvault serve; use --store/--role instead")
+    if role in ("kv_producer", "kv_both") and not _has(extra, "--shutdown-timeout"):
+        # vLLM's default (0) kills the engine at once on SIGTERM: saves still queued are lost.
+        cmd += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
     ktc = kv_transfer_config(store, role, namespace, capture, secret_file, secret_env)
     cmd += ["--kv-transfer-config", json.dumps(ktc)]
     return cmd + list(extra)

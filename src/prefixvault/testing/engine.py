@@ -70,6 +70,9 @@ def _run(spec: EngineSpec) -> dict[str, Any]:
     if ktc is not None:
         kwargs["kv_transfer_config"] = ktc
         kwargs.setdefault("disable_log_stats", False)  # the connector's counters reach Prometheus
+        # Saves still queued when the engine stops are stored first (vLLM's default, 0, kills
+        # an engine-core process at once).
+        kwargs.setdefault("shutdown_timeout", 30)
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     started = time.perf_counter() - t0
