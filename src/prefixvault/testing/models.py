@@ -232,6 +232,15 @@ def _corpus() -> list[str]:
     return lines
 
 
+#: A plain-text chat template (the tiny vocabulary has no special turn tokens): each message
+#: as "### role:" and its text on the next line; the generation prompt opens an assistant turn.
+#: Rendering more messages only appends text, as the templates of real chat models do.
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ '### ' + m['role'] + ':\\n' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '### assistant:\\n' }}{% endif %}"
+)
+
+
 def train_tokenizer(path: Path | str, vocab_size: int = VOCAB_SIZE) -> Path:
     """Train a byte-level BPE on ``_corpus()`` and save it as a HF fast tokenizer.
 
@@ -271,6 +280,7 @@ def train_tokenizer(path: Path | str, vocab_size: int = VOCAB_SIZE) -> Path:
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
     }
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     return out

@@ -1,0 +1,106 @@
+"""A conversation through the OpenAI chat endpoint, rendered by the test tokenizer's chat template.
+
+Three servers on loopback: a cold one (plain vLLM; every request with its own ``cache_salt``, so
+nothing is reused), and two ``prefixvault serve`` servers (kv_both) over one local store. Turns
+alternate between the two, as a load balancer without session affinity sends them: each turn is
+served by the server that did not see the previous one, so its hit can only come from the store.
+
+Where the hit ends: the template only appends (the previous turn's prompt is a prefix of the
+next one's), and without ``capture_outputs`` only prompt boundaries are published, so turn n
+restores the last block boundary inside turn n-1's prompt; the previous answer and the new
+message are computed. Every turn's tokens and logprobs (top 5) equal the cold server's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefixvault.serve import engine_flags, serve_command, vllm_command
+from prefixvault.testing.engine import common_prefix
+from prefixvault.testing.models import build_model, engine_kwargs
+from prefixvault.testing.servers import server
+
+pytestmark = pytest.mark.slow
+PROFILE = "shortconv-hybrid"
+WORDS = ["model", "state", "block", "cache", "prefix", "token", "layer", "answer", "question", "window",
+         "river", "stone", "light", "garden", "number", "letter", "engine", "table", "morning", "signal",
+         "harbor", "winter", "paper", "market"]
+
+
+def text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words)) + "."
+
+
+def post(url: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
+    req = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        out: dict[str, Any] = json.loads(r.read())
+    return out
+
+
+def chat(url: str, messages: list[dict[str, str]], salt: str | None = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 24, "temperature": 0,
+                            "logprobs": True, "top_logprobs": 5, "ignore_eos": True,
+                            "return_tokens_as_token_ids": True}
+    if salt is not None:
+        body["cache_salt"] = salt
+    return post(url, "/v1/chat/completions", body)
+
+
+def tokens_and_logprobs(res: dict[str, Any]) -> list[tuple[str, float, list[tuple[str, float]]]]:
+    return [(t["token"], t["logprob"], [(x["token"], x["logprob"]) for x in t["top_logprobs"]])
+            for t in res["choices"][0]["logprobs"]["content"]]
+
+
+def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path) -> None:
+    model = build_model(PROFILE, tmp_path / "m", seed=0)
+    engine = engine_kwargs(PROFILE, model)
+    engine.pop("model")
+    engine["max_num_batched_tokens"] = 512
+    bs = int(engine["block_size"])
+    flags = [*engine_flags(engine), "--served-model-name", "tiny", "--enable-prompt-tokens-details"]
+    store = f"local://{tmp_path}/store?capacity=1GiB"
+    with contextlib.ExitStack() as stack:
+        cold = stack.enter_context(server([*vllm_command(str(model)), *flags, "--enable-prefix-caching",
+                                           "--mamba-cache-mode", "align"], tmp_path / "cold.log"))
+        pair = [stack.enter_context(server(serve_command(str(model), store, "kv_both", extra=flags),
+                                           tmp_path / f"server{i}.log")) for i in range(2)]
+        rng = random.Random(0)
+        messages = [{"role": "system", "content": text(rng, 160)}, {"role": "user", "content": text(rng, 40)}]
+        previous: list[int] = []
+        report = []
+        for turn in range(4):
+            prompt = post(pair[turn % 2], "/tokenize", {"model": "tiny", "messages": messages,
+                                                       "add_generation_prompt": True})["tokens"]
+            got = chat(pair[turn % 2], messages)
+            want = chat(cold, messages, salt=f"cold-{turn}")
+            assert tokens_and_logprobs(got) == tokens_and_logprobs(want), f"turn {turn} differs from cold"
+            assert got["usage"]["prompt_tokens"] == len(prompt)
+            cached = int(got["usage"]["prompt_tokens_details"]["cached_tokens"])
+            if previous:
+                assert prompt[: len(previous)] == previous  # the template only appends
+                assert cached == len(previous) // bs * bs, (turn, cached, len(previous))
+            else:
+                assert cached == 0
+            answer = got["choices"][0]["message"]["content"]
+            generated = [int(t["token"].split(":")[1]) for t in got["choices"][0]["logprobs"]["content"]]
+            report.append({"turn": turn, "prompt": len(prompt), "restored": cached,
+                           "answer_tokens_kept": 0})
+            messages = [*messages, {"role": "assistant", "content": answer},
+                        {"role": "user", "content": text(rng, 40)}]
+            nxt = post(pair[0], "/tokenize", {"model": "tiny", "messages": messages,
+                                              "add_generation_prompt": True})["tokens"]
+            # How much of the answer the next prompt keeps as the ids the engine generated (the
+            # template re-renders it from text): what capture_outputs could restore at most.
+            report[-1]["answer_tokens_kept"] = common_prefix([*prompt, *generated], nxt) - len(prompt)
+            previous = prompt
+        print(json.dumps(report), file=sys.stderr)
+        assert all(r["answer_tokens_kept"] >= 0 for r in report)
