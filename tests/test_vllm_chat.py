@@ -64,8 +64,12 @@ def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path
     model = build_model(PROFILE, tmp_path / "m", seed=0)
     engine = engine_kwargs(PROFILE, model)
     engine.pop("model")
-    engine["max_num_batched_tokens"] = 512
     bs = int(engine["block_size"])
+    # One block per prefill step: every block boundary is a step end of every run, so a restore
+    # at any of them computes exactly what a cold run computes after it (with longer steps a
+    # cold run's step may span the restore point; its sums are then split differently, and the
+    # result is equivalent, not bit-identical: testing/scenario.py, restores_exactly).
+    engine["max_num_batched_tokens"] = bs
     flags = [*engine_flags(engine), "--served-model-name", "tiny", "--enable-prompt-tokens-details"]
     store = f"local://{tmp_path}/store?capacity=1GiB"
     # Engine core in the server's process: on vLLM CPU a cold server whose engine core runs in
