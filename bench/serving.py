@@ -59,10 +59,15 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     env = {"PYTHONPATH": args.connector_path} if args.connector_path else None
 
+    saves: dict[str, float] = {}
+
     def serve(tag: str, command: list[str]) -> tuple[dict[str, Any], float]:
         with server(command, work / f"{tag}-server.log", env=env) as url:
             result = benchmark(url, name, work / f"{tag}.json", load)
             hits = metric(url, "vllm:external_prefix_cache_hits_total")
+            if tag == "producer":  # what the saves came to (counters of the version measured)
+                for k in ("records_published", "save_dropped", "save_errors"):
+                    saves[k] = metric(url, f"vllm:prefixvault_{k}_total")
         print(f"  {tag} done", flush=True)
         return result, hits
 
@@ -81,6 +86,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out[tag]["completed"] = int(res.get("completed", 0))
         out[tag]["failed"] = int(res.get("failed", 0))
     out["consumer"]["external_hit_tokens"] = hits
+    out["producer"].update(saves)  # counted until its requests were done (queued saves drain after)
     out["texts_equal"] = cold["generated_texts"] == consumer["generated_texts"]
     out["ratios"] = {k: round(out["consumer"][k] / out["cold"][k], 3) if out["cold"][k] else None
                      for k in FIGURES}

@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 
@@ -45,6 +46,9 @@ class _Layer:
     tensor: torch.Tensor  # the engine's tensor; dimension 0 is the block
     flat: torch.Tensor | None  # [num_blocks, page bytes] uint8 view, where a block is one logical run
     page: int  # bytes of one block of this layer
+    # The same view as numpy, on CPU: a block is copied by one memcpy on the calling thread
+    # (torch's copy may fan out to the intra-op thread pool the engine's forward is using).
+    flat_np: np.ndarray | None = None
 
 
 def _layer(t: torch.Tensor, name: str) -> _Layer:
@@ -55,7 +59,8 @@ def _layer(t: torch.Tensor, name: str) -> _Layer:
     if t[0].is_contiguous():  # logical order == physical order within a block
         u8 = t.view(torch.uint8) if t.dtype != torch.uint8 else t
         flat = torch.as_strided(u8, (t.shape[0], page), (u8.stride(0), 1), u8.storage_offset())
-    return _Layer(t, flat, page)
+    flat_np = flat.numpy() if flat is not None and t.device.type == "cpu" else None
+    return _Layer(t, flat, page, flat_np)
 
 
 class GroupIO:
@@ -108,11 +113,12 @@ class GroupIO:
     def _gather_host(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         off = 0
         idx: torch.Tensor | None = None
+        out_np = out.numpy()
         for lay in self.layers:
             dest = out[:, off : off + lay.page]
-            if lay.flat is not None:
+            if lay.flat_np is not None:
                 for i, b in enumerate(block_ids):  # one memcpy per block: no intermediate copy
-                    dest[i].copy_(lay.flat[b])
+                    out_np[i, off : off + lay.page] = lay.flat_np[b]
             else:  # strided block: one gather into logical order
                 if idx is None:
                     idx = torch.tensor(block_ids, dtype=torch.long)
@@ -159,11 +165,12 @@ class GroupIO:
         if not self._cuda:
             off = 0
             idx: torch.Tensor | None = None
+            src_np = src.numpy()
             for lay in self.layers:
                 part = src[:, off : off + lay.page]
-                if lay.flat is not None:
+                if lay.flat_np is not None:
                     for i, b in enumerate(block_ids):
-                        lay.flat[b].copy_(part[i])
+                        lay.flat_np[b] = src_np[i, off : off + lay.page]
                 else:
                     if idx is None:
                         idx = torch.tensor(block_ids, dtype=torch.long)
