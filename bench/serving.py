@@ -57,7 +57,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     else:
         store = f"local://{work}/store?capacity=4GiB"
 
-    env = {"PYTHONPATH": args.connector_path} if args.connector_path else None
+    # vLLM CPU reserves one more core for a KV connector than for a server without one; on a
+    # small machine the servers then run their forward on different numbers of OpenMP threads
+    # (other sums: logprobs apart in the last bits, texts apart with them; other speed). Every
+    # server here reserves the same one core. (No effect on GPU servers.)
+    env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)}
+    if args.connector_path:
+        env["PYTHONPATH"] = args.connector_path
 
     saves: dict[str, float] = {}
 
@@ -113,6 +119,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--workdir", default="", help="keep servers' logs and results here")
+    p.add_argument("--reserved-cpus", type=int, default=1,
+                   help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server (vLLM CPU)")
     p.add_argument("--connector-path", default="",
                    help="a checkout's src/ the servers import prefixvault from (another version)")
     args = p.parse_args()
