@@ -169,6 +169,33 @@ def test_a_stopping_worker_stores_its_queued_saves() -> None:
         assert vault.lookup(vault.hashes(prompt), 3 * BS + 1) == 3 * BS
 
 
+def test_saves_queued_behind_a_slow_store_are_stored_in_one_batch() -> None:
+    """A store slower than the engine makes saves queue up; the save thread then stores all of
+    them with one existence check and one put, not one round trip per save."""
+
+    class CountingGated(GatedStore):
+        puts = 0
+
+        def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+            CountingGated.puts += 1
+            return super().put_many(items)
+
+    store = CountingGated()
+    vault = Vault(store, layout())
+    worker, _ = engine(vault, staging=1 << 20)
+    store.gate.clear()
+    prompts = [[*TOKENS[: 2 * BS], *range(2000 + BS * i, 2000 + BS * (i + 1))] for i in range(6)]
+    for i, prompt in enumerate(prompts):
+        worker.save([spec(vault, f"q{i}", prompt)], step=i)
+    store.gate.set()
+    assert settle(worker, {save_id(i, f"q{i}") for i in range(6)}) == {save_id(i, f"q{i}") for i in range(6)}
+    assert CountingGated.puts <= 2  # the first save, maybe alone, then the five queued behind it
+    assert worker.counters.published == 6
+    for prompt in prompts:
+        assert vault.lookup(vault.hashes(prompt), 3 * BS + 1) == 3 * BS
+    worker.close()
+
+
 def test_a_stopping_worker_waits_no_longer_than_its_drain_timeout(caplog: pytest.LogCaptureFixture) -> None:
     store = GatedStore()
     vault = Vault(store, layout())

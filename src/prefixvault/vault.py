@@ -218,15 +218,36 @@ class Vault:
         which lets a store that lends registered memory put objects with no copy. KV blocks
         already in the store are not written again.
         """
-        wanted, per_plan = self.objects_of(rank, hashes, plans)
-        ok_keys = self._put_missing(wanted, read, read_into)
-        acks = []
-        for plan, keys in zip(plans, per_plan, strict=True):
-            good = all(k in ok_keys for k in keys)
-            n = plan.tokens // self.layout.block_size
-            acks.append(RankAck(rank, plan.tokens, hashes[n - 1], good,
-                                None if good else Refusal.STORE_ERROR))
-        return acks
+        return self.save_many(rank, [(hashes, plans)], read, read_into)[0]
+
+    def save_many(
+        self,
+        rank: int,
+        saves: Sequence[tuple[Sequence[bytes], Sequence[SavePlan]]],
+        read: Callable[[ObjectRef, int], Buffer],
+        read_into: Callable[[ObjectRef, int, memoryview], None] | None = None,
+    ) -> list[list[RankAck]]:
+        """``save`` for several prefixes at once, (hashes, plans) each: one existence check
+        and one batch put for all their objects (the same key is the same bytes, whichever
+        prefix names it); the acks of each, in order."""
+        wanted: dict[str, tuple[ObjectRef, int]] = {}
+        per_save: list[list[list[str]]] = []
+        for hashes, plans in saves:
+            objects, per_plan = self.objects_of(rank, hashes, plans)
+            for ref, block_id in objects:
+                wanted.setdefault(ref.key, (ref, block_id))
+            per_save.append(per_plan)
+        ok_keys = self._put_missing(list(wanted.values()), read, read_into)
+        out: list[list[RankAck]] = []
+        for (hashes, plans), per_plan in zip(saves, per_save, strict=True):
+            acks = []
+            for plan, keys in zip(plans, per_plan, strict=True):
+                good = all(k in ok_keys for k in keys)
+                n = plan.tokens // self.layout.block_size
+                acks.append(RankAck(rank, plan.tokens, hashes[n - 1], good,
+                                    None if good else Refusal.STORE_ERROR))
+            out.append(acks)
+        return out
 
     def objects_of(
         self, rank: int, hashes: Sequence[bytes], plans: Sequence[SavePlan]

@@ -29,7 +29,7 @@ from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheLayout
 from prefixvault.staging import Reservation, StagingRing
 from prefixvault.stores.breaker import BreakerOpen
-from prefixvault.vault import ObjectRef, Vault
+from prefixvault.vault import ObjectRef, RankAck, Vault
 from prefixvault.vllm.metadata import LoadSpec, SaveSpec, save_id
 
 log = logging.getLogger("vllm.prefixvault")
@@ -68,6 +68,9 @@ class WorkerSide:
         self._staging: StagingRing | None = None
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-save")
         self._in_flight = 0  # saves queued on the save thread; under _idle's lock
+        # Staged saves waiting for the save thread: (save_id, spec, reservation, payloads by
+        # key, copies in flight); under _lock.
+        self._queue: list[tuple[str, SaveSpec, Reservation, dict[str, memoryview], list[Done]]] = []
         self._idle = threading.Condition(self._lock)
         self._drain_timeout = drain_timeout
         self.counters = WorkerCounters()
@@ -134,7 +137,8 @@ class WorkerSide:
                 continue
             with self._idle:
                 self._in_flight += 1
-            self._saver.submit(self._store_staged, sid, spec, *staged)
+                self._queue.append((sid, spec, *staged))
+            self._saver.submit(self._store_queued)
 
     def _stage(self, spec: SaveSpec) -> tuple[Reservation, dict[str, memoryview], list[Done]] | None:
         """The spec's objects copied into one staging reservation, one gather per cache
@@ -171,27 +175,58 @@ class WorkerSide:
             raise
         return r, payloads, copies
 
-    def _store_staged(self, sid: str, spec: SaveSpec, r: Reservation, payloads: dict[str, memoryview],
-                      copies: list[Done]) -> None:
-        """On the save thread: wait for the copies, store the save, give its staging back."""
+    def _store_queued(self) -> None:
+        """On the save thread: store every save queued by now as one batch (one existence check
+        and one put for all their objects: a slow store is not paid per save), publish each, in
+        order, then give their staging back."""
+        with self._lock:
+            batch, self._queue = self._queue, []
+        if not batch:
+            return  # an earlier call took them
         try:
-            for c in copies:
-                c.wait()
-            self._store(spec, lambda ref, _block: payloads[ref.key], None)
+            payloads: dict[str, memoryview] = {}
+            for _, _, _, staged, copies in batch:
+                for c in copies:
+                    c.wait()
+                payloads.update(staged)
+            self._store_many([spec for _, spec, _, _, _ in batch], lambda ref, _block: payloads[ref.key])
         finally:
             assert self._staging is not None
-            self._staging.release(r)
-            self._settle(sid)
+            for sid, _, r, _, _ in batch:
+                self._staging.release(r)
+                self._settle(sid)
             with self._idle:
-                self._in_flight -= 1
+                self._in_flight -= len(batch)
                 self._idle.notify_all()
+
+    def _store_many(self, specs: Sequence[SaveSpec], read: Any) -> None:
+        assert self.vault is not None
+        try:
+            all_acks = self.vault.save_many(self.rank, [(s.hashes, s.plans) for s in specs], read)
+        except Exception as e:  # a store problem costs future hits, never a request
+            self.counters.save_errors += len(specs)
+            log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
+                    "prefixvault: %d saves failed: %s", len(specs), e)
+            return
+        for spec, acks in zip(specs, all_acks, strict=True):
+            self._publish(spec, acks)
 
     def _store(self, spec: SaveSpec, read: Any, read_into: Any) -> None:
         assert self.vault is not None
         try:
             acks = self.vault.save(self.rank, spec.hashes, spec.plans, read, read_into)
-            self.counters.save_errors += sum(not a.ok for a in acks)
-            self.counters.saved_boundaries += sum(a.ok for a in acks)
+        except Exception as e:  # a store problem costs future hits, never this request
+            self.counters.save_errors += 1
+            log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
+                    "prefixvault: save for request %s failed: %s", spec.req_id, e)
+            return
+        self._publish(spec, acks)
+
+    def _publish(self, spec: SaveSpec, acks: Sequence[RankAck]) -> None:
+        assert self.vault is not None
+        self.counters.save_errors += sum(not a.ok for a in acks)
+        self.counters.saved_boundaries += sum(a.ok for a in acks)
+        try:
             results = self.vault.publish(spec.hashes, acks, parent=spec.parent)
             self.counters.published += sum(why is None for why in results.values())
         except Exception as e:  # a store problem costs future hits, never this request
