@@ -107,7 +107,7 @@ class FaultyLink:
 class SlowLink:
     """Forwards 127.0.0.1:``port`` to 127.0.0.1:``target``, holding every chunk the client sends
     for ``delay`` seconds: each request/response round trip costs ``delay`` more, like a store
-    across a network."""
+    across a network. ``delay`` may be changed while connections are open (a store that stalls)."""
 
     def __init__(self, target: int, delay: float) -> None:
         self.target = target
@@ -126,17 +126,17 @@ class SlowLink:
                 if self._closed:
                     return
                 continue
-            for src, dst, delay in ((client, server, self.delay), (server, client, 0.0)):
-                threading.Thread(target=self._pump, args=(src, dst, delay), daemon=True).start()
+            for src, dst, slow in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, slow), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, delay: float) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
         try:
             while not self._closed:
                 data = src.recv(1 << 20)
                 if not data:
                     break
-                if delay:
-                    threading.Event().wait(delay)
+                if slow and self.delay:
+                    threading.Event().wait(self.delay)
                 dst.sendall(data)
         except OSError:
             pass

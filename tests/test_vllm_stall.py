@@ -1,0 +1,86 @@
+"""A store that stalls does not stall decoding.
+
+One ``prefixvault serve`` server (kv_both) over Valkey behind a loopback link whose delay can be
+changed while it runs. Request A decodes (streamed, each token's arrival time recorded) while
+request B arrives with a prompt of its own: B's lookup and both requests' saves go to the store.
+First with a fast link, then with every round trip stalled for longer than many engine steps.
+Lookups, loads and saves run on their own threads, so A's gaps between tokens must stay what
+they were without the stall (B's own prefill step is in both runs); were any store call made in
+a step, a gap would be at least the stall.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from prefixvault.serve import engine_flags, serve_command
+from prefixvault.testing.models import build_model, engine_kwargs
+from prefixvault.testing.netfault import SlowLink
+from prefixvault.testing.servers import server
+from prefixvault.testing.valkey import Valkey
+
+pytestmark = pytest.mark.slow
+PROFILE = "shortconv-hybrid"
+STALL = 3.0  # seconds per store round trip while stalled
+
+
+def post(url: str, body: dict[str, Any]) -> Any:
+    req = urllib.request.Request(f"{url}/v1/completions", json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    return urllib.request.urlopen(req, timeout=300)
+
+
+def gaps_while_another_arrives(url: str, seed: int) -> list[float]:
+    """Stream A's tokens; send B after A's 20th token; A's gaps between tokens, in seconds."""
+    a = [(seed * 31 + 7 * i) % 900 + 3 for i in range(300)]
+    b = [(seed * 17 + 11 * i) % 900 + 3 for i in range(700)]
+    times: list[float] = []
+    other: list[threading.Thread] = []
+    with post(url, {"model": "tiny", "prompt": a, "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+                    "stream": True}) as r:
+        for line in r:
+            if not line.startswith(b"data: {"):
+                continue
+            times.append(time.monotonic())
+            if len(times) == 20:
+                t = threading.Thread(target=lambda: post(url, {"model": "tiny", "prompt": b, "max_tokens": 2,
+                                                               "temperature": 0}).read())
+                t.start()
+                other.append(t)
+    for t in other:
+        t.join(timeout=120)
+    assert len(times) >= 60  # one event per token, unless the server merged some
+    return [y - x for x, y in itertools.pairwise(times)]
+
+
+def test_a_stalled_store_does_not_stall_decoding(tmp_path: Path) -> None:
+    model = build_model(PROFILE, tmp_path / "m", seed=0)
+    engine = engine_kwargs(PROFILE, model)
+    engine.pop("model")
+    engine["max_num_batched_tokens"] = 512
+    valkey = Valkey()
+    link = SlowLink(valkey.port, 0.0)
+    store = f"redis://127.0.0.1:{link.port}/0?timeout=30"
+    flags = [*engine_flags(engine), "--served-model-name", "tiny"]
+    try:
+        with server(serve_command(str(model), store, "kv_both", extra=flags), tmp_path / "server.log",
+                    {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) as url:
+            gaps_while_another_arrives(url, 0)  # warm up
+            fast = gaps_while_another_arrives(url, 1)
+            link.delay = STALL
+            stalled = gaps_while_another_arrives(url, 2)
+            link.delay = 0.0
+        assert max(stalled) < min(STALL, max(fast) + 1.0), (max(fast), max(stalled))
+        log = (tmp_path / "server.log").read_text(errors="replace")
+        assert "Traceback" not in log
+    finally:
+        link.close()
+        valkey.stop()
