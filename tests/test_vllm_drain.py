@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,24 +22,18 @@ import pytest
 from prefixvault.serve import engine_flags
 from prefixvault.testing.models import build_model, engine_kwargs
 from prefixvault.testing.netfault import SlowLink
-from prefixvault.testing.servers import wait_ready
+from prefixvault.testing.servers import free_port, wait_ready
 from prefixvault.testing.valkey import Valkey
 
 pytestmark = pytest.mark.slow
 PROFILE = "shortconv-hybrid"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_sigterm_stores_the_queued_saves_first(tmp_path: Path) -> None:
     model = build_model(PROFILE, tmp_path / "m", seed=0)
     valkey = Valkey()
     link = SlowLink(valkey.port, 0.25)
-    port = _port()
+    port = free_port()
     engine = engine_kwargs(PROFILE, model)
     engine.pop("model")
     engine["max_num_batched_tokens"] = 512
