@@ -45,21 +45,25 @@ def gaps_while_another_arrives(url: str, seed: int) -> list[float]:
     a = [(seed * 31 + 7 * i) % 900 + 3 for i in range(300)]
     b = [(seed * 17 + 11 * i) % 900 + 3 for i in range(700)]
     times: list[float] = []
-    other: list[threading.Thread] = []
-    with post(url, {"model": "tiny", "prompt": a, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+    b_done: list[float] = []
+
+    def send_b() -> None:
+        post(url, {"model": "tiny", "prompt": b, "max_tokens": 2, "temperature": 0}).read()
+        b_done.append(time.monotonic())
+
+    other = threading.Thread(target=send_b)
+    with post(url, {"model": "tiny", "prompt": a, "max_tokens": 800, "temperature": 0, "ignore_eos": True,
                     "stream": True}) as r:
         for line in r:
             if not line.startswith(b"data: {"):
                 continue
             times.append(time.monotonic())
             if len(times) == 20:
-                t = threading.Thread(target=lambda: post(url, {"model": "tiny", "prompt": b, "max_tokens": 2,
-                                                               "temperature": 0}).read())
-                t.start()
-                other.append(t)
-    for t in other:
-        t.join(timeout=120)
-    assert len(times) >= 200  # one event per token, unless the server merged some
+                other.start()
+    other.join(timeout=120)
+    assert len(times) >= 400  # one event per token, unless the server merged some
+    # B was looked up, computed and saved while A decoded: its steps are among A's gaps.
+    assert b_done and times[19] < b_done[0] < times[-1], "B did not run while A decoded"
     return [y - x for x, y in itertools.pairwise(times)]
 
 
