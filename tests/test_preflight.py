@@ -32,7 +32,7 @@ def test_each_bad_configuration_is_one_line_with_its_fix() -> None:
         (config(), HYBRID, ConnectorSettings(), "kv_producer", "never restores"),
         (config(), HYBRID, ConnectorSettings(), "kv_consumer", "never saves"),
         (config(max_len=8), HYBRID, ConnectorSettings(), "kv_both", "nothing ever hits"),
-        (config(shutdown=0), HYBRID, ConnectorSettings(), "kv_both", "--shutdown-timeout 30"),
+        (config(shutdown=0), HYBRID, ConnectorSettings(), "kv_both", "--shutdown-timeout 45"),
         (config(max_len=100_000), CacheShape(False, 2048),
          ConnectorSettings(), "kv_both", "smaller --block-size"),
     ]

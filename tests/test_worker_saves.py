@@ -71,7 +71,7 @@ def settle(worker: WorkerSide, want: set[str], timeout: float = 5.0) -> set[str]
     got: set[str] = set()
     deadline = time.monotonic() + timeout
     while not want <= got and time.monotonic() < deadline:
-        got.update(worker.take_settled())
+        got.update(sid for sid, _ in worker.take_settled())
         time.sleep(0.005)
     return got
 
@@ -125,7 +125,7 @@ def test_without_staging_a_save_is_stored_in_the_step() -> None:
     worker, _ = engine(vault, staging=0)
     worker.save([spec(vault)], step=1)
     assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS  # before save() returned
-    assert worker.take_settled() == [save_id(1, "r")]
+    assert worker.take_settled() == [(save_id(1, "r"), True)]
     worker.close()
 
 
@@ -140,7 +140,7 @@ def test_a_save_that_does_not_fit_is_dropped_counted_and_settled() -> None:
     worker.save([spec(vault, "a")], step=1)
     worker.save([spec(vault, "b", [*TOKENS[: 2 * BS], *range(500, 500 + BS)])], step=1)  # staging is full
     assert worker.counters.save_dropped == {"staging_full": 1}
-    assert worker.take_settled() == [save_id(1, "b")]  # dropped: settled at once
+    assert worker.take_settled() == [(save_id(1, "b"), False)]  # dropped: settled at once, unpublished
     store.gate.set()
     assert settle(worker, {save_id(1, "a")}) == {save_id(1, "a")}
     worker.save([spec(vault, "c", [*TOKENS[: 2 * BS], *range(600, 600 + BS)])], step=2)  # room again
@@ -264,3 +264,33 @@ def test_a_lookup_waits_for_a_save_of_its_prefix_in_flight(settled: bool) -> Non
     assert vault.counters.misses["no_record"] == 1  # t1's; t2's held answer was never counted
     side.close()
     worker.close()
+
+
+def test_a_save_not_published_makes_the_next_one_start_from_its_parent() -> None:
+    """A dropped save leaves no record at its boundary: the request's next save must not name
+    it as parent (it would never publish), but carry the blocks from the last published one."""
+    vault = Vault(MemoryStore(), layout())
+    side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=True)
+    prompt = [*range(6 * BS), 999]
+    assert ask_side(side, _request("t", prompt)) == (0, False)
+    first = _first_step(side, "t", prompt[: 3 * BS + 1])  # the first three blocks
+    meta = side.build_connector_meta(first)
+    (s1,) = meta.saves
+    assert s1.parent == 0 and max(p.tokens for p in s1.plans) == 3 * BS
+    side.settle(SavesSettled(Counter([save_id(meta.step, "t")]), Counter([save_id(meta.step, "t")])))
+    states = [0] * 7
+    states[5] = STATE_BLOCK
+    nxt = SimpleNamespace(
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["t"], num_computed_tokens=[3 * BS]),
+        num_scheduled_tokens={"t": 3 * BS},
+        kv_connector_block_state=SimpleNamespace(
+            boundary_state_offloads={},
+            get_block_ids=lambda r: (list(range(1, 8)), list(range(10, 17)), states)),
+    )
+    (s2,) = side.build_connector_meta(nxt).saves
+    assert s2.parent == 0  # not 3 * BS: that record never came
+    top = max(s2.plans, key=lambda p: p.tokens)
+    assert top.tokens == 6 * BS
+    assert sorted({i for g, i, _ in top.blocks if g == 0}) == list(range(6))
+    side.close()

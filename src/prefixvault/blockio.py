@@ -11,13 +11,17 @@ vLLM hands one tensor per layer whose first dimension is the block (its logical 
 strides carry the physical layout. This module needs nothing else, and imports no vLLM: the same
 code runs in the connector and in ``bench/gpu_blockio.py`` on a machine without vLLM.
 
-On CUDA, copies run on a side stream: a gather waits for the work already queued on the
-engine's stream (the forward that wrote the blocks), copies the blocks into one device buffer
-(one ``index_select`` per layer), then into pinned host memory in one transfer; the engine's
-stream waits only for the device-side gather, so the block can be reused by the next step
-while the transfer to the host goes on. The caller waits for the returned ``Done`` before it
-reads the host bytes (a save thread, not the step). A scatter copies the host bytes to the
-device and into the blocks (``index_copy_``) and returns once they landed.
+On CUDA, copies run on side streams, one per direction (gathers come from the engine's
+thread, scatters from a load thread: they never share a stream or a buffer). A gather waits
+for the work already queued on the engine's stream (the forward that wrote the blocks), copies
+the blocks into a device buffer (one ``index_select`` per layer), then into pinned host memory
+in one transfer; the engine's stream waits only for the device-side gather, so the block can be
+reused by the next step while the transfer to the host goes on. The caller waits for the
+returned ``Done`` before it reads the host bytes (a save thread, not the step). A scatter
+first waits for an event the engine thread recorded when it handed the load over (``mark``:
+vLLM may still have work queued on the blocks, such as zeroing them), copies the host bytes to
+the device and into the blocks (``index_copy_``) and returns once they landed. Device buffers
+are at most ``DEVICE_BUFFER_BYTES``: larger copies go through them in pieces.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+#: Largest device buffer one direction of one group keeps (larger copies go in pieces).
+DEVICE_BUFFER_BYTES = 64 << 20
 
 
 class Done:
@@ -79,8 +86,20 @@ class GroupIO:
         self.num_blocks = min(t.shape[0] for t in layers)
         self.object_bytes = sum(lay.page for lay in self.layers)
         self._cuda = self.device.type == "cuda"
-        self._stream: Any = torch.cuda.Stream(self.device) if self._cuda else None
-        self._dev_buf: torch.Tensor | None = None  # grown as needed; on the side stream only
+        # Per direction: a side stream and a device buffer used on it only.
+        self._save_stream: Any = torch.cuda.Stream(self.device) if self._cuda else None
+        self._load_stream: Any = torch.cuda.Stream(self.device) if self._cuda else None
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._rows = max(1, DEVICE_BUFFER_BYTES // max(self.object_bytes, 1))  # objects per piece
+
+    def mark(self) -> Any:
+        """On the engine's thread: an event after the work queued so far on its stream (None
+        off CUDA), for ``scatter(after=...)``."""
+        if not self._cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     @property
     def block_compact(self) -> bool:
@@ -127,38 +146,45 @@ class GroupIO:
 
     def _gather_cuda(self, block_ids: Sequence[int], out: torch.Tensor) -> Done:
         engine = torch.cuda.current_stream(self.device)
-        side = self._stream
-        n = len(block_ids)
+        side = self._save_stream
         with torch.cuda.stream(side):
             side.wait_stream(engine)  # the forward that wrote these blocks
-            idx = torch.tensor(block_ids, dtype=torch.long, pin_memory=True)
-            idx = idx.to(self.device, non_blocking=True)
-            buf = self._device_buffer(n)
-            off = 0
-            for lay in self.layers:
-                src = lay.flat if lay.flat is not None else lay.tensor
-                buf[:, off : off + lay.page].copy_(_as_bytes(src.index_select(0, idx), lay.page))
-                off += lay.page
-            gathered = torch.cuda.Event()
-            gathered.record(side)
-            out.copy_(buf, non_blocking=True)
+            for start in range(0, len(block_ids), self._rows):
+                ids = block_ids[start : start + self._rows]
+                idx = torch.tensor(ids, dtype=torch.long, pin_memory=True)
+                idx = idx.to(self.device, non_blocking=True)
+                buf = self._device_buffer("save", len(ids))
+                off = 0
+                for lay in self.layers:
+                    src = lay.flat if lay.flat is not None else lay.tensor
+                    buf[:, off : off + lay.page].copy_(_as_bytes(src.index_select(0, idx), lay.page))
+                    off += lay.page
+                if start + self._rows >= len(block_ids):  # every block read: the engine may go on
+                    gathered = torch.cuda.Event()
+                    gathered.record(side)
+                out[start : start + len(ids)].copy_(buf, non_blocking=True)  # before buf is reused
             landed = torch.cuda.Event()
             landed.record(side)
-        engine.wait_event(gathered)  # the next forward may overwrite the blocks only after this
+        # The next forward may overwrite the blocks only after the device-side gathers (not
+        # the last transfer to the host, which the caller waits for).
+        engine.wait_event(gathered)
         return Done(landed)
 
-    def _device_buffer(self, n: int) -> torch.Tensor:
-        if self._dev_buf is None or self._dev_buf.shape[0] < n:
-            self._dev_buf = torch.empty((max(n, 16), self.object_bytes), dtype=torch.uint8,
-                                        device=self.device)
-        return self._dev_buf[:n]
+    def _device_buffer(self, direction: str, n: int) -> torch.Tensor:
+        buf = self._bufs.get(direction)
+        if buf is None or buf.shape[0] < n:
+            buf = torch.empty((min(max(n, 16), self._rows), self.object_bytes), dtype=torch.uint8,
+                              device=self.device)
+            self._bufs[direction] = buf
+        return buf[:n]
 
     # -- scatter: host -> blocks -----------------------------------------------------------------
 
-    def scatter(self, block_ids: Sequence[int], src: torch.Tensor) -> None:
+    def scatter(self, block_ids: Sequence[int], src: torch.Tensor, after: Any = None) -> None:
         """Write ``src`` (host, uint8 [n, object bytes]) into blocks ``block_ids``; returns once
         the bytes are in the blocks. The blocks must not be in use by the engine meanwhile
-        (a load writes only a request's fresh blocks)."""
+        (a load writes only a request's fresh blocks); ``after`` (from ``mark``) orders the
+        writes after the engine's work queued when the load was handed over."""
         self._check(block_ids, src)
         if not block_ids:
             return
@@ -177,19 +203,23 @@ class GroupIO:
                     lay.tensor.index_copy_(0, idx, _from_bytes(part.contiguous(), lay.tensor))
                 off += lay.page
             return
-        side = self._stream
+        side = self._load_stream
         with torch.cuda.stream(side):
-            idx = torch.tensor(block_ids, dtype=torch.long).to(self.device)
-            buf = self._device_buffer(len(block_ids))
-            buf.copy_(src)
-            off = 0
-            for lay in self.layers:
-                part = buf[:, off : off + lay.page].contiguous()
-                if lay.flat is not None:
-                    lay.flat.index_copy_(0, idx, part)
-                else:
-                    lay.tensor.index_copy_(0, idx, _from_bytes(part, lay.tensor))
-                off += lay.page
+            if after is not None:
+                side.wait_event(after)
+            for start in range(0, len(block_ids), self._rows):
+                ids = block_ids[start : start + self._rows]
+                idx = torch.tensor(ids, dtype=torch.long).to(self.device)
+                buf = self._device_buffer("load", len(ids))
+                buf.copy_(src[start : start + len(ids)])
+                off = 0
+                for lay in self.layers:
+                    part = buf[:, off : off + lay.page].contiguous()
+                    if lay.flat is not None:
+                        lay.flat.index_copy_(0, idx, part)
+                    else:
+                        lay.tensor.index_copy_(0, idx, _from_bytes(part, lay.tensor))
+                    off += lay.page
         side.synchronize()
 
 

@@ -60,9 +60,10 @@ def kv_transfer_config(store: str, role: str, namespace: str, capture: str,
     }
 
 
-#: Seconds a saving server is given to stop (``--shutdown-timeout``): it finishes running
-#: requests and stores its queued saves (``save_drain_timeout``) within them.
-SHUTDOWN_TIMEOUT = 30
+#: Seconds a saving server is given to stop (``--shutdown-timeout``), and its workers to exit:
+#: more than a worker's ``save_drain_timeout`` (30 s by default), so a drain is not cut short.
+SHUTDOWN_TIMEOUT = 45
+WORKER_SHUTDOWN_TIMEOUT = 40
 #: vLLM's own wait for a worker process to exit; its default (5 s) may cut a drain short.
 WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 
@@ -72,7 +73,7 @@ def serve_env(environ: dict[str, str], role: str) -> dict[str, str]:
     (unless the operator set vLLM's variable)."""
     env = dict(environ)
     if role in ("kv_producer", "kv_both"):
-        env.setdefault(WORKER_SHUTDOWN_ENV, str(SHUTDOWN_TIMEOUT))
+        env.setdefault(WORKER_SHUTDOWN_ENV, str(WORKER_SHUTDOWN_TIMEOUT))
     return env
 
 

@@ -157,8 +157,11 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self.worker
         if worker is None:
             return None
-        settled: list[str] = self.guard.call("build_connector_worker_meta", worker.take_settled, lambda: [])
-        return SavesSettled(Counter(settled)) if settled else None
+        settled: list[tuple[str, bool]] = self.guard.call("build_connector_worker_meta", worker.take_settled,
+                                                          lambda: [])
+        if not settled:
+            return None
+        return SavesSettled(Counter(sid for sid, _ in settled), Counter(sid for sid, ok in settled if not ok))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta

@@ -49,8 +49,11 @@ class SavesSettled(KVConnectorWorkerMetadata):
     ``save_id``, with how many ranks settled each (vLLM sums the ranks' reports)."""
 
     ranks: Counter[str] = field(default_factory=Counter)
+    # saves some rank did not fully publish (dropped, failed, refused), by ranks
+    failed: Counter[str] = field(default_factory=Counter)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> SavesSettled:
         if isinstance(other, SavesSettled):
             self.ranks.update(other.ranks)
+            self.failed.update(other.failed)
         return self

@@ -53,7 +53,7 @@ def preflight(vllm_config: Any, shape: CacheShape, settings: ConnectorSettings, 
     if role in ("kv_producer", "kv_both") and settings.save_staging_mib and \
             not int(getattr(vllm_config, "shutdown_timeout", 0) or 0):
         out.append("shutdown_timeout is 0: on SIGTERM vLLM kills the engine at once and saves still "
-                   "queued for the store are lost; serve with --shutdown-timeout 30 (prefixvault "
+                   "queued for the store are lost; serve with --shutdown-timeout 45 (prefixvault "
                    "serve sets it)")
     if max_len and bs >= max_len:
         out.append(f"block size {bs} is not below max_model_len {max_len}: no prompt can leave a "

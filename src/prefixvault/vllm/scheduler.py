@@ -124,6 +124,7 @@ class SchedulerSide:
         # hashes, ranks still to report, when planned); and how many of them name each hash.
         # Written on the scheduler's thread only; the lookup thread only asks ``in``.
         self._saving: dict[str, tuple[list[bytes], int, float]] = {}
+        self._save_parent: dict[str, tuple[str, int]] = {}  # save_id -> (request, its parent boundary)
         self._saving_hashes: Counter[bytes] = Counter()
 
     def close(self) -> None:
@@ -229,7 +230,14 @@ class SchedulerSide:
         return bool(saving) and any(h in saving for h in hashes)
 
     def settle(self, report: SavesSettled) -> None:
-        """Workers' reports of saves stored or dropped: lookups they held may go on."""
+        """Workers' reports of saves stored or dropped: lookups they held may go on. A save not
+        published makes its request plan the next one from that save's parent again (its later
+        boundaries would otherwise name a parent record that never came)."""
+        for sid in report.failed:
+            req_id, parent = self._save_parent.get(sid, ("", -1))
+            st = self._reqs.get(req_id)
+            if st is not None and parent >= 0:
+                st.saved = min(st.saved, parent)
         for sid, ranks in report.ranks.items():
             entry = self._saving.get(sid)
             if entry is None:
@@ -242,6 +250,7 @@ class SchedulerSide:
 
     def _forget_save(self, sid: str) -> None:
         hashes, _, _ = self._saving.pop(sid)
+        self._save_parent.pop(sid, None)
         self._saving_hashes.subtract(hashes)
         for h in hashes:
             if self._saving_hashes[h] <= 0:
@@ -397,7 +406,9 @@ class SchedulerSide:
         spec = SaveSpec(req_id, self._hashes(st, top), list(decision.publishable), st.saved)
         st.saved = max(st.saved, top)
         boundaries = [spec.hashes[p.tokens // bs - 1] for p in spec.plans]
-        self._saving[save_id(self._step, req_id)] = (boundaries, self.layout.world_size, time.monotonic())
+        sid = save_id(self._step, req_id)
+        self._saving[sid] = (boundaries, self.layout.world_size, time.monotonic())
+        self._save_parent[sid] = (req_id, spec.parent)
         self._saving_hashes.update(boundaries)
         return spec
 

@@ -15,6 +15,7 @@ reads or writes them meanwhile.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 from collections.abc import Sequence
@@ -59,7 +60,10 @@ class WorkerSide:
         self._io: list[GroupIO] = []  # per cache group: copies between its layers' blocks and host bytes
         self._finished_loads: set[str] = set()  # guarded by _lock (the load thread adds to them)
         self._failed_loads: set[str] = set()
-        self._settled: list[str] = []  # saves stored or dropped since the last report; under _lock
+        # Saves settled since the last report, with whether every boundary was published (a
+        # save dropped or failed is not: the scheduler then plans the next one from further
+        # back); under _lock.
+        self._settled: list[tuple[str, bool]] = []
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-load")
         # No staging budget: saves are stored in the step, as they are copied. Allocated once the
@@ -122,23 +126,36 @@ class WorkerSide:
 
     def save(self, specs: Sequence[SaveSpec], step: int = 0) -> None:
         """Copy this step's saves out of the engine's blocks; store them on the save thread
-        (or here, without a staging budget)."""
+        (or here, without a staging budget). Every save is settled, whatever happens to it."""
         if self.vault is None:
             return
         for spec in specs:
             sid = save_id(step, spec.req_id)
-            if not self._staging_bytes:
-                self._store(spec, self._gather, self._gather_into)
-                self._settle(sid)
+            try:
+                if not self._staging_bytes:
+                    self._settle(sid, self._store(spec, self._gather, self._gather_into))
+                    continue
+                staged = self._stage(spec)
+            except Exception as e:  # one save's error of ours costs that save only
+                log.warning("prefixvault: save for request %s not staged: %s", spec.req_id, e)
+                self.counters.save_errors += 1
+                self._settle(sid, False)
                 continue
-            staged = self._stage(spec)
             if staged is None:
-                self._settle(sid)
+                self._settle(sid, False)
                 continue
             with self._idle:
                 self._in_flight += 1
                 self._queue.append((sid, spec, *staged))
-            self._saver.submit(self._store_queued)
+            try:
+                self._saver.submit(self._store_queued)
+            except RuntimeError:  # shut down meanwhile: nothing will store it
+                with self._idle:
+                    self._queue = [q for q in self._queue if q[0] != sid]
+                    self._in_flight -= 1
+                if self._staging is not None:
+                    self._staging.release(staged[0])
+                self._settle(sid, False)
 
     def _stage(self, spec: SaveSpec) -> tuple[Reservation, dict[str, memoryview], list[Done]] | None:
         """The spec's objects copied into one staging reservation, one gather per cache
@@ -149,6 +166,8 @@ class WorkerSide:
         for ref, block_id in objects:
             by_group.setdefault(ref.group, []).append((ref, block_id))
         total = sum(len(objs) * self._io[g].object_bytes for g, objs in by_group.items())
+        if not total:  # nothing to copy (records only): no staging, nothing to hand back
+            return Reservation(0, 0, memoryview(b""), released=True), {}, []
         r = self._staging.reserve(total)
         if r is None:
             reason = "too_large" if total > self._staging.capacity else "staging_full"
@@ -183,23 +202,32 @@ class WorkerSide:
             batch, self._queue = self._queue, []
         if not batch:
             return  # an earlier call took them
+        outcomes = [False] * len(batch)
         try:
             payloads: dict[str, memoryview] = {}
             for _, _, _, staged, copies in batch:
                 for c in copies:
                     c.wait()
                 payloads.update(staged)
-            self._store_many([spec for _, spec, _, _, _ in batch], lambda ref, _block: payloads[ref.key])
+            outcomes = self._store_many([spec for _, spec, _, _, _ in batch],
+                                        lambda ref, _block: payloads[ref.key])
+        except Exception as e:  # logged here: nothing else sees this thread's errors
+            log.warning("prefixvault: %d saves failed: %s", len(batch), e)
+            self.counters.save_errors += len(batch)
         finally:
             assert self._staging is not None
-            for sid, _, r, _, _ in batch:
+            for (sid, _, r, _, copies), ok in zip(batch, outcomes, strict=True):
+                for c in copies:
+                    with contextlib.suppress(Exception):
+                        c.wait()  # never hand back memory a copy may still write
                 self._staging.release(r)
-                self._settle(sid)
+                self._settle(sid, ok)
             with self._idle:
                 self._in_flight -= len(batch)
                 self._idle.notify_all()
 
-    def _store_many(self, specs: Sequence[SaveSpec], read: Any) -> None:
+    def _store_many(self, specs: Sequence[SaveSpec], read: Any) -> list[bool]:
+        """Whether each save's boundaries were all published."""
         assert self.vault is not None
         try:
             all_acks = self.vault.save_many(self.rank, [(s.hashes, s.plans) for s in specs], read)
@@ -207,11 +235,10 @@ class WorkerSide:
             self.counters.save_errors += len(specs)
             log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
                     "prefixvault: %d saves failed: %s", len(specs), e)
-            return
-        for spec, acks in zip(specs, all_acks, strict=True):
-            self._publish(spec, acks)
+            return [False] * len(specs)
+        return [self._publish(spec, acks) for spec, acks in zip(specs, all_acks, strict=True)]
 
-    def _store(self, spec: SaveSpec, read: Any, read_into: Any) -> None:
+    def _store(self, spec: SaveSpec, read: Any, read_into: Any) -> bool:
         assert self.vault is not None
         try:
             acks = self.vault.save(self.rank, spec.hashes, spec.plans, read, read_into)
@@ -219,28 +246,31 @@ class WorkerSide:
             self.counters.save_errors += 1
             log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
                     "prefixvault: save for request %s failed: %s", spec.req_id, e)
-            return
-        self._publish(spec, acks)
+            return False
+        return self._publish(spec, acks)
 
-    def _publish(self, spec: SaveSpec, acks: Sequence[RankAck]) -> None:
+    def _publish(self, spec: SaveSpec, acks: Sequence[RankAck]) -> bool:
+        """Publish one save's boundaries; whether all of them are published now."""
         assert self.vault is not None
         self.counters.save_errors += sum(not a.ok for a in acks)
         self.counters.saved_boundaries += sum(a.ok for a in acks)
         try:
             results = self.vault.publish(spec.hashes, acks, parent=spec.parent)
             self.counters.published += sum(why is None for why in results.values())
+            return bool(results) and all(why is None for why in results.values())
         except Exception as e:  # a store problem costs future hits, never this request
             self.counters.save_errors += 1
             # an open breaker was said once when it opened; not once per request
             log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
                     "prefixvault: save for request %s failed: %s", spec.req_id, e)
+            return False
 
-    def _settle(self, sid: str) -> None:
+    def _settle(self, sid: str, published: bool) -> None:
         with self._lock:
-            self._settled.append(sid)
+            self._settled.append((sid, published))
 
-    def take_settled(self) -> list[str]:
-        """Saves stored or dropped since the last call (``save_id``s)."""
+    def take_settled(self) -> list[tuple[str, bool]]:
+        """Saves stored or dropped since the last call: (``save_id``, all published)."""
         with self._lock:
             out, self._settled = self._settled, []
         return out
@@ -248,14 +278,16 @@ class WorkerSide:
     # -- load -------------------------------------------------------------------------------------
 
     def load(self, specs: Sequence[LoadSpec]) -> None:
-        """Queue the loads on the load thread; each is reported by ``take_finished`` once done."""
+        """Queue the loads on the load thread; each is reported by ``take_finished`` once done.
+        On a device, the writes wait for the engine's work queued by now (``GroupIO.mark``)."""
+        marks = [io.mark() for io in self._io]
         for spec in specs:
-            self._loader.submit(self._load_and_report, spec)
+            self._loader.submit(self._load_and_report, spec, marks)
 
-    def _load_and_report(self, spec: LoadSpec) -> None:
+    def _load_and_report(self, spec: LoadSpec, marks: Sequence[Any] = ()) -> None:
         ok = False
         try:
-            ok = self._load_one(spec)
+            ok = self._load_one(spec, marks)
         except Exception as e:  # any error of ours or of the store: the request recomputes
             log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
                     "prefixvault: load for request %s failed: %s", spec.req_id, e)
@@ -288,7 +320,7 @@ class WorkerSide:
         with self._lock:
             counts[reason] = counts.get(reason, 0) + 1
 
-    def _load_one(self, spec: LoadSpec) -> bool:
+    def _load_one(self, spec: LoadSpec, marks: Sequence[Any] = ()) -> bool:
         assert self.vault is not None
         bs = self.layout.block_size
         refs = self.vault.needed(spec.hashes, spec.tokens, ranks=[self.rank], since=spec.local_tokens)
@@ -321,7 +353,7 @@ class WorkerSide:
                 src = torch.empty((len(items), io.object_bytes), dtype=torch.uint8, pin_memory=True)
                 for j, (payload, _) in enumerate(items):
                     src[j].copy_(_host(payload, 1)[0])
-                io.scatter([b for _, b in items], src)
+                io.scatter([b for _, b in items], src, after=marks[g] if g < len(marks) else None)
         return True
 
     def take_finished(self) -> tuple[set[str], set[str]]:
