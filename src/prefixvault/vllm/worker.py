@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from prefixvault.blockio import Done, GroupIO
+from prefixvault.boundary import Refusal
 from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheLayout
 from prefixvault.staging import Reservation, StagingRing
@@ -257,7 +258,9 @@ class WorkerSide:
         try:
             results = self.vault.publish(spec.hashes, acks, parent=spec.parent)
             self.counters.published += sum(why is None for why in results.values())
-            return bool(results) and all(why is None for why in results.values())
+            # MISSING_RANK: another rank has not stored its objects yet; the last one to
+            # finish publishes (Vault.publish), so this rank's part is done.
+            return bool(results) and all(why in (None, Refusal.MISSING_RANK) for why in results.values())
         except Exception as e:  # a store problem costs future hits, never this request
             self.counters.save_errors += 1
             # an open breaker was said once when it opened; not once per request
