@@ -154,3 +154,30 @@ def test_a_lookup_past_its_timeout_is_a_miss() -> None:
     assert side.get_num_new_matched_tokens(req, 0) == (0, False)
     assert slow_vault.counters.misses["lookup_timeout"] == 1
     side.close()
+
+
+def test_lookups_that_arrive_together_share_round_trips() -> None:
+    """Over a slow store, requests that arrive while a lookup runs are looked up together:
+    two round trips for all of them, not two each."""
+    slow = SlowStore(0.0)
+    vault = Vault(slow, layout())
+    fill(vault, TOKENS, [16, 40])
+    calls: list[int] = []
+    touch = slow.touch_many
+
+    def counted(keys: Sequence[str]) -> list[bool]:
+        calls.append(len(keys))
+        return touch(keys)
+
+    slow.touch_many = counted  # type: ignore[method-assign]
+    slow.delay = 0.1
+    side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=False)
+    reqs = [SimpleNamespace(request_id=f"b{i}", prompt_token_ids=[*TOKENS[: 41 + i], 900 + i],
+                            num_tokens=42 + i, cache_salt=None, lora_request=None, mm_features=None)
+            for i in range(5)]
+    for r in reqs:  # one step: the first lookup starts, the other four queue behind it
+        assert side.get_num_new_matched_tokens(r, 0) == (None, False)
+    assert [ask_side(side, r) for r in reqs] == [(40, True)] * 5
+    assert len(calls) <= 4, calls  # the first alone (or not), then the queued ones together: not 10
+    assert vault.counters.lookups == 5
+    side.close()

@@ -231,3 +231,23 @@ def test_store_errors_propagate_to_the_adapter() -> None:
     vault = Vault(DownStore(), layout())
     with pytest.raises(ConnectionError):
         vault.lookup(vault.hashes(list(range(32))), 32)
+
+
+def test_lookups_together_cost_the_round_trips_of_one() -> None:
+    store = CountingStore()
+    vault = Vault(store, layout())
+    tokens = list(range(64))
+    fill(vault, tokens, [16, 40])
+    asks = [
+        (vault.hashes([*tokens[:50], 999]), 51, 0),  # hits 40
+        (vault.hashes([*tokens[:20], 7, 7, 7, 7]), 24, 0),  # hits 16
+        (vault.hashes(list(range(500, 540))), 40, 0),  # nothing published
+        (vault.hashes(tokens[:5]), 5, 0),  # shorter than a block: no round trip needed
+        (vault.hashes([*tokens[:50], 999]), 51, 40),  # the engine has 40 already
+    ]
+    alone = [vault.lookup_explained(*a) for a in asks]
+    store.calls.clear()
+    together = vault.lookup_many(asks)
+    assert together == alone
+    assert [r.hit for r in together] == [40, 16, 0, 0, 0]
+    assert store.calls == ["touch", "touch"]

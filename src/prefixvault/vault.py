@@ -19,7 +19,7 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -435,6 +435,40 @@ class Vault:
         longest published boundary (two keys), so that a miss says whether the prefix's KV
         was stored further while no exact state was kept there.
         """
+        return self.lookup_many([(hashes, prompt_tokens, min_tokens)])[0]
+
+    def lookup_many(self, asks: Sequence[tuple[Sequence[bytes], int, int]]) -> list[LookupResult]:
+        """``lookup_explained`` for several prompts, (hashes, prompt tokens, min tokens) each,
+        in the round trips of one: each round trip touches the keys of every lookup still
+        going, so lookups that arrive together over a slow store cost two round trips, not two
+        each."""
+        steps = [self._lookup_steps(h, n, m) for h, n, m in asks]
+        results: list[LookupResult | None] = [None] * len(steps)
+        pending: dict[int, list[str]] = {}
+        for i, step in enumerate(steps):
+            try:
+                pending[i] = next(step)
+            except StopIteration as done:
+                results[i] = done.value
+        while pending:
+            order = list(pending.items())
+            flags = self.store.touch_many([k for _, keys in order for k in keys])
+            pending, pos = {}, 0
+            for i, keys in order:
+                got = flags[pos : pos + len(keys)]
+                pos += len(keys)
+                try:
+                    pending[i] = steps[i].send(got)
+                except StopIteration as done:
+                    results[i] = done.value
+        assert all(r is not None for r in results)
+        return [r for r in results if r is not None]
+
+    def _lookup_steps(
+        self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int
+    ) -> Generator[list[str], list[bool], LookupResult]:
+        """One lookup as the keys it touches, round trip by round trip (``lookup_many`` sends
+        each answer back); returns its result."""
         self.counters.lookups += 1
         bs = self.layout.block_size
         limit = min(max_resume_tokens(prompt_tokens, bs), len(hashes) * bs)
@@ -446,7 +480,7 @@ class Vault:
         # Touches: a hit keeps its records, objects and the layout fresh for the store's eviction.
         record_keys = [rprefix + hexes[b // bs - 1] for b in candidates]
         probes = self._probes(hexes[0])  # past boundary 0: the first block
-        exists = self.store.touch_many([self.keys.layout(), *record_keys, *probes])
+        exists = yield [self.keys.layout(), *record_keys, *probes]
         published = [b for b, e in zip(candidates, exists[1 : 1 + len(candidates)], strict=True) if e]
         if published and not exists[0]:
             self.keep_layout(present=False)  # evicted or removed: write it again (rare)
@@ -465,7 +499,7 @@ class Vault:
                     wanted.append((gi, rank, self.keys.block_prefix(gi, rank), range(first, top)))
         keys = [prefix + hexes[i] for _, _, prefix, idx in wanted for i in idx]
         probes = self._probes(hexes[top]) if top * bs < limit else []  # past the top published
-        flags = self.store.touch_many([*keys, *probes])
+        flags = yield [*keys, *probes]
         probed = flags[len(keys) :]
         # missing[g][i]: missing blocks of group g with index < i (over all ranks), for blocks;
         # the set of boundaries whose state is missing, for states.

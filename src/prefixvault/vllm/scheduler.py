@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import socket
+import threading
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -70,6 +71,10 @@ def extra_keys(request: Any) -> ExtraKeys:
     return ExtraKeys(lora=lora_key_, cache_salt=getattr(request, "cache_salt", None), multimodal=tuple(mm))
 
 
+#: What a lookup answers: the prompt's chain hashes, and its result (None: held for a save).
+_Answer = tuple[list[bytes], LookupResult | None]
+
+
 @dataclass
 class _Request:
     prompt: list[int]  # what the request's lookup is for
@@ -85,7 +90,7 @@ class _Request:
     saved: int = 0  # highest boundary already handed to workers to save
     loads: int = 0  # loads issued; a request reset after a load looks up afresh
     last_capture: int = 0
-    lookup: Future[tuple[list[bytes], LookupResult | None]] | None = None  # on the lookup thread
+    lookup: Future[_Answer] | None = None  # queued for, or running on, the lookup thread
     lookup_since: float = 0.0
     held: bool = False  # its lookup found a save of its prefix in flight; it waits for it once
 
@@ -119,6 +124,11 @@ class SchedulerSide:
         self.counters = SchedulerCounters()
         # One thread: the scheduler's store calls stay in order, and never run in its step.
         self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-lookup")
+        self._queue_lock = threading.Lock()
+        # Lookups waiting for the lookup thread: (future, prompt, extra keys, known hashes,
+        # prompt tokens, tokens the engine has, saves in flight); under _queue_lock.
+        self._queue: list[tuple[Future[_Answer], list[int], ExtraKeys, list[bytes], int, int,
+                                Counter[bytes] | None]] = []
         self._wait_left = LOOKUP_WAIT_S  # what this step may still wait for new lookups
         # Saves planned and not yet reported settled by every rank: save_id -> (boundary
         # hashes, ranks still to report, when planned); and how many of them name each hash.
@@ -198,9 +208,9 @@ class SchedulerSide:
                         return None, False
                 else:
                     self.counters.lookups += 1
-                st.lookup = self._lookups.submit(self._lookup, self.vault, list(st.prompt), st.extra,
-                                                 list(st.hashes), request.num_tokens, num_computed_tokens,
-                                                 self._saving_hashes if hold else None)
+                st.lookup = self._submit_lookup(list(st.prompt), st.extra, list(st.hashes),
+                                                request.num_tokens, num_computed_tokens,
+                                                self._saving_hashes if hold else None)
                 st.lookup_since = time.monotonic()
                 wait = self._wait_left  # one budget per step, however many requests are new
             else:
@@ -215,15 +225,49 @@ class SchedulerSide:
             return st.hit - num_computed_tokens, True
         return 0, False
 
-    @staticmethod
-    def _lookup(vault: Vault, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
-                min_tokens: int, saving: Counter[bytes] | None) -> tuple[list[bytes], LookupResult | None]:
-        """On the lookup thread: hash the prompt, then look it up (it touches no request state);
-        None instead of an answer if ``saving`` names a boundary of it (a save in flight)."""
-        hashes = vault.hashes(prompt, extra, known)
-        if saving and any(h in saving for h in hashes):
-            return hashes, None
-        return hashes, vault.lookup_explained(hashes, num_tokens, min_tokens)
+    def _submit_lookup(self, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
+                       min_tokens: int, saving: Counter[bytes] | None) -> Future[_Answer]:
+        """Queue a lookup for the lookup thread, which takes every lookup queued by then as one
+        batch (``Vault.lookup_many``: two round trips for all of them)."""
+        future: Future[_Answer] = Future()
+        with self._queue_lock:
+            self._queue.append((future, prompt, extra, known, num_tokens, min_tokens, saving))
+        self._lookups.submit(self._run_lookups)
+        return future
+
+    def _run_lookups(self) -> None:
+        """On the lookup thread: hash each queued prompt, then look them up together (it touches
+        no request state). A prompt naming a boundary in ``saving`` (a save in flight) answers
+        None instead; a store error fails every lookup of the batch (each is then a miss)."""
+        with self._queue_lock:
+            batch, self._queue = self._queue, []
+        asks: list[tuple[list[bytes], int, int]] = []
+        waiting: list[tuple[Future[_Answer], list[bytes]]] = []
+        for future, prompt, extra, known, num_tokens, min_tokens, saving in batch:
+            if not future.set_running_or_notify_cancel():
+                continue  # timed out or finished while queued
+            try:
+                assert self.vault is not None
+                hashes = self.vault.hashes(prompt, extra, known)
+            except Exception as e:
+                future.set_exception(e)
+                continue
+            if saving and any(h in saving for h in hashes):
+                future.set_result((hashes, None))
+                continue
+            asks.append((hashes, num_tokens, min_tokens))
+            waiting.append((future, hashes))
+        if not asks:
+            return
+        try:
+            assert self.vault is not None
+            found = self.vault.lookup_many(asks)
+        except Exception as e:
+            for future, _ in waiting:
+                future.set_exception(e)
+            return
+        for (future, hashes), result in zip(waiting, found, strict=True):
+            future.set_result((hashes, result))
 
     def _saving_any(self, hashes: list[bytes]) -> bool:
         saving = self._saving_hashes
