@@ -121,3 +121,4 @@ def test_serve_prints_the_vllm_command() -> None:
     line = res.stdout.strip()
     assert "some/model --enable-prefix-caching --mamba-cache-mode align --kv-transfer-config " in line
     assert '"kv_connector_module_path": "prefixvault.vllm"' in line and line.endswith("--port 8011")
+    assert "--shutdown-timeout 45" in line  # a saving server stores its queued saves on SIGTERM

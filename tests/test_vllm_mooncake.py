@@ -120,12 +120,16 @@ def test_holder_stalled_while_the_producer_saves(
     seed: Seed, cold: list[Completion], cluster: MooncakeCluster, workdir: Path
 ) -> None:
     """Puts time out: the producer completes, publishes nothing it could not store, and a
-    consumer afterwards still matches cold."""
+    consumer afterwards still matches cold. Saves are stored in the step here
+    (``save_staging_mib: 0``) so that the failed puts are counted before the engine reports its
+    metrics; staged saves meet the same errors on the save thread (tests/test_worker_saves.py)."""
     store = cluster.uri(timeout=TIMEOUT)
     pid = _holder_pid(cluster)
     _stop(pid)
     try:
-        produced, metrics = engine(seed, "kv_producer", [seed.cases[1].tokens], store, workdir / "save-stall")
+        produced, metrics = run_with_metrics(
+            seed, spec(seed, "kv_producer", [seed.cases[1].tokens], [""], store,
+                       extra_config={"save_staging_mib": 0}), workdir / "save-stall")
         assert identical(cold[1], produced[0])
         assert metrics.get("save_errors", 0) >= 1, metrics  # the puts really met the stall
         assert metrics.get("records_published", 0) == 0, metrics

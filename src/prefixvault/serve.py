@@ -104,11 +104,11 @@ def serve_command(
         cmd += ["--mamba-cache-mode", "align"]
     if _has(extra, "--kv-transfer-config"):
         raise ValueError("--kv-transfer-config is set by prefixvault serve; use --store/--role instead")
+    ktc = kv_transfer_config(store, role, namespace, capture, secret_file, secret_env)
+    cmd += ["--kv-transfer-config", json.dumps(ktc)]
     if role in ("kv_producer", "kv_both") and not _has(extra, "--shutdown-timeout"):
         # vLLM's default (0) kills the engine at once on SIGTERM: saves still queued are lost.
         cmd += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
-    ktc = kv_transfer_config(store, role, namespace, capture, secret_file, secret_env)
-    cmd += ["--kv-transfer-config", json.dumps(ktc)]
     return cmd + list(extra)
 
 
