@@ -53,7 +53,9 @@ def run_seed(model: Path, profile: str, seed: int, args: argparse.Namespace, wor
     def serve(tag: str, command: list[str], runs: list[list[str]]
               ) -> tuple[list[list[str]], dict[str, float]]:
         texts, metrics = [], {}
-        with server(command, work / f"{tag}-{seed}.log") as url:
+        # The same reserved core for every server: vLLM CPU reserves one more for a KV
+        # connector, and other OpenMP thread counts give other sums (bench/serving.py).
+        with server(command, work / f"{tag}-{seed}.log", env={"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}) as url:
             for i, bench_args in enumerate(runs):
                 texts.append(_texts(benchmark(url, name, work / f"{tag}-{seed}-{i}.json", bench_args)))
             for m in ("vllm:external_prefix_cache_hits_total", "vllm:prefix_cache_hits_total",
