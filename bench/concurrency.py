@@ -29,7 +29,7 @@ from typing import Any
 
 from prefixvault.serve import engine_flags, serve_command, vllm_command
 from prefixvault.testing.models import build_model, engine_kwargs
-from prefixvault.testing.servers import benchmark, metric, prefix_repetition, server
+from prefixvault.testing.servers import add_workload_args, benchmark, metric, prefix_repetition, server
 
 
 def _texts(result: dict[str, Any]) -> list[str]:
@@ -99,14 +99,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", default="gdn-hybrid")
     p.add_argument("--seeds", type=int, nargs="+", default=[7])
-    p.add_argument("--batched", type=int, default=512, help="--max-num-batched-tokens")
-    p.add_argument("--prefix", type=int, default=2048)
-    p.add_argument("--suffix", type=int, default=512)
-    p.add_argument("--prefixes", type=int, default=4)
-    p.add_argument("--output", type=int, default=64)
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--workdir", default="", help="keep servers' logs and results here")
+    add_workload_args(p)
     args = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="pv-concurrency-") as tmp:
         work = Path(args.workdir or tmp)

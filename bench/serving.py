@@ -29,7 +29,7 @@ from typing import Any
 
 from prefixvault.serve import engine_flags, serve_command, vllm_command
 from prefixvault.testing.models import build_model, engine_kwargs
-from prefixvault.testing.servers import benchmark, metric, prefix_repetition, server
+from prefixvault.testing.servers import add_workload_args, benchmark, metric, prefix_repetition, server
 
 FIGURES = ("mean_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
 GOALS = {"p99_itl_ms": 1.1, "mean_ttft_ms": 0.5}  # consumer/cold at most
@@ -110,15 +110,8 @@ def main() -> None:
     p.add_argument("--profile", default="gdn-hybrid")
     p.add_argument("--store", choices=["local", "redis"], default="local")
     p.add_argument("--redis-delay-ms", type=float, default=20.0)
-    p.add_argument("--batched", type=int, default=512, help="--max-num-batched-tokens")
-    p.add_argument("--prefix", type=int, default=2048)
-    p.add_argument("--suffix", type=int, default=512)
-    p.add_argument("--prefixes", type=int, default=4)
-    p.add_argument("--output", type=int, default=64)
-    p.add_argument("--prompts", type=int, default=32)
-    p.add_argument("--concurrency", type=int, default=8)
+    add_workload_args(p)
     p.add_argument("--seed", type=int, default=7)
-    p.add_argument("--workdir", default="", help="keep servers' logs and results here")
     p.add_argument("--reserved-cpus", type=int, default=1,
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server (vLLM CPU)")
     p.add_argument("--connector-path", default="",

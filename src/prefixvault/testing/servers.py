@@ -88,6 +88,18 @@ def benchmark(url: str, model: str, result: Path, args: Sequence[str], timeout: 
     return data
 
 
+def add_workload_args(parser: Any) -> None:
+    """The server benches' shared workload options (``prefix_repetition``'s, and where results go)."""
+    parser.add_argument("--batched", type=int, default=512, help="--max-num-batched-tokens")
+    parser.add_argument("--prefix", type=int, default=2048)
+    parser.add_argument("--suffix", type=int, default=512)
+    parser.add_argument("--prefixes", type=int, default=4)
+    parser.add_argument("--output", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--workdir", default="", help="keep servers' logs and results here")
+
+
 def prefix_repetition(prefix: int, suffix: int, prefixes: int, output: int, prompts: int, concurrency: int,
                       seed: int) -> list[str]:
     """Benchmark arguments for vLLM's prefix_repetition workload, greedy and full length."""
