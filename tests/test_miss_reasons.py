@@ -68,7 +68,7 @@ def test_another_salt_or_namespace_is_no_record() -> None:
 
 
 class DownStore(MemoryStore):
-    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+    def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
         raise StoreUnavailable("down")
 
 
@@ -117,11 +117,11 @@ class SlowStore(MemoryStore):
         super().__init__()
         self.delay = delay
 
-    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+    def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
         import time
 
         time.sleep(self.delay)
-        return super().touch_many(keys)
+        return super().touch_many(keys, touch)
 
 
 def test_a_slow_lookup_never_holds_the_scheduler_and_answers_later() -> None:
@@ -165,9 +165,9 @@ def test_lookups_that_arrive_together_share_round_trips() -> None:
     calls: list[int] = []
     touch = slow.touch_many
 
-    def counted(keys: Sequence[str]) -> list[bool]:
+    def counted(keys: Sequence[str], marks: Sequence[bool] | None = None) -> list[bool]:
         calls.append(len(keys))
-        return touch(keys)
+        return touch(keys, marks)
 
     slow.touch_many = counted  # type: ignore[method-assign]
     slow.delay = 0.1

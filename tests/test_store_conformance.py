@@ -473,3 +473,28 @@ def test_closed_store_is_an_error_or_still_usable(any_store: Store) -> None:
     any_store.close()
     with contextlib.suppress(StoreError):
         assert any_store.get_many(["c"]) == [b"x"]
+
+
+@pytest.mark.parametrize("use", ["put", "touch"])
+@pytest.mark.parametrize("kind", ["local", "memory"])
+def test_keys_used_together_are_evicted_from_the_last(kind: str, use: str,
+                                                      store_uri_factory: UriFactory) -> None:
+    """The stores prefixvault evicts from keep the order of keys put or touched together (the
+    vault lists a prefix from its first block): what is left of them is always a prefix."""
+    with open_store(store_uri_factory(kind, capacity="32MiB")) as store:
+        chain = [f"chain/{i}" for i in range(40)]
+        if use == "put":
+            items = [(k, [pattern(i, OBJ)]) for i, k in enumerate(chain)]
+            assert store.put_many(items) == [True] * len(chain)
+        else:
+            _fill(store, chain, lambda: None)  # one by one: the first is the oldest
+            time.sleep(0.01)
+            assert store.touch_many(chain) == [True] * len(chain)
+        time.sleep(0.01)
+        for i in range(400):
+            _fill(store, [f"other/{i}"], lambda: None)
+            left = store.exists_many(chain)
+            assert left == sorted(left, reverse=True), f"evicted out of order: {left}"
+            if not left[0]:
+                break
+        assert not any(store.exists_many(chain))

@@ -35,9 +35,9 @@ class CountingStore(MemoryStore):
         self.calls.append("exists")
         return super().exists_many(keys)
 
-    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+    def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
         self.calls.append("touch")
-        return super().touch_many(keys)
+        return super().touch_many(keys, touch)
 
 
 def payload(ref: ObjectRef, block_id: int) -> bytes:

@@ -444,7 +444,7 @@ class Vault:
         each."""
         steps = [self._lookup_steps(h, n, m) for h, n, m in asks]
         results: list[LookupResult | None] = [None] * len(steps)
-        pending: dict[int, list[str]] = {}
+        pending: dict[int, tuple[list[str], list[bool]]] = {}
         for i, step in enumerate(steps):
             try:
                 pending[i] = next(step)
@@ -452,9 +452,10 @@ class Vault:
                 results[i] = done.value
         while pending:
             order = list(pending.items())
-            flags = self.store.touch_many([k for _, keys in order for k in keys])
+            flags = self.store.touch_many([k for _, (keys, _) in order for k in keys],
+                                          [t for _, (_, touch) in order for t in touch])
             pending, pos = {}, 0
-            for i, keys in order:
+            for i, (keys, _) in order:
                 got = flags[pos : pos + len(keys)]
                 pos += len(keys)
                 try:
@@ -466,9 +467,16 @@ class Vault:
 
     def _lookup_steps(
         self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int
-    ) -> Generator[list[str], list[bool], LookupResult]:
-        """One lookup as the keys it touches, round trip by round trip (``lookup_many`` sends
-        each answer back); returns its result."""
+    ) -> Generator[tuple[list[str], list[bool]], list[bool], LookupResult]:
+        """One lookup as the keys it checks, round trip by round trip (``lookup_many`` sends
+        each answer back); returns its result.
+
+        What it touches (keeps fresh for the store's eviction) and in which order: the
+        layout, the records, then the KV blocks from the first on, so a chain ages from its
+        tail. Of the states, only the one at the longest published boundary (the hit, unless
+        an object of it is gone) is touched: a state the hit passes over ages (a
+        conversation's earlier turns, once a later one is stored). Probes past the hit are
+        only checked."""
         self.counters.lookups += 1
         bs = self.layout.block_size
         limit = min(max_resume_tokens(prompt_tokens, bs), len(hashes) * bs)
@@ -477,11 +485,13 @@ class Vault:
             return self._result(0, limit, Miss.LOCAL_HIT if limit else Miss.SHORT_PROMPT)
         hexes = [h.hex() for h in hashes[: limit // bs]]
         rprefix = self.keys.record_prefix()
-        # Touches: a hit keeps its records, objects and the layout fresh for the store's eviction.
-        record_keys = [rprefix + hexes[b // bs - 1] for b in candidates]
+        # Records from the shortest boundary on (the tail of a chain ages first).
+        record_keys = [rprefix + hexes[b // bs - 1] for b in reversed(candidates)]
         probes = self._probes(hexes[0])  # past boundary 0: the first block
-        exists = yield [self.keys.layout(), *record_keys, *probes]
-        published = [b for b, e in zip(candidates, exists[1 : 1 + len(candidates)], strict=True) if e]
+        exists = yield ([self.keys.layout(), *record_keys, *probes],
+                        [True] * (1 + len(record_keys)) + [False] * len(probes))
+        published = [b for b, e in zip(reversed(candidates), exists[1 : 1 + len(candidates)], strict=True)
+                     if e][::-1]
         if published and not exists[0]:
             self.keep_layout(present=False)  # evicted or removed: write it again (rare)
         if not published:
@@ -498,9 +508,16 @@ class Vault:
                     first = needed_blocks(group, low * bs, bs).start
                     wanted.append((gi, rank, self.keys.block_prefix(gi, rank), range(first, top)))
         keys = [prefix + hexes[i] for _, _, prefix, idx in wanted for i in idx]
+        # Sent in chain order (each index's blocks, then the state at its end), blocks touched.
+        chain = [2 * i + self.layout.groups[gi].is_state for gi, _, _, idx in wanted for i in idx]
+        order = sorted(range(len(keys)), key=chain.__getitem__)
         probes = self._probes(hexes[top]) if top * bs < limit else []  # past the top published
-        flags = yield [*keys, *probes]
-        probed = flags[len(keys) :]
+        sent = yield ([*(keys[j] for j in order), *probes],
+                      [chain[j] % 2 == 0 or chain[j] == 2 * top - 1 for j in order] + [False] * len(probes))
+        flags = [False] * len(keys)
+        for j, ok in zip(order, sent, strict=False):
+            flags[j] = ok
+        probed = sent[len(keys) :]
         # missing[g][i]: missing blocks of group g with index < i (over all ranks), for blocks;
         # the set of boundaries whose state is missing, for states.
         pos = 0

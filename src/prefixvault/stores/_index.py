@@ -192,7 +192,7 @@ class Transaction:
             )
         return True
 
-    def put_inline(self, key: str, data: bytes, if_absent: bool = False) -> bool:
+    def put_inline(self, key: str, data: bytes, if_absent: bool = False, at: float | None = None) -> bool:
         """Store a small object in the index; a replace that cannot fit keeps the old value."""
         if if_absent and self.exists(key):
             return False
@@ -205,12 +205,13 @@ class Transaction:
         self.conn.execute(
             "INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data)"
             " VALUES (?, ?, 0, NULL, NULL, ?, ?, ?)",
-            (key, len(data), self.gen(), self.now, data),
+            (key, len(data), self.gen(), self.now if at is None else at, data),
         )
         self.inline_bytes += len(data)
         return True
 
-    def publish(self, key: str, size: int, claim: Claim, if_absent: bool = False) -> bool:
+    def publish(self, key: str, size: int, claim: Claim, if_absent: bool = False,
+                at: float | None = None) -> bool:
         """Point ``key`` at a slot this writer filled; False if the slot was taken back."""
         row = self.conn.execute(
             "SELECT state, gen FROM slots WHERE slab = ? AND slot = ?", (claim.slab, claim.slot)
@@ -224,7 +225,7 @@ class Transaction:
         self.conn.execute(
             "INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
-            (key, size, claim.cls, claim.slab, claim.slot, claim.gen, self.now),
+            (key, size, claim.cls, claim.slab, claim.slot, claim.gen, self.now if at is None else at),
         )
         self.conn.execute(
             "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ?",

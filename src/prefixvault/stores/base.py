@@ -127,10 +127,15 @@ class Store(abc.ABC):
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key currently holds an object."""
 
-    def touch_many(self, keys: Sequence[str]) -> list[bool]:
-        """``exists_many``, and the keys that exist count as just used for the store's
-        eviction: a hit keeps what it uses alive. Stores whose existence check already
-        counts as a use (Mooncake grants a lease) keep this default."""
+    def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
+        """``exists_many``, and the keys that exist and are marked in ``touch`` (every key by
+        default) count as just used for the store's eviction: a hit keeps what it uses alive.
+
+        Order: keys used together (touched in one call, or put in one ``put_many``) rank in
+        the order given, where the store can: of two of them, the later is evicted first. The
+        vault lists a prefix's objects from its first block on, so its tail goes before its
+        head and no bytes stay behind a boundary that can no longer restore. Stores whose
+        existence check already counts as a use (Mooncake grants a lease) keep this default."""
         return self.exists_many(keys)
 
     @abc.abstractmethod

@@ -197,8 +197,8 @@ class BreakerStore(Store):
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return self._call(lambda s: s.exists_many(keys))
 
-    def touch_many(self, keys: Sequence[str]) -> list[bool]:
-        return self._call(lambda s: s.touch_many(keys))
+    def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
+        return self._call(lambda s: s.touch_many(keys, touch))
 
     def delete_many(self, keys: Sequence[str]) -> int:
         return self._call(lambda s: s.delete_many(keys))

@@ -62,6 +62,8 @@ from prefixvault.units import parse_size
 TOUCH_FLUSH_S = 1.0
 TOUCH_FLUSH_MAX = 4096
 TOUCH_PENDING_MAX = 65536
+#: Keys used together are this many seconds apart in recency, in the order given.
+RANK_TICK = 1e-6
 #: A read that loses a race with slot reuse is retried this many times in all.
 READ_ATTEMPTS = 3
 
@@ -322,6 +324,8 @@ class LocalStore(Store):
 
     def _touch(self, keys: Iterable[str]) -> None:
         """Note reads for LRU; written back later in batches, never waiting for the index.
+        Keys used together rank in the order given (``RANK_TICK`` apart, the first the most
+        recent): the store evicts the last of them first.
 
         A read must not wait behind another process's write transaction just to record its
         recency: the write-back tries the index lock without waiting, and if it is taken the
@@ -331,8 +335,8 @@ class LocalStore(Store):
             return
         now = time.time()
         with self._lock:
-            for key in keys:
-                self._touches[key] = now
+            for i, key in enumerate(keys):
+                self._touches[key] = now - i * RANK_TICK
             while len(self._touches) > TOUCH_PENDING_MAX:
                 del self._touches[next(iter(self._touches))]
             due = time.monotonic() - self._last_flush >= TOUCH_FLUSH_S
@@ -475,10 +479,11 @@ class LocalStore(Store):
                 )
         return [key in present for key in keys]
 
-    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+    def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
         found = self.exists_many(keys)
+        marks = touch if touch is not None else [True] * len(keys)
         with self._guard("exists"):
-            self._touch(k for k, ok in zip(keys, found, strict=True) if ok)
+            self._touch(k for k, ok, t in zip(keys, found, marks, strict=True) if ok and t)
         return found
 
     def scan(self, prefix: str = "") -> Iterator[tuple[str, int]]:
@@ -570,10 +575,11 @@ class LocalStore(Store):
                     lost = self._copy(parts, sizes, claims)
                     with self._write() as tx:
                         for i, key in enumerate(keys):
+                            at = tx.now - i * RANK_TICK  # the first key given is the most recent
                             if classes[i] == 0:
-                                ok[i] = tx.put_inline(key, b"".join(p.data for p in parts[i]), if_absent)
+                                ok[i] = tx.put_inline(key, b"".join(p.data for p in parts[i]), if_absent, at)
                             elif i in claims and i not in lost:
-                                ok[i] = tx.publish(key, sizes[i], claims[i], if_absent)
+                                ok[i] = tx.publish(key, sizes[i], claims[i], if_absent, at)
                     published = True
                 except (OSError, sqlite3.Error) as exc:
                     if is_full(exc):

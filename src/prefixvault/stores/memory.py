@@ -88,7 +88,11 @@ class MemoryStore(Store):
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         prepared = [(check_key(key), _join(parts)) for key, parts in items]
         with self._lock:
-            return [self._set(key, data) for key, data in prepared]
+            done = [self._set(key, data) for key, data in prepared]
+            for key in reversed(dict.fromkeys(k for k, _ in prepared)):
+                if key in self._data:  # the first key given ends up the most recent
+                    self._data.move_to_end(key)
+            return done
 
     def put_if_absent(self, key: str, data: Buffer) -> bool:
         check_key(key)
@@ -124,11 +128,16 @@ class MemoryStore(Store):
         with self._lock:
             return [key in self._data for key in keys]
 
-    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+    def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
         for key in keys:
             check_key(key)
+        marks = list(touch) if touch is not None else [True] * len(keys)
         with self._lock:
-            return [self._lookup(key) is not None for key in keys]
+            found = [key in self._data for key in keys]
+            for key, ok, t in reversed(list(zip(keys, found, marks, strict=True))):
+                if ok and t:  # the first key given ends up the most recent
+                    self._data.move_to_end(key)
+            return found
 
     def delete_many(self, keys: Sequence[str]) -> int:
         for key in keys:

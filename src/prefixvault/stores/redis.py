@@ -263,9 +263,19 @@ class RedisStore(Store):
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(n) for n in self._each("exists", "exists", keys)]
 
-    def touch_many(self, keys: Sequence[str]) -> list[bool]:
+    def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
         # EXISTS leaves a key's LRU/LFU clock alone; TOUCH answers the same and updates it.
-        return [bool(n) for n in self._each("exists", "touch", keys)]
+        # (Redis evicts by sampling: keys touched together keep no order among themselves.)
+        if touch is None or all(touch):
+            return [bool(n) for n in self._each("exists", "touch", keys)]
+        names = [self._key(k) for k in keys]
+        if not names:
+            return []
+        with self._errors("exists"):
+            pipe = self._pipeline()
+            for name, t in zip(names, touch, strict=True):
+                (pipe.touch if t else pipe.exists)(name)
+            return [bool(n) for n in pipe.execute()]
 
     def delete_many(self, keys: Sequence[str]) -> int:
         return sum(int(n) for n in self._each("delete", "delete", keys))
