@@ -1,0 +1,314 @@
+"""Which states to keep: replay request traces through prefixvault's own admission and store.
+
+    PYTHONPATH=src python bench/policy_sim.py [--models all|name,...] [--workloads chat,...]
+        [--policies steps,interval:8192,checkpoints,marconi,reuse] [--requests 400]
+        [--capacities 0.1,0.3,1,3] [--scale 256] [--chunk 2048] [--no-outputs] [--jobs 2]
+
+No engine runs. For each model (``bench/model_configs/*.json``: real configs' fields, turned
+into bytes and FLOPs by ``prefixvault.geometry``), workload (``policy_traces.py``) and store
+capacity, every policy replays the same trace:
+
+1. the prompt is looked up with ``Vault.lookup_explained`` in a real ``LocalStore`` (its
+   eviction is the store's own code): the hit is what a consumer would restore;
+2. the engine is modelled as vLLM 0.32 in align mode schedules a prefill from the hit: chunks
+   of ``--chunk`` tokens ending on block boundaries, a stop at the junction with an earlier
+   request's tokens and at the prompt's last block boundary; decode steps that end on a block
+   boundary (with outputs); the sequence end once the request finishes;
+3. ``prefixvault.admission.Admission`` (the connector's own admission code) picks among those
+   candidates; ``Vault.save`` + ``Vault.publish`` store them (KV blocks since the hit, one state
+   per boundary, a record), exactly as the connector's save thread does.
+
+Object sizes are the model's real sizes divided by ``--scale`` (so a sweep fits in memory);
+capacities are fractions of the trace's KV footprint (every distinct block it computes),
+divided by the same scale, so every size relation the store sees is the real one. Figures
+are reported at real scale.
+
+Per run: token hit rate (restored / prompt tokens), prefill FLOPs saved (share of all prompt
+prefill FLOPs), bytes written, and FLOPs saved per byte written. Goals (checked per model,
+workload and capacity, last line JSON): ``reuse`` >= ``marconi`` in hit rate and FLOPs saved
+(within 0.5 points, the noise of one eviction), >= 2x the FLOPs saved per byte written of
+``steps``; on ``unique``, ``reuse`` writes <= 10% of the bytes ``steps`` writes.
+
+What is not modelled: concurrency (requests run one after another in arrival order), the
+engine's own local prefix cache (every hit comes from the store), and Marconi's own eviction
+(FLOP-aware, in its radix tree): ``marconi`` here is Marconi's admission over the local
+store's eviction, which every policy shares.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from policy_traces import WORKLOADS, Request
+
+from prefixvault.admission import Admission, Kind
+from prefixvault.boundary import SavePlan, max_resume_tokens
+from prefixvault.geometry import ModelGeometry, geometry_from_config
+from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, StateFamily, TensorSpec
+from prefixvault.stores.local import LocalStore
+from prefixvault.vault import Vault
+
+CONFIGS = Path(__file__).resolve().parent / "model_configs"
+POLICIES = ("steps", "interval:8192", "checkpoints", "marconi", "reuse")
+SHM = Path("/dev/shm") if Path("/dev/shm").is_dir() else None
+
+
+@dataclass
+class Figures:
+    model: str
+    workload: str
+    policy: str
+    capacity: float  # fraction of the trace's KV footprint
+    capacity_gb: float
+    requests: int
+    prompt_tokens: int = 0
+    hit_tokens: int = 0
+    flops_total: float = 0.0
+    flops_saved: float = 0.0
+    bytes_written: float = 0.0
+    states_written: int = 0
+    seconds: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hit_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    @property
+    def flops_saved_share(self) -> float:
+        return self.flops_saved / self.flops_total if self.flops_total else 0.0
+
+    @property
+    def flops_per_byte(self) -> float:
+        return self.flops_saved / self.bytes_written if self.bytes_written else 0.0
+
+
+def load_models(names: Sequence[str]) -> dict[str, ModelGeometry]:
+    out = {}
+    for path in sorted(CONFIGS.glob("*.json")):
+        if names and path.stem not in names:
+            continue
+        out[path.stem] = geometry_from_config(json.loads(path.read_text()), path.stem)
+    missing = set(names) - set(out)
+    if missing:
+        known = sorted(p.stem for p in CONFIGS.glob("*.json"))
+        raise SystemExit(f"unknown model(s) {sorted(missing)}; known: {known}")
+    return out
+
+
+def scaled_layout(geo: ModelGeometry, scale: int) -> CacheLayout:
+    """One attention group and one state group whose objects weigh the model's, / scale."""
+    block = max(16, geo.block_bytes() // scale)
+    state = max(16, geo.state_bytes // scale)
+    return CacheLayout(geo.name, geo.block_size, (
+        CacheGroup.uniform(GroupKind.FULL_ATTENTION, [TensorSpec((block,), "uint8")]),
+        CacheGroup.uniform(GroupKind.STATE, [TensorSpec((state,), "uint8")], family=StateFamily.GENERIC),
+    ))
+
+
+def candidates(prompt: int, seq: int, hit: int, junction: int, bs: int, chunk: int, outputs: bool
+               ) -> dict[int, Kind]:
+    """The boundaries where the engine leaves an exact state for this request (see module doc)."""
+    out: dict[int, Kind] = {}
+    end_ckpt = max_resume_tokens(prompt, bs)  # vLLM's prefill checkpoint: last block before the end
+    if end_ckpt > hit:
+        out[end_ckpt] = Kind.PROMPT_END | Kind.STEP_END
+    if hit < junction <= end_ckpt:
+        out[junction] = out.get(junction, Kind(0)) | Kind.JUNCTION | Kind.STEP_END
+    pos = hit
+    while pos < prompt:
+        end = min(pos + chunk, prompt)
+        for stop in (junction, end_ckpt):
+            if pos < stop < end:
+                end = stop
+        if end < prompt:
+            end = max(end // bs * bs, pos + bs)
+        if end % bs == 0 and end <= prompt:
+            out[end] = out.get(end, Kind(0)) | Kind.STEP_END
+        pos = end
+    if outputs:  # decode feeds output tokens up to the last but one: states at [prompt+1, seq-1]
+        for b in range((prompt // bs + 1) * bs, seq, bs):
+            out[b] = out.get(b, Kind(0)) | Kind.OUTPUT
+    if out:
+        last = max(out)
+        out[last] |= Kind.SEQUENCE_END
+    return out
+
+
+def replay(geo: ModelGeometry, trace: Sequence[Request], policy: str, capacity: float, footprint: int,
+           scale: int, chunk: int, outputs: bool, workload: str) -> Figures:
+    layout = scaled_layout(geo, scale)
+    bs = geo.block_size
+    admission = Admission.parse(policy)
+    fig = Figures(geo.name, workload, policy, capacity, capacity * footprint / 1e9, len(trace))
+    t0 = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="pv-policy-", dir=SHM) as tmp:
+        store = LocalStore(tmp, capacity=max(1 << 20, int(capacity * footprint / scale)))
+        vault = Vault(store, layout)
+        payload = {gi: np.zeros(g.nbytes(0), np.uint8) for gi, g in enumerate(layout.groups)}
+        seen: set[bytes] = set()
+        for req in trace:
+            prompt, seq = len(req.prompt), len(req.prompt) + len(req.output)
+            computed = req.prompt + req.output[:-1]
+            hashes = vault.hashes(computed)
+            found = vault.lookup_explained(hashes[: prompt // bs], prompt)
+            hit = found.hit
+            if hit:
+                admission.restored(hashes[hit // bs - 1])
+            fig.prompt_tokens += prompt
+            fig.hit_tokens += hit
+            fig.flops_total += geo.prefill_flops(prompt)
+            fig.flops_saved += geo.prefill_flops(hit)
+            shared = 0
+            while shared < prompt // bs and hashes[shared] in seen:
+                shared += 1
+            junction = min(shared * bs, max_resume_tokens(prompt, bs))
+            admission.arrived(bool(hit or junction))
+            last, plans = hit, []
+            for b, kinds in sorted(candidates(prompt, seq, hit, junction, bs, chunk, outputs).items()):
+                if admission.admits(kinds, b, last):
+                    blocks = tuple((0, i, 1) for i in range(last // bs, b // bs))
+                    plans.append((SavePlan(b, blocks, ((1, 1),)), kinds))
+                    last = b
+            if plans:
+                acks = vault.save(0, hashes, [p for p, _ in plans], lambda ref, _b: payload[ref.group])
+                done = vault.publish(hashes, acks, parent=hit)
+                for plan, kinds in plans:
+                    if done.get(plan.tokens, True) is None:
+                        admission.admitted(hashes[plan.tokens // bs - 1], kinds)
+                        fig.states_written += 1
+            seen.update(hashes)
+        fig.bytes_written = vault.counters.put_bytes * scale
+        store.close()
+    fig.seconds = time.monotonic() - t0
+    return fig
+
+
+def kv_footprint(geo: ModelGeometry, trace: Sequence[Request]) -> int:
+    """Bytes of every distinct KV block the trace computes (prefix-shared blocks once)."""
+    bs = geo.block_size
+    seen: set[int] = set()
+    for req in trace:
+        seq, h = req.prompt + req.output[:-1], 0
+        for i in range(len(seq) // bs):
+            h = hash((h, seq[i * bs : (i + 1) * bs]))  # a chain, as block hashes are
+            seen.add(h)
+    return len(seen) * geo.block_bytes()
+
+
+def _job(args: tuple[ModelGeometry, str, list[str], float, int, int, int, bool, int]) -> list[Figures]:
+    geo, workload, policies, capacity, n, scale, chunk, outputs, seed = args
+    trace = WORKLOADS[workload](n, seed)
+    footprint = kv_footprint(geo, trace)
+    return [replay(geo, trace, p, capacity, footprint, scale, chunk, outputs, workload) for p in policies]
+
+
+def goals(figs: list[Figures]) -> dict[str, object]:
+    by: dict[tuple[str, str, float], dict[str, Figures]] = {}
+    for f in figs:
+        by.setdefault((f.model, f.workload, f.capacity), {})[f.policy] = f
+    failures = []
+    ratios = []
+    for (model, workload, cap), row in sorted(by.items()):
+        ours, marconi, steps = row.get("reuse"), row.get("marconi"), row.get("steps")
+        where = f"{model}/{workload}/{cap:g}"
+        if ours and marconi:
+            if ours.hit_rate < marconi.hit_rate - 0.005:
+                failures.append(f"{where}: hit rate {ours.hit_rate:.3f} < marconi {marconi.hit_rate:.3f}")
+            if ours.flops_saved_share < marconi.flops_saved_share - 0.005:
+                failures.append(f"{where}: FLOPs saved {ours.flops_saved_share:.3f} < marconi "
+                                f"{marconi.flops_saved_share:.3f}")
+        if ours and steps:
+            if workload == "unique":
+                share = ours.bytes_written / steps.bytes_written if steps.bytes_written else 0.0
+                ratios.append(("unique_bytes_vs_steps", where, share))
+                if share > 0.10:
+                    failures.append(f"{where}: writes {share:.1%} of steps' bytes (goal <= 10%)")
+            elif steps.flops_per_byte > 0:
+                r = ours.flops_per_byte / steps.flops_per_byte
+                ratios.append(("flops_per_byte_vs_steps", where, r))
+                if r < 2.0:
+                    failures.append(f"{where}: FLOPs saved per byte {r:.2f}x steps (goal >= 2x)")
+    fpb = [r for k, _, r in ratios if k == "flops_per_byte_vs_steps"]
+    uniq = [r for k, _, r in ratios if k == "unique_bytes_vs_steps"]
+    return {"goals_met": not failures, "failures": failures,
+            "min_flops_per_byte_vs_steps": round(min(fpb), 3) if fpb else None,
+            "max_unique_bytes_vs_steps": round(max(uniq), 4) if uniq else None}
+
+
+def print_table(figs: list[Figures]) -> None:
+    last = None
+    for f in sorted(figs, key=lambda f: (f.model, f.workload, f.capacity)):
+        head = (f.model, f.workload)
+        if head != last:
+            print(f"\n## {f.model} / {f.workload}  ({f.requests} requests)")
+            print(f"{'capacity':>14} {'policy':>14} {'hit rate':>9} {'FLOPs saved':>12} {'written GB':>11} "
+                  f"{'states':>7} {'PFLOP/GB':>9}")
+            last = head
+        print(f"{f.capacity:5g} ={f.capacity_gb:6.1f}GB {f.policy:>14} {f.hit_rate:9.3f} "
+              f"{f.flops_saved_share:12.3f} {f.bytes_written / 1e9:11.2f} {f.states_written:7d} "
+              f"{f.flops_per_byte / 1e6:9.2f}")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="all")
+    ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument("--requests", type=int, default=400)
+    ap.add_argument("--capacities", default="0.1,0.3,1,3", help="fractions of the trace's KV footprint")
+    ap.add_argument("--scale", type=int, default=256, help="object sizes are real sizes / scale")
+    ap.add_argument("--chunk", type=int, default=2048,
+                    help="prefill tokens per step: max_num_batched_tokens (vLLM 0.32's API-server default "
+                    "on GPUs under 70 GiB and A100s; 8192 on H100-class, 16384 on the largest)")
+    ap.add_argument("--no-outputs", action="store_true", help="no boundaries over generated tokens")
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    args = ap.parse_args(argv)
+    models = load_models([] if args.models == "all" else args.models.split(","))
+    workloads = args.workloads.split(",")
+    for w in workloads:
+        if w not in WORKLOADS:
+            raise SystemExit(f"unknown workload {w!r}; known: {sorted(WORKLOADS)}")
+    policies = args.policies.split(",")
+    for p in policies:
+        Admission.parse(p)
+    caps = [float(c) for c in args.capacities.split(",")]
+    jobs = [(geo, w, policies, c, args.requests, args.scale, args.chunk, not args.no_outputs, args.seed)
+            for geo in models.values() for w in workloads for c in caps]
+    t0 = time.monotonic()
+    figs: list[Figures] = []
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        for done in pool.map(_job, jobs):
+            figs.extend(done)
+    print_table(figs)
+    for name, geo in models.items():
+        print(f"# {name}: block {geo.block_size} tokens = {geo.block_bytes() / 2**20:.1f} MiB of KV, "
+              f"state {geo.state_bytes / 2**20:.1f} MiB "
+              f"(= {geo.state_tokens_equivalent():.0f} tokens of KV), "
+              f"{geo.active_params / 1e9:.2f}B active parameters")
+    summary = goals(figs)
+    summary.update(seconds=round(time.monotonic() - t0, 1), requests=args.requests, scale=args.scale,
+                   chunk=args.chunk, outputs=not args.no_outputs,
+                   runs=[{k: (round(v, 5) if isinstance(v, float) else v) for k, v in asdict(f).items()}
+                         | {"hit_rate": round(f.hit_rate, 4),
+                            "flops_saved_share": round(f.flops_saved_share, 4)}
+                         for f in figs])
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
