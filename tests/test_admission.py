@@ -9,15 +9,16 @@ from hypothesis import strategies as st
 from prefixvault.admission import SHARING_WINDOW, Admission, Kind, Policy, ReuseTracker
 
 K = Kind
-ALL = [K.STEP_END, K.PROMPT_END | K.STEP_END, K.JUNCTION | K.STEP_END, K.OUTPUT, K.OUTPUT | K.SEQUENCE_END,
-       K.PROMPT_END | K.SEQUENCE_END]
+C = K.CHECKPOINT
+ALL = [K.STEP_END, K.PROMPT_END | K.STEP_END | C, K.JUNCTION | K.STEP_END | C, K.OUTPUT,
+       K.OUTPUT | K.SEQUENCE_END, K.PROMPT_END | K.SEQUENCE_END | K.STEP_END, C]
 
 
 @pytest.mark.parametrize(("policy", "expected"), [
-    ("steps", [True, True, True, True, True, True]),
-    ("checkpoints", [False, True, True, False, False, True]),
-    ("marconi", [False, False, True, False, True, True]),
-    ("reuse", [False, False, True, False, True, True]),  # no evidence yet: admits sequence ends
+    ("steps", [True, True, True, True, True, True, True]),
+    ("checkpoints", [False, True, True, False, False, False, True]),
+    ("marconi", [False, False, True, False, True, True, False]),
+    ("reuse", [False, False, True, False, True, True, False]),  # no evidence yet: admits sequence ends
 ])
 def test_what_each_policy_admits(policy: str, expected: list[bool]) -> None:
     a = Admission.parse(policy)
@@ -27,7 +28,7 @@ def test_what_each_policy_admits(policy: str, expected: list[bool]) -> None:
 def test_interval_admits_checkpoints_and_one_step_end_per_interval() -> None:
     a = Admission.parse("interval:1000")
     assert a.policy is Policy.INTERVAL and a.interval == 1000
-    assert a.admits(K.JUNCTION, 300, 200)
+    assert a.admits(K.CHECKPOINT, 300, 200)
     assert not a.admits(K.STEP_END, 900, 100)
     assert a.admits(K.STEP_END, 1100, 900)
     assert a.admits(K.OUTPUT, 2000, 1100)
@@ -46,6 +47,16 @@ def test_reuse_stops_storing_sequence_ends_when_nothing_is_shared() -> None:
     decisions = [a.admits(K.SEQUENCE_END, 4096, 0) for _ in range(4 * a.probe_every)]
     assert sum(decisions) == 4  # a probe in every probe_every
     assert a.admits(K.JUNCTION, 2048, 0)  # a junction is sharing seen: always
+
+
+def test_reuse_without_lookups_admits_as_marconi() -> None:
+    """A producer that only saves never sees a restore: it cannot learn, so it does not."""
+    a = Admission(Policy.REUSE, observes=False)
+    for i in range(200):
+        a.arrived(False)
+        assert a.admits(K.SEQUENCE_END, 4096, 0)
+        a.admitted(i.to_bytes(4, "big"), K.SEQUENCE_END)
+    assert not a.admits(K.STEP_END, 4096, 0)
 
 
 def test_reuse_stops_storing_sequence_ends_nobody_restores() -> None:

@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from vllm_support.asking import ask
 
+from prefixvault.admission import SHARING_WINDOW
 from prefixvault.boundary import (
     NULL_BLOCK_ID,
     Refusal,
@@ -241,3 +242,52 @@ def test_a_request_asked_again_after_a_load_saves_from_the_first_block() -> None
     meta = side.build_connector_meta(_output({"l": (0, 12)}, {}, tables, {"l"}))
     (spec,) = meta.saves
     assert spec.parent == 0 and [b[1] for b in spec.plans[0].blocks] == [0, 1, 2]
+
+
+def _planned_by(policy: str, junction: int, load: bool = True) -> list[int]:
+    """Boundaries one request plans under ``policy``: an 18-token prompt computed one block
+    per step; the engine offers its junction (8) and its prompt checkpoint (16)."""
+    side = SchedulerSide(ConnectorSettings.from_extra({"capture": policy}), LAYOUT,
+                         Vault(MemoryStore(), LAYOUT, "t"), load=load, save=True)
+    req = _request("a", 18)
+    req.shared_prefix_boundary = junction
+    ask(side, req, 0)
+    tables = {"a": {0: [11, 12, 13, 14, 15], 1: [21, 22, 23, 24, 25]}}
+    planned: list[int] = []
+    offers = {8: [(1, 22, 8)] if junction == 8 else [], 16: [(1, 24, 16)]}
+    for start in range(0, 18, BS):
+        end = min(start + BS, 18)
+        meta = side.build_connector_meta(
+            _output({"a": (start, end)}, {"a": offers.get(end, [])}, tables, {"a"} if start == 0 else set()))
+        planned += [p.tokens for spec in meta.saves for p in spec.plans]
+    return planned
+
+
+def test_the_capture_policy_picks_among_the_engine_reports() -> None:
+    """``steps`` keeps every step end; ``checkpoints`` what the engine offers; ``marconi`` and
+    ``reuse`` the junction vLLM found and the prompt's last block boundary, no step end between."""
+    assert _planned_by("steps", 8) == [4, 8, 12, 16]
+    assert _planned_by("interval:8", 8) == [8, 16]
+    assert _planned_by("checkpoints", 8) == [8, 16]
+    assert _planned_by("marconi", 8) == [8, 16]
+    assert _planned_by("reuse", 8) == [8, 16]
+    assert _planned_by("reuse", 0) == [16]
+    assert _planned_by("reuse", 0, load=False) == [16]  # a producer cannot learn: as marconi
+
+
+def test_reuse_stops_storing_prompt_ends_while_nothing_is_shared() -> None:
+    side = SchedulerSide(ConnectorSettings.from_extra({"capture": "reuse"}), LAYOUT,
+                         Vault(MemoryStore(), LAYOUT, "t"), load=True, save=True)
+    tables: dict[str, dict[int, list[int]]] = {}
+    saved = []
+    for i in range(40):  # distinct prompts, no hit, no junction: nothing is shared
+        rid = f"r{i}"
+        req = SimpleNamespace(request_id=rid, prompt_token_ids=list(range(1000 * i, 1000 * i + 6)),
+                              num_tokens=6, lora_request=None, cache_salt=None, mm_features=None)
+        assert ask(side, req, 0) == (0, False)
+        tables[rid] = {0: [11, 12], 1: [21, 22]}
+        meta = side.build_connector_meta(_output({rid: (0, 4)}, {rid: [(1, 21, 4)]}, tables, {rid}))
+        saved.append(bool(meta.saves))
+    # Until the window of recent requests is full there is no evidence either way; once it is
+    # and none shared a prefix, prompt ends are not stored (a probe only every 64).
+    assert saved == [True] * (SHARING_WINDOW - 1) + [False] * (40 - SHARING_WINDOW + 1)

@@ -9,6 +9,10 @@ Where the hit ends: the template only appends (the previous turn's prompt is a p
 next one's), and without ``capture_outputs`` only prompt boundaries are published, so turn n
 restores the last block boundary inside turn n-1's prompt; the previous answer and the new
 message are computed. Every turn's tokens and logprobs (top 5) equal the cold server's.
+
+The pair runs the ``reuse`` capture policy (``prefixvault.admission``): of each turn it stores
+the sequence end (its prompt's last block boundary) and none of the step ends before it, the
+same hits as ``steps`` with one state per turn instead of one per block.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 import pytest
 
 from prefixvault.serve import engine_flags, serve_command, vllm_command
+from prefixvault.stores import open_store
 from prefixvault.testing.engine import common_prefix
 from prefixvault.testing.models import build_model, engine_kwargs
 from prefixvault.testing.servers import server
@@ -79,7 +84,8 @@ def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path
     with contextlib.ExitStack() as stack:
         cold = stack.enter_context(server([*vllm_command(str(model)), *flags, "--enable-prefix-caching",
                                            "--mamba-cache-mode", "align"], tmp_path / "cold.log", env))
-        pair = [stack.enter_context(server(serve_command(str(model), store, "kv_both", extra=flags),
+        pair = [stack.enter_context(server(serve_command(str(model), store, "kv_both", capture="reuse",
+                                                         extra=flags),
                                            tmp_path / f"server{i}.log", env)) for i in range(2)]
         rng = random.Random(0)
         messages = [{"role": "system", "content": text(rng, 160)}, {"role": "user", "content": text(rng, 40)}]
@@ -112,3 +118,7 @@ def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path
             previous = prompt
         print(json.dumps(report), file=sys.stderr)
         assert all(r["answer_tokens_kept"] >= 0 for r in report)
+    # The servers stopped (their saves drained): one state per turn, at its prompt's end.
+    with open_store(store) as s:
+        boundaries = {k.rsplit("/", 1)[1] for k, _ in s.scan() if "/s/" in k}
+    assert len(boundaries) == len({r["prompt"] // bs for r in report}), boundaries  # turns may share one

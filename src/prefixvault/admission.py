@@ -13,7 +13,9 @@ Kinds of candidate (one boundary may be several at once):
 - ``JUNCTION``: where this prompt leaves a prefix an earlier request had (vLLM stops a
   chunk there; Marconi's branch point): reuse already seen;
 - ``OUTPUT``: a decode step ended on a block boundary;
-- ``SEQUENCE_END``: the last block boundary of prompt + output, once the request finished.
+- ``SEQUENCE_END``: the last block boundary of prompt + output, once the request finished;
+- ``CHECKPOINT``: the engine offers the state (vLLM's prompt checkpoint and junction, and any
+  boundary it retains): a report of the engine rather than of the step.
 
 Policies: ``steps`` (every step end and engine checkpoint, and every output boundary where
 outputs are captured), ``interval:N`` (checkpoints, and step or output ends at most once per
@@ -40,6 +42,7 @@ class Kind(IntFlag):
     JUNCTION = 4
     OUTPUT = 8
     SEQUENCE_END = 16
+    CHECKPOINT = 32
 
 
 class Policy(StrEnum):
@@ -126,6 +129,9 @@ class Admission:
 
     policy: Policy
     interval: int = 0
+    # ``reuse`` learns from the restores it sees; a scheduler that never looks up (a producer
+    # that only saves) sees none, and admits as ``marconi`` does.
+    observes: bool = True
     min_rate: float = 0.1  # ``reuse``: admit a learned kind while at least this share is reused
     probe_every: int = 64  # ``reuse``: below it, still admit one candidate in this many
     tracker: ReuseTracker = field(default_factory=ReuseTracker)
@@ -153,15 +159,15 @@ class Admission:
         is the request's last boundary admitted (0 if none)."""
         p = self.policy
         if p is Policy.STEPS:
-            return bool(kinds & (Kind.STEP_END | Kind.PROMPT_END | Kind.JUNCTION | Kind.OUTPUT))
+            return bool(kinds & (Kind.STEP_END | Kind.CHECKPOINT | Kind.OUTPUT))
         if p is Policy.CHECKPOINTS:
-            return bool(kinds & (Kind.PROMPT_END | Kind.JUNCTION))
+            return bool(kinds & Kind.CHECKPOINT)
         if p is Policy.INTERVAL:
-            if kinds & (Kind.PROMPT_END | Kind.JUNCTION):
+            if kinds & Kind.CHECKPOINT:
                 return True
             crossed = tokens // self.interval > last // self.interval
             return bool(kinds & (Kind.STEP_END | Kind.OUTPUT)) and crossed
-        if p is Policy.MARCONI:
+        if p is Policy.MARCONI or not self.observes:
             return bool(kinds & (Kind.JUNCTION | Kind.SEQUENCE_END))
         if kinds & Kind.JUNCTION:
             return True

@@ -274,7 +274,8 @@ def repro(
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate")] = 16,
     max_num_batched_tokens: Annotated[int, typer.Option(help="vLLM's step size (0: the profile's)")] = 0,
     tp: Annotated[int, typer.Option("--tp", help="Tensor parallel size")] = 1,
-    capture: Annotated[str, typer.Option(help="Capture policy: steps, checkpoints, interval:N")] = "steps",
+    capture: Annotated[str, typer.Option(
+        help="Capture policy: steps, checkpoints, interval:N, marconi, reuse")] = "steps",
     turns: Annotated[int, typer.Option(
         help="A conversation of N turns: each adds the previous output and a message")] = 1,
     capture_outputs: Annotated[bool, typer.Option(
@@ -340,7 +341,8 @@ def serve(
     store: Annotated[str, typer.Option(help="Store URI")] = "local://",
     role: Annotated[str, typer.Option(help="kv_both, kv_producer or kv_consumer")] = "kv_both",
     namespace: Annotated[str, typer.Option(help="Store namespace")] = "default",
-    capture: Annotated[str, typer.Option(help="Capture policy: steps, checkpoints, interval:N")] = "steps",
+    capture: Annotated[str, typer.Option(
+        help="Capture policy: steps, checkpoints, interval:N, marconi, reuse")] = "steps",
     secret_file: SecretFileOpt = "",
     secret_env: SecretEnvOpt = "",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command, do not run it")] = False,

@@ -174,7 +174,8 @@ def run_repro(cfg: ReproConfig, progress: Any = None) -> ReproResult:
     ends = scenario.schedule(len(producer), batched, bs) if batched else []
     available = (
         scenario.captured(
-            len(producer), batched, bs, "checkpoints" if cfg.capture == "checkpoints" else "steps"
+            len(producer), batched, bs,
+            cfg.capture if cfg.capture in ("checkpoints", "marconi", "reuse") else "steps"
         )
         if batched
         else []

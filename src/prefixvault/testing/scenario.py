@@ -36,6 +36,8 @@ def captured(prompt_tokens: int, max_batched: int, block_size: int, policy: str 
     """Boundaries whose exact state a producer keeps under a capture policy."""
     if policy == "checkpoints":
         return [checkpoint(prompt_tokens, block_size)]
+    if policy in ("marconi", "reuse"):  # a producer's sequence end: the prompt's last block boundary
+        return [prompt_tokens // block_size * block_size]
     return [e for e in schedule(prompt_tokens, max_batched, block_size) if e % block_size == 0]
 
 

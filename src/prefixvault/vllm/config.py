@@ -18,11 +18,16 @@ class CapturePolicy(StrEnum):
     ``checkpoints``: only the states the engine offers (its prompt checkpoints).
     ``steps``: also the state every prefill step leaves when it ends on a block boundary.
     ``interval``: checkpoints, plus step-end states at most once per ``capture_interval`` tokens.
+    ``marconi``: junctions (where a prompt leaves a prefix shared with an earlier request) and
+    sequence ends, as Marconi admits. ``reuse``: junctions, and sequence ends while they are
+    being restored (``prefixvault.admission``).
     """
 
     CHECKPOINTS = "checkpoints"
     STEPS = "steps"
     INTERVAL = "interval"
+    MARCONI = "marconi"
+    REUSE = "reuse"
 
 
 @dataclass(frozen=True)
@@ -72,7 +77,8 @@ class ConnectorSettings:
             policy = CapturePolicy(capture)
         except ValueError:
             raise ValueError(
-                f"prefixvault: capture must be one of checkpoints, steps, interval:N; got {capture[:100]!r}"
+                f"prefixvault: capture must be one of steps, checkpoints, interval:N, marconi, reuse; "
+                f"got {capture[:100]!r}"
             ) from None
         if policy is CapturePolicy.INTERVAL and interval <= 0:
             raise ValueError("prefixvault: capture 'interval' needs a positive capture_interval")

@@ -23,20 +23,22 @@ import socket
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from prefixvault.boundary import StateCapture, StepChunk, plan_saves, step_end_captures
+from prefixvault.admission import Admission, Kind, Policy
+from prefixvault.boundary import StateCapture, StepChunk, max_resume_tokens, plan_saves, step_end_captures
 from prefixvault.identity import content_digest
 from prefixvault.keys import ExtraKeys, MultimodalItem
 from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample, write_sample
 from prefixvault.stores.breaker import BreakerOpen
 from prefixvault.vault import LookupResult, Miss, Vault
-from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
+from prefixvault.vllm.config import ConnectorSettings
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, SaveSpec, SavesSettled, save_id
 
@@ -122,6 +124,8 @@ class SchedulerSide:
         self._pending_loads: list[LoadSpec] = []
         self._step = 0
         self.counters = SchedulerCounters()
+        # Which candidate boundaries to store: the same code the policy simulator replays.
+        self.admission = Admission(Policy(settings.capture.value), settings.capture_interval, observes=load)
         # One thread: the scheduler's store calls stay in order, and never run in its step.
         self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-lookup")
         self._queue_lock = threading.Lock()
@@ -331,6 +335,11 @@ class SchedulerSide:
             log.debug("prefixvault: request %s waits for a save of its prefix in flight", req_id)
             return False
         st.hit, st.lookup = found.hit, None
+        source = st.source
+        self.admission.arrived(bool(found.hit or getattr(source, "num_computed_tokens", 0)
+                                    or getattr(source, "shared_prefix_boundary", 0)))
+        if found.hit:
+            self.admission.restored(hashes[found.hit // self.block_size - 1])
         if found.miss is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("prefixvault: request %s restores %d of %d block-aligned prompt tokens: %s",
                       req_id, found.hit, found.longest, found.miss.value)
@@ -428,14 +437,21 @@ class SchedulerSide:
         tables = state.get_block_ids(req_id)
         if tables is None:
             return None
-        captures = [StateCapture(g, t, b, self._step) for g, b, t in offers.get(req_id, []) if t <= end]
+        offered = [StateCapture(g, t, b, self._step) for g, b, t in offers.get(req_id, []) if t <= end]
         at_end = step_end_captures(self.layout, chunk, known,
                                    {g: tables[g] for g in self.state_groups}, self._step)
-        if at_end and self._capture_step_end(st, end):
-            captures += at_end
-        candidates = {c.tokens for c in captures}
-        if not self.state_groups:
-            candidates = set(range((start // bs + 1) * bs, end + 1, bs))
+        if self.state_groups:
+            # The admission policy picks among what the engine reported: its offers, and the
+            # state this step left at its end.
+            kinds, admits, last = self._kinds(st, prompt_len), self.admission.admits, st.last_capture
+            captures = [c for c in offered if admits(kinds(c.tokens) | Kind.CHECKPOINT, c.tokens, last)]
+            step_kind = Kind.STEP_END if end <= prompt_len else Kind.OUTPUT
+            if at_end and end % bs == 0 and admits(kinds(end) | step_kind, end, last):
+                captures += at_end
+                st.last_capture = end
+            candidates = {c.tokens for c in captures}
+        else:
+            captures, candidates = [], set(range((start // bs + 1) * bs, end + 1, bs))
         candidates = {t for t in candidates if t > st.saved and t % bs == 0 and t <= end}
         if not candidates:
             return None
@@ -450,24 +466,35 @@ class SchedulerSide:
         spec = SaveSpec(req_id, self._hashes(st, top), list(decision.publishable), st.saved)
         st.saved = max(st.saved, top)
         boundaries = [spec.hashes[p.tokens // bs - 1] for p in spec.plans]
+        if self.state_groups:
+            kinds = self._kinds(st, prompt_len)
+            for p, h in zip(spec.plans, boundaries, strict=True):
+                self.admission.admitted(h, kinds(p.tokens))
         sid = save_id(self._step, req_id)
         self._saving[sid] = (boundaries, self.layout.world_size, time.monotonic())
         self._save_parent[sid] = (req_id, spec.parent)
         self._saving_hashes.update(boundaries)
         return spec
 
-    def _capture_step_end(self, st: _Request, end: int) -> bool:
-        if not self.state_groups or end % self.block_size:
-            return False
-        policy = self.settings.capture
-        if policy is CapturePolicy.CHECKPOINTS:
-            return False
-        if policy is CapturePolicy.INTERVAL:
-            n = self.settings.capture_interval
-            if end // n <= st.last_capture // n:
-                return False
-        st.last_capture = end
-        return True
+    def _kinds(self, st: _Request, prompt_len: int) -> Callable[[int], Kind]:
+        """What a boundary of this request is: vLLM's prompt checkpoint (the last block
+        boundary that leaves a token to compute), the sequence end as far as the connector
+        knows (the prompt's last block boundary: the last one before the request finishes is
+        not known in time), or the junction vLLM found with an earlier request's tokens."""
+        bs = self.block_size
+        checkpoint, last = max_resume_tokens(prompt_len, bs), prompt_len // bs * bs
+        junction = int(getattr(st.source, "shared_prefix_boundary", 0) or 0)
+
+        def kinds(tokens: int) -> Kind:
+            k = Kind(0)
+            if tokens == checkpoint:
+                k |= Kind.PROMPT_END
+            if tokens == last:
+                k |= Kind.SEQUENCE_END
+            if tokens == junction:
+                k |= Kind.JUNCTION
+            return k
+        return kinds
 
     def _finished(self, request: Any) -> None:
         st = self._reqs.pop(request.request_id, None)
