@@ -124,9 +124,9 @@ def candidates(prompt: int, seq: int, hit: int, junction: int, bs: int, chunk: i
     out: dict[int, Kind] = {}
     end_ckpt = max_resume_tokens(prompt, bs)  # vLLM's prefill checkpoint: last block before the end
     if end_ckpt > hit:
-        out[end_ckpt] = Kind.PROMPT_END | Kind.STEP_END
+        out[end_ckpt] = Kind.PROMPT_END | Kind.STEP_END | Kind.CHECKPOINT
     if hit < junction <= end_ckpt:
-        out[junction] = out.get(junction, Kind(0)) | Kind.JUNCTION | Kind.STEP_END
+        out[junction] = out.get(junction, Kind(0)) | Kind.JUNCTION | Kind.STEP_END | Kind.CHECKPOINT
     pos = hit
     while pos < prompt:
         end = min(pos + chunk, prompt)
