@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python bench/policy_sim.py [--models all|name,...] [--workloads chat,...]
         [--policies steps,interval:8192,checkpoints,marconi,reuse] [--requests 400]
-        [--capacities 0.1,0.3,1,3] [--scale 256] [--chunk 2048] [--no-outputs] [--jobs 2]
+        [--capacities 0.1,0.3,1,3] [--scale 256] [--chunk 2048] [--outputs] [--engine-gb 16] [--jobs 2]
 
 No engine runs. For each model (``bench/model_configs/*.json``: real configs' fields, turned
 into bytes and FLOPs by ``prefixvault.geometry``), workload (``policy_traces.py``) and store
@@ -12,8 +12,10 @@ capacity, every policy replays the same trace:
    eviction is the store's own code): the hit is what a consumer would restore;
 2. the engine is modelled as vLLM 0.32 in align mode schedules a prefill from the hit: chunks
    of ``--chunk`` tokens ending on block boundaries, a stop at the junction with an earlier
-   request's tokens and at the prompt's last block boundary; decode steps that end on a block
-   boundary (with outputs); the sequence end once the request finishes;
+   request's tokens still in the engine's own cache (``--engine-gb`` of KV, LRU) and at the
+   prompt's last block boundary; with ``--outputs`` (the connector's ``capture_outputs``)
+   decode steps that end on a block boundary; the sequence end is the last of these (without
+   outputs, the prompt's last block boundary, as the connector marks it);
 3. ``prefixvault.admission.Admission`` (the connector's own admission code) picks among those
    candidates; ``Vault.save`` + ``Vault.publish`` store them (KV blocks since the hit, one state
    per boundary, a record), exactly as the connector's save thread does.
@@ -29,8 +31,8 @@ workload and capacity, last line JSON): ``reuse`` >= ``marconi`` in hit rate and
 (within 0.5 points, the noise of one eviction), >= 2x the FLOPs saved per byte written of
 ``steps``; on ``unique``, ``reuse`` writes <= 10% of the bytes ``steps`` writes.
 
-What is not modelled: concurrency (requests run one after another in arrival order), the
-engine's own local prefix cache (every hit comes from the store), and Marconi's own eviction
+What is not modelled: concurrency (requests run one after another in arrival order), hits from
+the engine's own prefix cache (every hit comes from the store), and Marconi's own eviction
 (FLOP-aware, in its radix tree): ``marconi`` here is Marconi's admission over the local
 store's eviction, which every policy shares.
 """
@@ -43,6 +45,7 @@ import os
 import sys
 import tempfile
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
@@ -148,7 +151,7 @@ def candidates(prompt: int, seq: int, hit: int, junction: int, bs: int, chunk: i
 
 
 def replay(geo: ModelGeometry, trace: Sequence[Request], policy: str, capacity: float, footprint: int,
-           scale: int, chunk: int, outputs: bool, workload: str) -> Figures:
+           scale: int, chunk: int, outputs: bool, workload: str, engine_gb: float) -> Figures:
     layout = scaled_layout(geo, scale)
     bs = geo.block_size
     admission = Admission.parse(policy)
@@ -158,7 +161,10 @@ def replay(geo: ModelGeometry, trace: Sequence[Request], policy: str, capacity: 
         store = LocalStore(tmp, capacity=max(1 << 20, int(capacity * footprint / scale)))
         vault = Vault(store, layout)
         payload = {gi: np.zeros(g.nbytes(0), np.uint8) for gi, g in enumerate(layout.groups)}
-        seen: set[bytes] = set()
+        # The engine's own prefix cache, where vLLM finds junctions: LRU over blocks, as many
+        # as ``engine_gb`` of KV holds.
+        seen: OrderedDict[bytes, None] = OrderedDict()
+        engine_blocks = max(1, int(engine_gb * 1e9 / geo.block_bytes()))
         for req in trace:
             prompt, seq = len(req.prompt), len(req.prompt) + len(req.output)
             computed = req.prompt + req.output[:-1]
@@ -173,6 +179,7 @@ def replay(geo: ModelGeometry, trace: Sequence[Request], policy: str, capacity: 
             fig.flops_saved += geo.prefill_flops(hit)
             shared = 0
             while shared < prompt // bs and hashes[shared] in seen:
+                seen.move_to_end(hashes[shared])
                 shared += 1
             junction = min(shared * bs, max_resume_tokens(prompt, bs))
             admission.arrived(bool(hit or junction))
@@ -189,7 +196,11 @@ def replay(geo: ModelGeometry, trace: Sequence[Request], policy: str, capacity: 
                     if done.get(plan.tokens, True) is None:
                         admission.admitted(hashes[plan.tokens // bs - 1], kinds)
                         fig.states_written += 1
-            seen.update(hashes)
+            for h in hashes:
+                seen[h] = None
+                seen.move_to_end(h)
+            while len(seen) > engine_blocks:
+                seen.popitem(last=False)
         fig.bytes_written = vault.counters.put_bytes * scale
         store.close()
     fig.seconds = time.monotonic() - t0
@@ -208,11 +219,12 @@ def kv_footprint(geo: ModelGeometry, trace: Sequence[Request]) -> int:
     return len(seen) * geo.block_bytes()
 
 
-def _job(args: tuple[ModelGeometry, str, list[str], float, int, int, int, bool, int]) -> list[Figures]:
-    geo, workload, policies, capacity, n, scale, chunk, outputs, seed = args
+def _job(args: tuple[ModelGeometry, str, list[str], float, int, int, int, bool, int, float]) -> list[Figures]:
+    geo, workload, policies, capacity, n, scale, chunk, outputs, seed, engine_gb = args
     trace = WORKLOADS[workload](n, seed)
     footprint = kv_footprint(geo, trace)
-    return [replay(geo, trace, p, capacity, footprint, scale, chunk, outputs, workload) for p in policies]
+    return [replay(geo, trace, p, capacity, footprint, scale, chunk, outputs, workload, engine_gb)
+            for p in policies]
 
 
 def goals(figs: list[Figures]) -> dict[str, object]:
@@ -273,7 +285,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=2048,
                     help="prefill tokens per step: max_num_batched_tokens (vLLM 0.32's API-server default "
                     "on GPUs under 70 GiB and A100s; 8192 on H100-class, 16384 on the largest)")
-    ap.add_argument("--no-outputs", action="store_true", help="no boundaries over generated tokens")
+    ap.add_argument("--outputs", action="store_true",
+                    help="boundaries over generated tokens too (the connector's capture_outputs)")
+    ap.add_argument("--engine-gb", type=float, default=16.0,
+                    help="KV the engine's own prefix cache holds (where vLLM finds junctions)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
@@ -286,8 +301,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in policies:
         Admission.parse(p)
     caps = [float(c) for c in args.capacities.split(",")]
-    jobs = [(geo, w, policies, c, args.requests, args.scale, args.chunk, not args.no_outputs, args.seed)
-            for geo in models.values() for w in workloads for c in caps]
+    jobs = [(geo, w, policies, c, args.requests, args.scale, args.chunk, args.outputs, args.seed,
+             args.engine_gb) for geo in models.values() for w in workloads for c in caps]
     t0 = time.monotonic()
     figs: list[Figures] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -301,7 +316,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{geo.active_params / 1e9:.2f}B active parameters")
     summary = goals(figs)
     summary.update(seconds=round(time.monotonic() - t0, 1), requests=args.requests, scale=args.scale,
-                   chunk=args.chunk, outputs=not args.no_outputs,
+                   chunk=args.chunk, outputs=args.outputs, engine_gb=args.engine_gb,
                    runs=[{k: (round(v, 5) if isinstance(v, float) else v) for k, v in asdict(f).items()}
                          | {"hit_rate": round(f.hit_rate, 4),
                             "flops_saved_share": round(f.flops_saved_share, 4)}

@@ -46,10 +46,10 @@ def test_qwen3_next_bytes_by_hand() -> None:
     geo = geometry_from_config(config("qwen3-next-80b-a3b"))
     assert (geo.attention_layers, geo.state_layers) == (12, 36)
     assert geo.kv_bytes_per_token == 12 * 2 * 2 * 256 * 2  # layers x K,V x kv heads x head dim x bf16
-    ssm = 32 * 128 * 128 * 4  # value heads x key dim x value dim, float32
+    ssm = 32 * 128 * 128 * 2  # value heads x key dim x value dim, bf16 (vLLM's CUDA default)
     conv = (4 - 1) * (2 * 16 * 128 + 32 * 128) * 2  # kernel - 1 x (q, k, v channels), bf16
     assert geo.state_bytes == 36 * (ssm + conv)
-    assert geo.block_size == 16 * -(-(ssm + conv) // (16 * 2 * 2 * 256 * 2)) == 1056
+    assert geo.block_size == 16 * -(-(ssm + conv) // (16 * 2 * 2 * 256 * 2)) == 544
     assert 3.0e9 < geo.active_params < 4.0e9  # "A3B"
 
 
@@ -64,3 +64,11 @@ def test_prefill_flops_grow_faster_than_the_tokens() -> None:
 def test_an_unknown_model_type_names_the_known_ones() -> None:
     with pytest.raises(ValueError, match=r"known: .*qwen3_next"):
         geometry_from_config({"model_type": "llama", "hidden_size": 8, "vocab_size": 8})
+
+
+def test_nemotron_h_keeps_its_ssm_state_in_float32_as_vllm_does() -> None:
+    cfg = config("nemotron-h-8b")
+    geo = geometry_from_config(cfg)
+    per_layer = (4 - 1) * (128 * 64 + 2 * 8 * 128) * 2 + 128 * 64 * 128 * 4
+    assert geo.state_bytes == 24 * per_layer
+    assert geometry_from_config({**cfg, "mamba_ssm_cache_dtype": "bfloat16"}).state_bytes < geo.state_bytes

@@ -291,3 +291,24 @@ def test_reuse_stops_storing_prompt_ends_while_nothing_is_shared() -> None:
     # Until the window of recent requests is full there is no evidence either way; once it is
     # and none shared a prefix, prompt ends are not stored (a probe only every 64).
     assert saved == [True] * (SHARING_WINDOW - 1) + [False] * (40 - SHARING_WINDOW + 1)
+
+
+def test_reuse_counts_a_local_prefix_cache_hit_as_sharing() -> None:
+    """Traffic served from vLLM's own prefix cache shares prefixes: ``reuse`` keeps storing."""
+    side = SchedulerSide(ConnectorSettings.from_extra({"capture": "reuse"}), LAYOUT,
+                         Vault(MemoryStore(), LAYOUT, "t"), load=True, save=True)
+    tables: dict[str, dict[int, list[int]]] = {}
+    saved = []
+    for i in range(40):
+        rid = f"r{i}"
+        req = SimpleNamespace(request_id=rid, prompt_token_ids=list(range(1000 * i, 1000 * i + 10)),
+                              num_tokens=10, lora_request=None, cache_salt=None, mm_features=None)
+        assert ask(side, req, 4) == (0, False)  # vLLM has the first block locally
+        assert ask(side, req, 4) == (0, False)  # asked again: counted once
+        tables[rid] = {0: [11, 12, 13], 1: [21, 22, 23]}
+        meta = side.build_connector_meta(_output({rid: (4, 8)}, {rid: [(1, 22, 8)]}, tables, {rid}))
+        saved.append(bool(meta.saves))
+    assert side.admission.sharing() == 1.0
+    # Past the window where unshared traffic stops (the test above); it stops later only
+    # because none of these sequence ends is ever restored (the tracker's horizon).
+    assert all(saved[: side.admission.tracker.horizon])

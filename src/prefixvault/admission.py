@@ -104,8 +104,8 @@ class ReuseTracker:
             self._settle(entry[0], True)
             return
         late = self._late.pop(key, None)
-        if late is not None:  # settled as not reused: it was, only later
-            self._reused[late] = self._reused.get(late, 0.0) + 1.0
+        if late is not None:  # settled as not reused: it was, only later (a share stays <= 1)
+            self._reused[late] = min(self._settled.get(late, 0.0), self._reused.get(late, 0.0) + 1.0)
 
     def _settle(self, kind: Kind, reused: bool) -> None:
         self._reused[kind] = self._reused.get(kind, 0.0) * self.decay + reused

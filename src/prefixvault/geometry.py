@@ -12,7 +12,8 @@ Counting conventions (stated once, used everywhere):
 - KV bytes per token: K and V of every attention layer (every application of a shared
   attention block counts), in the model's dtype.
 - State bytes per boundary: every recurrent layer's conv window and SSM state, conv in the
-  model's dtype, SSM in ``mamba_ssm_dtype`` when the config names one (vLLM's choice).
+  model's dtype, SSM in the dtype vLLM 0.32 picks on CUDA by default: float32 for Nemotron-H
+  (unless its config names ``mamba_ssm_cache_dtype``), the model's dtype for the others.
 - Prefill FLOPs of a prefix of n tokens: 2 x (active, non-embedding parameters) per token,
   plus 4 x heads x head_dim per earlier token per attention layer (QK^T and AV), summed
   over the prefix: ``2 P n + 2 A n^2`` with ``A`` the sum of heads x head_dim over attention
@@ -78,8 +79,13 @@ def _dtype(cfg: Mapping[str, Any], name: str = "torch_dtype", default: str = "bf
         raise ValueError(f"{name} {value!r} is not one of {sorted(_DTYPE_BYTES)}") from None
 
 
+#: vLLM's default SSM cache dtype per model type where it is not the model's dtype.
+_SSM_DEFAULT = {"nemotron_h": "float32"}
+
+
 def _ssm_dtype(cfg: Mapping[str, Any]) -> int:
-    return _dtype(cfg, "mamba_ssm_dtype") if cfg.get("mamba_ssm_dtype") else _dtype(cfg)
+    name = cfg.get("mamba_ssm_cache_dtype") or _SSM_DEFAULT.get(str(cfg.get("model_type")))
+    return _DTYPE_BYTES[str(name)] if name else _dtype(cfg)
 
 
 @dataclass

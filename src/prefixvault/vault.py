@@ -129,6 +129,13 @@ def producer_id() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def chain_order(ref: ObjectRef) -> tuple[int, bool]:
+    """Where an object sits in its prefix's chain: by block, a block's KV before the state at
+    its end. Objects are handed to the store in this order, and a store ranks keys used
+    together in the order given (the first kept longest), so a chain ages from its tail."""
+    return ref.tokens, ref.kind is ObjectKind.STATE
+
+
 class Vault:
     """The protocol for one layout in one namespace of one store.
 
@@ -276,6 +283,7 @@ class Vault:
         read: Callable[[ObjectRef, int], Buffer],
         read_into: Callable[[ObjectRef, int, memoryview], None] | None,
     ) -> set[str]:
+        items = sorted(items, key=lambda item: chain_order(item[0]))  # the store ranks them so
         blocks = [ref.key for ref, _ in items]
         present = {k for k, e in zip(blocks, self.store.exists_many(blocks), strict=True) if e}
         self.counters.put_skipped += len(present)
@@ -509,14 +517,16 @@ class Vault:
                     wanted.append((gi, rank, self.keys.block_prefix(gi, rank), range(first, top)))
         keys = [prefix + hexes[i] for _, _, prefix, idx in wanted for i in idx]
         # Sent in chain order (each index's blocks, then the state at its end), blocks touched.
-        chain = [2 * i + self.layout.groups[gi].is_state for gi, _, _, idx in wanted for i in idx]
-        order = sorted(range(len(keys)), key=chain.__getitem__)
+        chain = np.concatenate([2 * np.asarray(idx, dtype=np.int64) + self.layout.groups[gi].is_state
+                                for gi, _, _, idx in wanted]) if wanted else np.zeros(0, np.int64)
+        order = np.argsort(chain, kind="stable")
+        ranked = chain[order]
         probes = self._probes(hexes[top]) if top * bs < limit else []  # past the top published
-        sent = yield ([*(keys[j] for j in order), *probes],
-                      [chain[j] % 2 == 0 or chain[j] == 2 * top - 1 for j in order] + [False] * len(probes))
-        flags = [False] * len(keys)
-        for j, ok in zip(order, sent, strict=False):
-            flags[j] = ok
+        sent = yield ([keys[j] for j in order.tolist()] + probes,
+                      ((ranked % 2 == 0) | (ranked == 2 * top - 1)).tolist() + [False] * len(probes))
+        unsorted = np.empty(len(keys), dtype=bool)
+        unsorted[order] = sent[: len(keys)]
+        flags = unsorted.tolist()
         probed = sent[len(keys) :]
         # missing[g][i]: missing blocks of group g with index < i (over all ranks), for blocks;
         # the set of boundaries whose state is missing, for states.
@@ -581,6 +591,7 @@ class Vault:
         With ``borrow``, payloads may be views of memory the store lent: use them before the
         next call on the same store (a load beside other calls on their own thread passes
         ``borrow=False``)."""
+        refs = sorted(refs, key=chain_order)  # a read is a use: the store ranks them in this order
         headers = [self.expected_header(r) for r in refs]
         sizes = [HEADER_SIZE + h.length for h in headers]
         total = sum(sizes)

@@ -336,7 +336,9 @@ class LocalStore(Store):
         now = time.time()
         with self._lock:
             for i, key in enumerate(keys):
-                self._touches[key] = now - i * RANK_TICK
+                at = now - i * RANK_TICK
+                if self._touches.get(key, 0.0) < at:  # a key used twice keeps its most recent use
+                    self._touches[key] = at
             while len(self._touches) > TOUCH_PENDING_MAX:
                 del self._touches[next(iter(self._touches))]
             due = time.monotonic() - self._last_flush >= TOUCH_FLUSH_S

@@ -131,12 +131,16 @@ class MemoryStore(Store):
     def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
         for key in keys:
             check_key(key)
-        marks = list(touch) if touch is not None else [True] * len(keys)
+        if touch is not None and len(touch) != len(keys):
+            raise ValueError(f"{len(keys)} keys but {len(touch)} touch marks")
+        found = [False] * len(keys)
         with self._lock:
-            found = [key in self._data for key in keys]
-            for key, ok, t in reversed(list(zip(keys, found, marks, strict=True))):
-                if ok and t:  # the first key given ends up the most recent
-                    self._data.move_to_end(key)
+            data = self._data
+            for i in range(len(keys) - 1, -1, -1):  # backwards: the first key ends up the most recent
+                if keys[i] in data:
+                    found[i] = True
+                    if touch is None or touch[i]:
+                        data.move_to_end(keys[i])
             return found
 
     def delete_many(self, keys: Sequence[str]) -> int:

@@ -95,6 +95,8 @@ class _Request:
     lookup: Future[_Answer] | None = None  # queued for, or running on, the lookup thread
     lookup_since: float = 0.0
     held: bool = False  # its lookup found a save of its prefix in flight; it waits for it once
+    local: int = 0  # tokens vLLM's own prefix cache had when the request was looked up
+    counted: bool = False  # told the admission policy whether it shares a prefix (once)
 
 
 @dataclass
@@ -212,6 +214,7 @@ class SchedulerSide:
                         return None, False
                 else:
                     self.counters.lookups += 1
+                st.local = num_computed_tokens
                 st.lookup = self._submit_lookup(list(st.prompt), st.extra, list(st.hashes),
                                                 request.num_tokens, num_computed_tokens,
                                                 self._saving_hashes if hold else None)
@@ -335,9 +338,10 @@ class SchedulerSide:
             log.debug("prefixvault: request %s waits for a save of its prefix in flight", req_id)
             return False
         st.hit, st.lookup = found.hit, None
-        source = st.source
-        self.admission.arrived(bool(found.hit or getattr(source, "num_computed_tokens", 0)
-                                    or getattr(source, "shared_prefix_boundary", 0)))
+        if not st.counted:
+            st.counted = True
+            self.admission.arrived(bool(found.hit or st.local
+                                        or getattr(st.source, "shared_prefix_boundary", 0)))
         if found.hit:
             self.admission.restored(hashes[found.hit // self.block_size - 1])
         if found.miss is not None and log.isEnabledFor(logging.DEBUG):
