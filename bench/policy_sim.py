@@ -2,7 +2,8 @@
 
     PYTHONPATH=src python bench/policy_sim.py [--models all|name,...] [--workloads chat,...]
         [--policies steps,interval:8192,checkpoints,marconi,reuse] [--requests 400]
-        [--capacities 0.1,0.3,1,3] [--scale 256] [--chunk 2048] [--outputs] [--engine-gb 16] [--jobs 2]
+        [--capacities 0.1,0.3,1,3] [--states 0,0.25] [--scale 256] [--chunk 2048] [--outputs]
+        [--engine-gb 16] [--jobs 2]
 
 No engine runs. For each model (``bench/model_configs/*.json``: real configs' fields, turned
 into bytes and FLOPs by ``prefixvault.geometry``), workload (``policy_traces.py``) and store
@@ -23,7 +24,9 @@ capacity, every policy replays the same trace:
 Object sizes are the model's real sizes divided by ``--scale`` (so a sweep fits in memory);
 capacities are fractions of the trace's KV footprint (every distinct block it computes),
 divided by the same scale, so every size relation the store sees is the real one. Figures
-are reported at real scale.
+are reported at real scale. ``--states`` replays every policy also under the local store's
+budget for states (``?states=``, a share of the capacity); such runs are named
+``policy@states=share`` and are not part of the goals.
 
 Per run: token hit rate (restored / prompt tokens), prefill FLOPs saved (share of all prompt
 prefill FLOPs), bytes written, and FLOPs saved per byte written. Goals (checked per model,
@@ -61,6 +64,7 @@ from prefixvault.admission import Admission, Kind
 from prefixvault.boundary import SavePlan, max_resume_tokens
 from prefixvault.geometry import ModelGeometry, geometry_from_config
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, StateFamily, TensorSpec
+from prefixvault.stores._directory import StateBudget
 from prefixvault.stores.local import LocalStore
 from prefixvault.vault import Vault
 
@@ -83,6 +87,7 @@ class Figures:
     flops_saved: float = 0.0
     bytes_written: float = 0.0
     states_written: int = 0
+    state_share: float = 0.0  # the states' share of the store's space at the end
     seconds: float = 0.0
 
     @property
@@ -151,14 +156,17 @@ def candidates(prompt: int, seq: int, hit: int, junction: int, bs: int, chunk: i
 
 
 def replay(geo: ModelGeometry, trace: Sequence[Request], policy: str, capacity: float, footprint: int,
-           scale: int, chunk: int, outputs: bool, workload: str, engine_gb: float) -> Figures:
+           scale: int, chunk: int, outputs: bool, workload: str, engine_gb: float,
+           states: float = 0.0) -> Figures:
     layout = scaled_layout(geo, scale)
     bs = geo.block_size
     admission = Admission.parse(policy)
-    fig = Figures(geo.name, workload, policy, capacity, capacity * footprint / 1e9, len(trace))
+    name = f"{policy}@states={states:g}" if states else policy
+    fig = Figures(geo.name, workload, name, capacity, capacity * footprint / 1e9, len(trace))
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="pv-policy-", dir=SHM) as tmp:
-        store = LocalStore(tmp, capacity=max(1 << 20, int(capacity * footprint / scale)))
+        store = LocalStore(tmp, capacity=max(1 << 20, int(capacity * footprint / scale)),
+                           states=StateBudget(share=states) if states else None)
         vault = Vault(store, layout)
         payload = {gi: np.zeros(g.nbytes(0), np.uint8) for gi, g in enumerate(layout.groups)}
         # The engine's own prefix cache, where vLLM finds junctions: LRU over blocks, as many
@@ -202,6 +210,8 @@ def replay(geo: ModelGeometry, trace: Sequence[Request], policy: str, capacity: 
             while len(seen) > engine_blocks:
                 seen.popitem(last=False)
         fig.bytes_written = vault.counters.put_bytes * scale
+        space = store.usage()
+        fig.state_share = (store.stats().state_bytes or 0) / max(1, space.slab_bytes + space.inline_bytes)
         store.close()
     fig.seconds = time.monotonic() - t0
     return fig
@@ -219,12 +229,13 @@ def kv_footprint(geo: ModelGeometry, trace: Sequence[Request]) -> int:
     return len(seen) * geo.block_bytes()
 
 
-def _job(args: tuple[ModelGeometry, str, list[str], float, int, int, int, bool, int, float]) -> list[Figures]:
-    geo, workload, policies, capacity, n, scale, chunk, outputs, seed, engine_gb = args
+def _job(args: tuple[ModelGeometry, str, list[str], float, int, int, int, bool, int, float, list[float]]
+         ) -> list[Figures]:
+    geo, workload, policies, capacity, n, scale, chunk, outputs, seed, engine_gb, shares = args
     trace = WORKLOADS[workload](n, seed)
     footprint = kv_footprint(geo, trace)
-    return [replay(geo, trace, p, capacity, footprint, scale, chunk, outputs, workload, engine_gb)
-            for p in policies]
+    return [replay(geo, trace, p, capacity, footprint, scale, chunk, outputs, workload, engine_gb, share)
+            for p in policies for share in shares]
 
 
 def goals(figs: list[Figures]) -> dict[str, object]:
@@ -266,12 +277,12 @@ def print_table(figs: list[Figures]) -> None:
         head = (f.model, f.workload)
         if head != last:
             print(f"\n## {f.model} / {f.workload}  ({f.requests} requests)")
-            print(f"{'capacity':>14} {'policy':>14} {'hit rate':>9} {'FLOPs saved':>12} {'written GB':>11} "
-                  f"{'states':>7} {'PFLOP/GB':>9}")
+            print(f"{'capacity':>14} {'policy':>22} {'hit rate':>9} {'FLOPs saved':>12} {'written GB':>11} "
+                  f"{'states':>7} {'PFLOP/GB':>9} {'state %':>8}")
             last = head
-        print(f"{f.capacity:5g} ={f.capacity_gb:6.1f}GB {f.policy:>14} {f.hit_rate:9.3f} "
+        print(f"{f.capacity:5g} ={f.capacity_gb:6.1f}GB {f.policy:>22} {f.hit_rate:9.3f} "
               f"{f.flops_saved_share:12.3f} {f.bytes_written / 1e9:11.2f} {f.states_written:7d} "
-              f"{f.flops_per_byte / 1e6:9.2f}")
+              f"{f.flops_per_byte / 1e6:9.2f} {f.state_share:8.1%}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -289,6 +300,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="boundaries over generated tokens too (the connector's capture_outputs)")
     ap.add_argument("--engine-gb", type=float, default=16.0,
                     help="KV the engine's own prefix cache holds (where vLLM finds junctions)")
+    ap.add_argument("--states", default="0",
+                    help="budgets for states to replay under, as shares of the capacity (0: none)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
@@ -301,8 +314,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in policies:
         Admission.parse(p)
     caps = [float(c) for c in args.capacities.split(",")]
+    shares = [float(x) for x in args.states.split(",")]
+    if any(not 0.0 <= x <= 1.0 for x in shares):
+        raise SystemExit("--states: shares of the capacity between 0 and 1")
     jobs = [(geo, w, policies, c, args.requests, args.scale, args.chunk, args.outputs, args.seed,
-             args.engine_gb) for geo in models.values() for w in workloads for c in caps]
+             args.engine_gb, shares) for geo in models.values() for w in workloads for c in caps]
     t0 = time.monotonic()
     figs: list[Figures] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
@@ -316,6 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"{geo.active_params / 1e9:.2f}B active parameters")
     summary = goals(figs)
     summary.update(seconds=round(time.monotonic() - t0, 1), requests=args.requests, scale=args.scale,
+                   states=shares,
                    chunk=args.chunk, outputs=args.outputs, engine_gb=args.engine_gb,
                    runs=[{k: (round(v, 5) if isinstance(v, float) else v) for k, v in asdict(f).items()}
                          | {"hit_rate": round(f.hit_rate, 4),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -42,6 +43,19 @@ def test_stats_counts_objects_by_group_kind() -> None:
     assert res.exit_code == 0, res.output
     assert "full_attention" in res.output and "state" in res.output
     assert "records: 2" in res.output
+
+
+def test_stats_shows_the_states_budget(tmp_path: Path) -> None:
+    uri = f"local://{tmp_path}/s?capacity=16MiB&states=25%"
+    _fill(uri).store.close()
+    res = runner.invoke(app, ["stats", "--store", f"local://{tmp_path}/s"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())  # as one line, however the console wraps it
+    assert re.search(r"states hold [1-9]\d* B of their budget 4\.0 MiB", text), text
+    assert "12.0 MiB, is kept for KV blocks and records" in text
+    open_store(f"local://{tmp_path}/s?states=0").close()
+    res = runner.invoke(app, ["stats", "--store", f"local://{tmp_path}/s"])
+    assert "(no budget of their own" in " ".join(res.output.split()), res.output
 
 
 def test_audit_finds_and_repairs_broken_records() -> None:

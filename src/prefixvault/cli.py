@@ -121,6 +121,14 @@ def stats(store: StoreOpt) -> None:
     console.print(
         f"records: {summary.records}  layouts: {summary.layouts}  capacity: {cap}  evictions: {st.evictions}"
     )
+    if st.state_budget is not None:
+        held = st.state_bytes or 0
+        console.print(f"states hold {format_size(held)} of their budget {format_size(st.state_budget)}; "
+                      f"the rest of the capacity, {format_size((st.capacity or 0) - st.state_budget)}, "
+                      "is kept for KV blocks and records")
+    elif st.state_bytes is not None:
+        console.print(f"states hold {format_size(st.state_bytes)} (no budget of their own: they share "
+                      "the capacity with KV blocks and records)")
 
 
 def _rebuild_if_damaged(uri: str) -> None:

@@ -14,10 +14,11 @@ import os
 import shutil
 import sqlite3
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefixvault.stores import _arena
-from prefixvault.stores._index import INDEX_NAME, META_NAMES, SCHEMA, SCHEMA_VERSION
+from prefixvault.stores._index import INDEX_NAME, META_NAMES, SCHEMA, SCHEMA_VERSION, add_pools, state_bytes
 from prefixvault.stores._writers import WRITERS_DIR
 from prefixvault.stores.base import StoreError, StoreUnavailable
 
@@ -46,13 +47,27 @@ def check_meta(path: Path, meta: dict[str, int]) -> None:
         raise damaged(path, f"no {', '.join(missing)} in its meta table")
 
 
-def create_or_check(conn: sqlite3.Connection, path: Path, capacity: int | None) -> None:
-    """Create the index's tables and meta rows, or check those there; apply a new capacity."""
+@dataclass(frozen=True)
+class StateBudget:
+    """The most bytes recurrent states may take: a size, or a share of the capacity."""
+
+    nbytes: int | None = None
+    share: float | None = None
+
+    def resolve(self, capacity: int) -> int:
+        return self.nbytes if self.nbytes is not None else int(capacity * (self.share or 0.0))
+
+
+def create_or_check(conn: sqlite3.Connection, path: Path, capacity: int | None,
+                    states: StateBudget | None = None) -> None:
+    """Create the index's tables and meta rows, or check those there; apply a new capacity
+    and states' budget (``states`` None: keep the one there)."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         for statement in SCHEMA.split(";"):
             if statement.strip():
                 conn.execute(statement)
+        add_pools(conn)
         meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
         if not meta:
             if capacity is None:
@@ -78,6 +93,15 @@ def create_or_check(conn: sqlite3.Connection, path: Path, capacity: int | None) 
                 "UPDATE meta SET value = ? WHERE name = ?",
                 [(capacity, "capacity"), (_arena.slab_size_for(capacity), "slab_size")],
             )
+        if states is not None:
+            now = int(conn.execute("SELECT value FROM meta WHERE name = 'capacity'").fetchone()[0])
+            budget = states.resolve(now)
+            if budget > now:
+                raise StoreError(f"local store {path}: states={budget} bytes is more than its "
+                                 f"capacity ({now} bytes)")
+            conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('state_budget', ?)", (budget,))
+        held = state_bytes(conn)  # counted afresh at every writer's open
+        conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('state_bytes', ?)", (held,))
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:

@@ -4,8 +4,10 @@ SQLite in WAL mode, the only source of truth. A key names (slab, slot, generatio
 a small object inline; a slot is free, being written (claimed by a writer) or live. A
 ``Transaction`` claims, publishes and releases slots, removes keys, and evicts by recency
 (an object of the same size class, a whole slab of another class, or an inline object),
-keeping the counters of the ``meta`` table. Generations are never reused, so a reader can
-always tell whether a slot changed under it.
+keeping the counters of the ``meta`` table. Recurrent states (keys of class ``s``) may have a
+budget of their own: a state that would take the states past it evicts the least recently
+used state, never a KV block, so states can never crowd out more than their budget.
+Generations are never reused, so a reader can always tell whether a slot changed under it.
 """
 
 from __future__ import annotations
@@ -22,10 +24,15 @@ from typing import NamedTuple
 
 from prefixvault.stores import _arena
 from prefixvault.stores._writers import WRITERS_DIR, owner_alive
+from prefixvault.stores.base import STATE_CLASS, key_class
 
 INDEX_NAME = "index.db"
 #: Rows the index's meta table must hold.
 META_NAMES = ("schema", "capacity", "slab_size", "inline_bytes", "next_gen", "evictions", "epoch")
+#: Optional meta rows (a store made before them lacks them): ``state_budget`` is the most
+#: bytes states may take (0 or absent: no budget of their own); ``state_bytes`` what they hold
+#: (counted afresh whenever a writer opens the store, kept by every transaction after).
+META_OPTIONAL = ("state_budget", "state_bytes")
 SCHEMA_VERSION = 1
 #: Filesystem space the store never fills with objects: room for the index and its log.
 FS_RESERVE = 2 << 20
@@ -63,11 +70,42 @@ CREATE TABLE IF NOT EXISTS keys (
     slot INTEGER,
     gen INTEGER NOT NULL,
     last_used REAL NOT NULL,
-    data BLOB
+    data BLOB,
+    pool INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS keys_lru ON keys (cls, last_used);
 CREATE INDEX IF NOT EXISTS keys_slab ON keys (slab, last_used);
 """
+#: ``keys.pool``: 1 for a recurrent state (budgeted on its own), 0 for anything else.
+STATES, OTHER = 1, 0
+#: What an object occupies: its slot, or its bytes when it lives inline.
+_HELD = "CASE WHEN slab IS NULL THEN size ELSE cls END"
+
+
+def pool_of(key: str) -> int:
+    return STATES if key_class(key) == STATE_CLASS else OTHER
+
+
+def add_pools(conn: sqlite3.Connection) -> None:
+    """Give an index made before state budgets its ``pool`` column (inside the caller's
+    transaction): every state key is marked once; new keys are marked as they are written."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(keys)")}
+    if "pool" not in columns:
+        conn.execute("ALTER TABLE keys ADD COLUMN pool INTEGER NOT NULL DEFAULT 0")
+        marked = [(k,) for (k,) in conn.execute("SELECT key FROM keys") if pool_of(k) == STATES]
+        conn.executemany("UPDATE keys SET pool = 1 WHERE key = ?", marked)
+    conn.execute("CREATE INDEX IF NOT EXISTS keys_pool ON keys (pool, last_used)")
+
+
+def state_bytes(conn: sqlite3.Connection) -> int:
+    """Bytes the states hold now, counted from their keys (an index without ``pool`` key by
+    key: a read-only open of a store made before budgets)."""
+    columns = {row[1] for row in conn.execute("PRAGMA table_info(keys)")}
+    if "pool" in columns:
+        row = conn.execute(f"SELECT COALESCE(SUM({_HELD}), 0) FROM keys WHERE pool = ?", (STATES,)).fetchone()
+        return int(row[0])
+    return sum(int(held) for key, held in conn.execute(f"SELECT key, {_HELD} FROM keys")
+               if pool_of(key) == STATES)
 
 
 
@@ -129,6 +167,8 @@ class Transaction:
         self.next_gen = int(meta["next_gen"])
         self.evictions = int(meta["evictions"])
         self.epoch = int(meta["epoch"])
+        self.state_budget = int(meta.get("state_budget", 0))
+        self._states: int | None = int(meta["state_bytes"]) if "state_bytes" in meta else None
         self.slab_bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM slabs").fetchone()[0])
         # The filesystem may hold less than the capacity: never plan to use more than it has,
         # and leave room for the index (and its write-ahead log) to grow.
@@ -161,10 +201,44 @@ class Transaction:
                 (self.epoch, "epoch"),
             ],
         )
+        if self._states is not None:
+            self.conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('state_bytes', ?)",
+                              (self._states,))
 
     def gen(self) -> int:
         self.next_gen += 1
         return self.next_gen
+
+    # -- the states' budget ----------------------------------------------------------
+
+    @property
+    def states_held(self) -> int:
+        if self._states is None:
+            self._states = state_bytes(self.conn)
+        return self._states
+
+    def _held(self, pool: int, nbytes: int) -> None:
+        """A state of ``nbytes`` came (positive) or went (negative)."""
+        if pool == STATES and self._states is not None:
+            self._states += nbytes
+
+    def fit_state(self, nbytes: int) -> bool:
+        """Evict the least recently used states until one of ``nbytes`` fits their budget;
+        False if it never can. Without a budget, always True."""
+        if not self.state_budget:
+            return True
+        if nbytes > self.state_budget:
+            return False
+        while self.states_held + nbytes > self.state_budget:
+            row = self.conn.execute(
+                "SELECT key FROM keys WHERE pool = ? ORDER BY last_used, gen LIMIT 1", (STATES,)
+            ).fetchone()
+            if row is None:  # the count and the rows disagree: count again
+                self._states = None
+                return self.states_held + nbytes <= self.state_budget
+            self.remove(row[0])
+            self.evictions += 1
+        return True
 
     # -- recency ---------------------------------------------------------------------
 
@@ -178,11 +252,13 @@ class Transaction:
 
     def remove(self, key: str) -> bool:
         """Delete a key and release what it held."""
-        row = self.conn.execute("SELECT size, slab, slot, gen FROM keys WHERE key = ?", (key,)).fetchone()
+        row = self.conn.execute(
+            "SELECT size, slab, slot, gen, cls, pool FROM keys WHERE key = ?", (key,)).fetchone()
         if row is None:
             return False
-        size, slab, slot, gen = row
+        size, slab, slot, gen, cls, pool = row
         self.conn.execute("DELETE FROM keys WHERE key = ?", (key,))
+        self._held(pool, -(size if slab is None else cls))
         if slab is None:
             self.inline_bytes -= size
         else:
@@ -196,18 +272,22 @@ class Transaction:
         """Store a small object in the index; a replace that cannot fit keeps the old value."""
         if if_absent and self.exists(key):
             return False
+        pool = pool_of(key)
         old = self.conn.execute("SELECT size FROM keys WHERE key = ? AND slab IS NULL", (key,)).fetchone()
         if len(data) > self.capacity or not self.make_room(len(data) - (int(old[0]) if old else 0)):
             return False
         self.remove(key)
         if not self.make_room(len(data)):  # only if the old value was itself evicted just now
             return False
+        if pool == STATES and not self.fit_state(len(data)):
+            return False
         self.conn.execute(
-            "INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data)"
-            " VALUES (?, ?, 0, NULL, NULL, ?, ?, ?)",
-            (key, len(data), self.gen(), self.now if at is None else at, data),
+            "INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data, pool)"
+            " VALUES (?, ?, 0, NULL, NULL, ?, ?, ?, ?)",
+            (key, len(data), self.gen(), self.now if at is None else at, data, pool),
         )
         self.inline_bytes += len(data)
+        self._held(pool, len(data))
         return True
 
     def publish(self, key: str, size: int, claim: Claim, if_absent: bool = False,
@@ -222,11 +302,16 @@ class Transaction:
             self.release([claim])
             return False
         self.remove(key)
+        pool = pool_of(key)
+        if pool == STATES and not self.fit_state(claim.cls):  # other writers' states came meanwhile
+            self.release([claim])
+            return False
         self.conn.execute(
-            "INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data)"
-            " VALUES (?, ?, ?, ?, ?, ?, ?, NULL)",
-            (key, size, claim.cls, claim.slab, claim.slot, claim.gen, self.now if at is None else at),
+            "INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data, pool)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?)",
+            (key, size, claim.cls, claim.slab, claim.slot, claim.gen, self.now if at is None else at, pool),
         )
+        self._held(pool, claim.cls)
         self.conn.execute(
             "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ?",
             (LIVE, claim.slab, claim.slot),
@@ -241,11 +326,14 @@ class Transaction:
 
     # -- slots -----------------------------------------------------------------------
 
-    def claim(self, cls: int, owner: str, inflight: set[int]) -> Claim | None:
+    def claim(self, cls: int, owner: str, inflight: set[int], pool: int = OTHER) -> Claim | None:
         """A slot of class ``cls`` for this writer, evicting if needed; None if no room, or
         if the store should grow and no spare slab file is at hand (then ``wanted`` says
-        which size to make, outside the transaction, before asking again)."""
+        which size to make, outside the transaction, before asking again). A state first
+        makes room within the states' budget (its slot may then be one a state just left)."""
         self.wanted = 0
+        if pool == STATES and not self.fit_state(cls):
+            return None
         found = self._free_slot(cls)
         if found is None and not self.reclaimed:
             self.reclaim(owner, inflight)
@@ -355,6 +443,9 @@ class Transaction:
         return None if row is None else (row[0], row[1])
 
     def _evict_key(self, key: str, slab: int, slot: int) -> None:
+        row = self.conn.execute("SELECT cls, pool FROM keys WHERE key = ?", (key,)).fetchone()
+        if row is not None:
+            self._held(int(row[1]), -int(row[0]))
         self.conn.execute("DELETE FROM keys WHERE key = ?", (key,))
         self.conn.execute(
             "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ?",
@@ -362,7 +453,15 @@ class Transaction:
         )
         self.evictions += 1
 
+    def _states_in(self, slab_id: int) -> None:
+        """The states of a slab are about to go."""
+        row = self.conn.execute(
+            "SELECT COALESCE(SUM(cls), 0) FROM keys WHERE slab = ? AND pool = ?", (slab_id, STATES)
+        ).fetchone()
+        self._held(STATES, -int(row[0]))
+
     def _empty_slab(self, slab_id: int) -> None:
+        self._states_in(slab_id)
         dropped = self.conn.execute("DELETE FROM keys WHERE slab = ?", (slab_id,)).rowcount
         self.evictions += max(dropped, 0)
         self.conn.execute("DELETE FROM slots WHERE slab = ?", (slab_id,))
@@ -377,6 +476,7 @@ class Transaction:
 
     def lose_slab(self, slab_id: int, nbytes: int) -> None:
         """Forget a slab whose file is gone or damaged, with its keys (not counted as evictions)."""
+        self._states_in(slab_id)
         self.conn.execute("DELETE FROM keys WHERE slab = ?", (slab_id,))
         self.conn.execute("DELETE FROM slots WHERE slab = ?", (slab_id,))
         self.conn.execute("DELETE FROM slabs WHERE id = ?", (slab_id,))

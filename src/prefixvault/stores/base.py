@@ -40,6 +40,20 @@ def check_key(key: str) -> str:
     return key
 
 
+#: The key class of recurrent states (see ``key_class``).
+STATE_CLASS = "s"
+
+
+def key_class(key: str) -> str:
+    """The third ``/``-separated segment of a key: the kind of object it names.
+
+    The vault writes ``namespace/layout/class/...`` (``b`` KV blocks, ``s`` recurrent states,
+    ``r`` records). A store that budgets a class on its own (the local store's ``states=``)
+    reads it here and knows nothing else of the key; any other key is of class ``""``."""
+    parts = key.split("/", 3)
+    return parts[2] if len(parts) > 3 else ""
+
+
 def redact(uri: str) -> str:
     """``uri`` fit for a message, a log line or a label: a password in it becomes ``***``.
 
@@ -83,6 +97,10 @@ class StoreStats:
     bytes: int
     capacity: int | None  # None: unbounded
     evictions: int = 0
+    #: Where the store counts states on their own (the local store): the bytes its states
+    #: take, and the most they may take (``states=``; None: no budget of their own).
+    state_bytes: int | None = None
+    state_budget: int | None = None
 
 
 class Store(abc.ABC):

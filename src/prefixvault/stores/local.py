@@ -39,7 +39,7 @@ import numpy as np
 
 from prefixvault.stores import _arena, _directory
 from prefixvault.stores._arena import Bytes, Mappings
-from prefixvault.stores._directory import StoreDamaged
+from prefixvault.stores._directory import StateBudget, StoreDamaged
 from prefixvault.stores._index import (
     BUSY_TIMEOUT_S,
     FREE,
@@ -53,6 +53,8 @@ from prefixvault.stores._index import (
     connect,
     is_full,
     marks,
+    pool_of,
+    state_bytes,
 )
 from prefixvault.stores._writers import WriterToken
 from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_key
@@ -90,6 +92,20 @@ class LocalUsage:
     slab_size: int
 
 
+def _state_budget(text: str) -> StateBudget:
+    """``states=``: a size (``8GiB``) or a share of the capacity (``25%``); ``0`` for none."""
+    try:
+        if text.endswith("%"):
+            share = float(text[:-1]) / 100
+            if not 0.0 <= share <= 1.0:
+                raise ValueError(f"{text!r} is not between 0% and 100%")
+            return StateBudget(share=share)
+        return StateBudget(nbytes=parse_size(text))
+    except ValueError as exc:
+        raise StoreError(f"bad local store parameter states={text[:100]!r}: {exc} "
+                         "(use a size such as 8GiB, or a share of the capacity such as 25%)") from None
+
+
 def _u8(part: Buffer) -> Bytes:
     """A flat uint8 view of any contiguous buffer, without copying."""
     return np.frombuffer(part, dtype=np.uint8)
@@ -99,11 +115,13 @@ class LocalStore(Store):
     """Slab arena plus SQLite index in one directory; safe across processes and threads."""
 
     def __init__(self, path: Path | str, capacity: int | None = None, *, existing: bool = False,
-                 readonly: bool = False, shared: bool = False) -> None:
+                 readonly: bool = False, shared: bool = False, states: StateBudget | None = None) -> None:
         """``existing``: never create a store, never change its capacity (maintenance);
         ``readonly``: also never write (read commands: stats, audit without repair);
         ``shared``: a store for several users of one group (files 0660) instead of its owner
-        alone (files 0600, a directory of its own that nobody else can write)."""
+        alone (files 0600, a directory of its own that nobody else can write);
+        ``states``: the most the recurrent states may take (None: keep what the store has;
+        ``StateBudget(0)``: no budget of their own, they share the capacity with the rest)."""
         self.path = Path(path).expanduser().absolute()
         self.uri = f"local://{self.path}"
         self._readonly = readonly
@@ -112,6 +130,7 @@ class LocalStore(Store):
             if not (self.path / INDEX_NAME).is_file():
                 raise StoreError(f"no local store at {self.path}: it has no {INDEX_NAME}")
             capacity = None
+            states = None
         else:
             _directory.prepare(self.path, shared)
         self._lock = threading.RLock()
@@ -130,16 +149,17 @@ class LocalStore(Store):
             if readonly:
                 self._check_index()
             else:
-                self._init_index(capacity)
+                self._init_index(capacity, states)
 
     @classmethod
     def from_params(cls, path: Path, params: dict[str, str], existing: bool = False,
                     readonly: bool = False) -> LocalStore:
-        """Open from URI parameters: ``capacity`` and ``shared`` (``1``: several users)."""
-        unknown = sorted(set(params) - {"capacity", "shared"})
+        """Open from URI parameters: ``capacity``, ``states`` (a size or ``N%`` of the
+        capacity) and ``shared`` (``1``: several users)."""
+        unknown = sorted(set(params) - {"capacity", "shared", "states"})
         if unknown:
             raise StoreError(f"unknown local store parameter(s): {', '.join(unknown)} "
-                             "(known: capacity, shared)")
+                             "(known: capacity, states, shared)")
         shared = params.get("shared", "0")
         if shared not in ("0", "1"):
             raise StoreError(f"bad local store parameter shared={shared[:100]!r}: use 0 or 1")
@@ -149,7 +169,9 @@ class LocalStore(Store):
                 capacity = parse_size(params["capacity"])
             except ValueError as exc:
                 raise StoreError(f"bad local store capacity: {exc}") from None
-        return cls(path, capacity, existing=existing, readonly=readonly, shared=shared == "1")
+        states = _state_budget(params["states"]) if params.get("states") else None
+        return cls(path, capacity, existing=existing, readonly=readonly, shared=shared == "1",
+                   states=states)
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.path)!r})"
@@ -238,7 +260,7 @@ class LocalStore(Store):
         self._maps.retain(live)
         self._epoch = epoch
 
-    def _init_index(self, capacity: int | None) -> None:
+    def _init_index(self, capacity: int | None, states: StateBudget | None) -> None:
         # Switching a fresh index to WAL while another process does the same can fail at
         # once with "database is locked" (SQLite does not wait there), so first opens queue
         # on an flock.
@@ -248,7 +270,7 @@ class LocalStore(Store):
                 os.fchmod(fd, self._mode)  # the umask may have taken group bits a shared store needs
             fcntl.flock(fd, fcntl.LOCK_EX)
             with self._lock:
-                _directory.create_or_check(self._db(), self.path, capacity)
+                _directory.create_or_check(self._db(), self.path, capacity, states)
                 os.chmod(self.path / INDEX_NAME, self._mode)  # SQLite's log files follow it
         finally:
             os.close(fd)
@@ -260,6 +282,7 @@ class LocalStore(Store):
                 tx.doomed.extend(_arena.stray_files(self.path, known))
                 if tx.used > tx.capacity:
                     tx.make_room(0)
+                tx.fit_state(0)  # a budget made smaller
 
         # On a full filesystem the store still opens (and serves reads) even if nothing
         # could be freed: the next put that finds room tidies up.
@@ -506,7 +529,10 @@ class LocalStore(Store):
             conn = self._db()
             objects, nbytes = conn.execute("SELECT COUNT(*), COALESCE(SUM(size), 0) FROM keys").fetchone()
             meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
-        return StoreStats(int(objects), int(nbytes), int(meta["capacity"]), int(meta["evictions"]))
+            budget = int(meta.get("state_budget", 0))
+            held = int(meta["state_bytes"]) if "state_bytes" in meta else state_bytes(conn)
+        return StoreStats(int(objects), int(nbytes), int(meta["capacity"]), int(meta["evictions"]),
+                          state_bytes=held, state_budget=budget or None)
 
     def usage(self) -> LocalUsage:
         """Slabs, slots by state and bytes reserved: what ``stats`` does not show."""
@@ -612,7 +638,7 @@ class LocalStore(Store):
                     for i, cls in enumerate(classes):
                         if cls == 0 or i in claims or (if_absent and tx.exists(keys[i])):
                             continue
-                        claim = tx.claim(cls, owner, self._inflight)
+                        claim = tx.claim(cls, owner, self._inflight, pool_of(keys[i]))
                         if claim is not None:
                             claims[i] = claim
                         elif tx.wanted:

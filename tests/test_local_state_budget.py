@@ -1,0 +1,162 @@
+"""The local store's budget for recurrent states (``?states=``): states never take more than
+it, make room among themselves from the least recently used, and never evict a KV block."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixvault.keys import KeySpace
+from prefixvault.stores import StoreError, open_store
+from prefixvault.stores._index import INDEX_NAME, STATES, state_bytes
+from prefixvault.stores.base import STATE_CLASS, key_class
+from prefixvault.stores.local import LocalStore
+
+MiB = 1 << 20
+SPACE = KeySpace("ns", bytes(8))
+
+
+def state(i: int) -> str:
+    return SPACE.state(1, 0, i.to_bytes(16, "big"))
+
+
+def block(i: int) -> str:
+    return SPACE.block(0, 0, i.to_bytes(16, "big"))
+
+
+def held_by_states(path: Path) -> int:
+    """Counted afresh from the index, key by key (not from the store's own count)."""
+    conn = sqlite3.connect(path / INDEX_NAME)
+    try:
+        return sum(int(cls if slab is not None else size)
+                   for key, size, cls, slab in conn.execute("SELECT key, size, cls, slab FROM keys")
+                   if key_class(key) == STATE_CLASS)
+    finally:
+        conn.close()
+
+
+def test_the_vault_keys_classes() -> None:
+    assert key_class(state(1)) == STATE_CLASS
+    assert key_class(block(1)) == "b"
+    assert key_class(SPACE.record(bytes(16))) == "r"
+    assert key_class(SPACE.layout()) == ""
+    assert key_class("a/b") == ""
+
+
+def test_states_make_room_among_themselves(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with open_store(f"local://{path}?capacity=64MiB&states=4MiB") as store:
+        assert store.put_many([(block(i), [bytes(MiB)]) for i in range(20)]) == [True] * 20
+        for i in range(12):  # 12 states of 1 MiB into a budget of 4
+            assert store.put_many([(state(i), [bytes([i]) * MiB])]) == [True]
+            assert held_by_states(path) <= 4 * MiB
+        alive = store.exists_many([state(i) for i in range(12)])
+        assert alive == [False] * 8 + [True] * 4  # the least recently used went
+        assert all(store.exists_many([block(i) for i in range(20)]))  # no KV block went
+        stats = store.stats()
+        assert (stats.state_bytes, stats.state_budget) == (held_by_states(path), 4 * MiB)
+        assert store.get_many([state(11)]) == [bytes([11]) * MiB]
+
+
+def test_a_hit_keeps_its_state(tmp_path: Path) -> None:
+    with open_store(f"local://{tmp_path}/s?capacity=64MiB&states=3MiB") as store:
+        for i in range(3):
+            assert store.put_many([(state(i), [bytes(MiB)])]) == [True]
+        store.touch_many([state(0)])  # 0 is used again: 1 is now the oldest
+        assert isinstance(store, LocalStore)
+        store.close()
+    with open_store(f"local://{tmp_path}/s") as store:  # the budget is kept by the store
+        assert store.put_many([(state(3), [bytes(MiB)])]) == [True]
+        assert store.exists_many([state(i) for i in range(4)]) == [True, False, True, True]
+
+
+def test_budget_as_a_share_of_the_capacity_and_made_smaller(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with open_store(f"local://{path}?capacity=32MiB&states=25%") as store:
+        assert store.stats().state_budget == 8 * MiB
+        assert all(store.put_many([(state(i), [bytes(MiB)]) for i in range(8)]))
+    with open_store(f"local://{path}?states=2MiB") as store:  # shrinking evicts at open
+        assert store.stats().state_bytes == held_by_states(path) <= 2 * MiB
+        # put together, the first given ranks most recent
+        assert store.exists_many([state(i) for i in range(8)]) == [True, True] + [False] * 6
+    with open_store(f"local://{path}?states=0") as store:  # no budget: states share it all
+        assert store.stats().state_budget is None
+        assert all(store.put_many([(state(i), [bytes(MiB)]) for i in range(10, 20)]))
+        assert store.stats().state_bytes == held_by_states(path) >= 10 * MiB  # still counted
+
+
+def test_a_state_larger_than_the_budget_is_refused(tmp_path: Path) -> None:
+    with open_store(f"local://{tmp_path}/s?capacity=32MiB&states=1MiB") as store:
+        assert store.put_many([(state(0), [bytes(2 * MiB)]), (block(0), [bytes(2 * MiB)])]) == [False, True]
+        assert store.put_if_absent(state(1), bytes(2 * MiB)) is False
+
+
+def test_small_states_inline_count_too(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with open_store(f"local://{path}?capacity=32MiB&states=100KiB") as store:
+        for i in range(10):  # 30 KiB each: inline in the index
+            assert store.put_many([(state(i), [bytes(30 << 10)])]) == [True]
+        assert held_by_states(path) <= 100 << 10
+        assert store.exists_many([state(i) for i in range(10)]) == [False] * 7 + [True] * 3
+
+
+@pytest.mark.parametrize(
+    ("query", "message"),
+    [("states=lots", "states='lots'"), ("states=150%", "between 0% and 100%"),
+     ("capacity=8MiB&states=9MiB", "more than its capacity")],
+)
+def test_bad_budgets(tmp_path: Path, query: str, message: str) -> None:
+    with pytest.raises(StoreError, match=message):
+        open_store(f"local://{tmp_path}/s?{query}")
+
+
+def test_a_store_made_before_budgets_is_counted_when_opened(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with open_store(f"local://{path}?capacity=32MiB") as store:
+        assert all(store.put_many([(state(i), [bytes(MiB)]) for i in range(6)]
+                                  + [(block(i), [bytes(MiB)]) for i in range(6)]))
+    conn = sqlite3.connect(path / INDEX_NAME)  # what an index of an earlier version looks like
+    conn.execute("DROP INDEX keys_pool")
+    conn.execute("ALTER TABLE keys DROP COLUMN pool")
+    conn.commit()
+    assert state_bytes(conn) == held_by_states(path)  # read-only: counted key by key
+    conn.close()
+    with open_store(f"local://{path}?states=3MiB") as store:
+        assert store.stats().state_bytes == held_by_states(path) <= 3 * MiB
+        assert all(store.exists_many([block(i) for i in range(6)]))
+    conn = sqlite3.connect(path / INDEX_NAME)
+    assert conn.execute("SELECT COUNT(*) FROM keys WHERE pool = ?", (STATES,)).fetchone()[0] == 3
+    conn.close()
+
+
+@pytest.mark.parametrize("capacity", [256, 10])
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["put", "delete", "touch"]), st.booleans(),
+                          st.integers(0, 11), st.integers(1, 5)), max_size=40))
+def test_states_never_pass_their_budget(tmp_path_factory: pytest.TempPathFactory, capacity: int,
+                                        ops: list[tuple[str, bool, int, int]]) -> None:
+    """Whatever is put, replaced, deleted or touched: the states' count is right and within
+    the budget. With ample capacity only states were evicted for it; with little, the store
+    also evicts by recency (slots, whole slabs of another size) and the count stays right."""
+    path = tmp_path_factory.mktemp("budget") / "s"
+    blocks: set[int] = set()
+    with open_store(f"local://{path}?capacity={capacity}MiB&states=5MiB") as store:
+        for op, is_state, i, size in ops:
+            key = state(i) if is_state else block(i)
+            if op == "put":
+                assert store.put_many([(key, [bytes(size * 300 << 10)])]) == [True]
+                if not is_state:
+                    blocks.add(i)
+            elif op == "delete":
+                store.delete_many([key])
+                if not is_state:
+                    blocks.discard(i)
+            else:
+                store.touch_many([key])
+            assert store.stats().state_bytes == held_by_states(path) <= 5 * MiB
+        if capacity == 256:
+            assert all(store.exists_many([block(i) for i in sorted(blocks)]))
