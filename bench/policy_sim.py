@@ -26,7 +26,12 @@ capacities are fractions of the trace's KV footprint (every distinct block it co
 divided by the same scale, so every size relation the store sees is the real one. Figures
 are reported at real scale. ``--states`` replays every policy also under the local store's
 budget for states (``?states=``, a share of the capacity); such runs are named
-``policy@states=share`` and are not part of the goals.
+``policy@states=share`` and are not part of the goals. ``--stores`` replays them also on a
+throwaway valkey-server (``maxmemory`` = the capacity above what an empty server uses):
+``redis-lru`` (``allkeys-lru``, lookups TOUCH what they hit) and ``redis-ttl`` (the store's
+``ttl``, a day, and ``volatile-ttl``: keys used together expire in the order given), with
+``:N`` for the server's ``maxmemory-samples`` (its default, 5, otherwise); such runs are
+named ``policy[store]``.
 
 Per run: token hit rate (restored / prompt tokens), prefill FLOPs saved (share of all prompt
 prefill FLOPs), bytes written, and FLOPs saved per byte written. Goals (checked per model,
@@ -43,18 +48,17 @@ store's eviction, which every policy shares.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-
-import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -64,6 +68,7 @@ from prefixvault.admission import Admission, Kind
 from prefixvault.boundary import SavePlan, max_resume_tokens
 from prefixvault.geometry import ModelGeometry, geometry_from_config
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, StateFamily, TensorSpec
+from prefixvault.stores import Store, open_store
 from prefixvault.stores._directory import StateBudget
 from prefixvault.stores.local import LocalStore
 from prefixvault.vault import Vault
@@ -155,20 +160,52 @@ def candidates(prompt: int, seq: int, hit: int, junction: int, bs: int, chunk: i
     return out
 
 
+@contextlib.contextmanager
+def open_sim_store(kind: str, nbytes: int, states: float) -> Iterator[Store]:
+    """The store a replay runs on: ``local``, or a throwaway valkey-server (``redis-lru``,
+    ``redis-ttl``) whose ``maxmemory`` leaves ``nbytes`` above what it uses empty."""
+    if kind == "local":
+        with tempfile.TemporaryDirectory(prefix="pv-policy-", dir=SHM) as tmp:
+            local = LocalStore(tmp, capacity=nbytes, states=StateBudget(share=states) if states else None)
+            try:
+                yield local
+            finally:
+                local.close()
+        return
+    import redis
+
+    from prefixvault.testing.valkey import Valkey
+
+    name, _, samples = kind.partition(":")
+    server = Valkey("--maxmemory-policy", "volatile-ttl" if name == "redis-ttl" else "allkeys-lru",
+                    "--maxmemory-samples", samples or "5")
+    try:
+        admin = redis.Redis(host="127.0.0.1", port=server.port)
+        empty = int(admin.info("memory")["used_memory"])
+        admin.config_set("maxmemory", empty + nbytes)
+        store = open_store(server.url(**({"ttl": "86400"} if name == "redis-ttl" else {})))
+        try:
+            yield store
+        finally:
+            store.close()
+    finally:
+        server.stop()
+
+
 def replay(geo: ModelGeometry, trace: Sequence[Request], policy: str, capacity: float, footprint: int,
            scale: int, chunk: int, outputs: bool, workload: str, engine_gb: float,
-           states: float = 0.0) -> Figures:
+           states: float = 0.0, store_kind: str = "local") -> Figures:
     layout = scaled_layout(geo, scale)
     bs = geo.block_size
     admission = Admission.parse(policy)
     name = f"{policy}@states={states:g}" if states else policy
+    if store_kind != "local":
+        name += f"[{store_kind}]"
     fig = Figures(geo.name, workload, name, capacity, capacity * footprint / 1e9, len(trace))
     t0 = time.monotonic()
-    with tempfile.TemporaryDirectory(prefix="pv-policy-", dir=SHM) as tmp:
-        store = LocalStore(tmp, capacity=max(1 << 20, int(capacity * footprint / scale)),
-                           states=StateBudget(share=states) if states else None)
+    with open_sim_store(store_kind, max(1 << 20, int(capacity * footprint / scale)), states) as store:
         vault = Vault(store, layout)
-        payload = {gi: np.zeros(g.nbytes(0), np.uint8) for gi, g in enumerate(layout.groups)}
+        payload = {gi: memoryview(bytes(g.nbytes(0))) for gi, g in enumerate(layout.groups)}
         # The engine's own prefix cache, where vLLM finds junctions: LRU over blocks, as many
         # as ``engine_gb`` of KV holds.
         seen: OrderedDict[bytes, None] = OrderedDict()
@@ -210,9 +247,9 @@ def replay(geo: ModelGeometry, trace: Sequence[Request], policy: str, capacity: 
             while len(seen) > engine_blocks:
                 seen.popitem(last=False)
         fig.bytes_written = vault.counters.put_bytes * scale
-        space = store.usage()
-        fig.state_share = (store.stats().state_bytes or 0) / max(1, space.slab_bytes + space.inline_bytes)
-        store.close()
+        if isinstance(store, LocalStore):
+            space = store.usage()
+            fig.state_share = (store.stats().state_bytes or 0) / max(1, space.slab_bytes + space.inline_bytes)
     fig.seconds = time.monotonic() - t0
     return fig
 
@@ -229,13 +266,14 @@ def kv_footprint(geo: ModelGeometry, trace: Sequence[Request]) -> int:
     return len(seen) * geo.block_bytes()
 
 
-def _job(args: tuple[ModelGeometry, str, list[str], float, int, int, int, bool, int, float, list[float]]
-         ) -> list[Figures]:
-    geo, workload, policies, capacity, n, scale, chunk, outputs, seed, engine_gb, shares = args
+def _job(args: tuple[ModelGeometry, str, list[str], float, int, int, int, bool, int, float, list[float],
+                     list[str]]) -> list[Figures]:
+    geo, workload, policies, capacity, n, scale, chunk, outputs, seed, engine_gb, shares, kinds = args
     trace = WORKLOADS[workload](n, seed)
     footprint = kv_footprint(geo, trace)
-    return [replay(geo, trace, p, capacity, footprint, scale, chunk, outputs, workload, engine_gb, share)
-            for p in policies for share in shares]
+    return [replay(geo, trace, p, capacity, footprint, scale, chunk, outputs, workload, engine_gb,
+                   share, kind)
+            for kind in kinds for p in policies for share in (shares if kind == "local" else [0.0])]
 
 
 def goals(figs: list[Figures]) -> dict[str, object]:
@@ -302,6 +340,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="KV the engine's own prefix cache holds (where vLLM finds junctions)")
     ap.add_argument("--states", default="0",
                     help="budgets for states to replay under, as shares of the capacity (0: none)")
+    ap.add_argument("--stores", default="local",
+                    help="stores to replay on: local, redis-lru[:N], redis-ttl[:N] (a throwaway "
+                    "valkey-server; N: its maxmemory-samples)")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     args = ap.parse_args(argv)
@@ -317,8 +358,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     shares = [float(x) for x in args.states.split(",")]
     if any(not 0.0 <= x <= 1.0 for x in shares):
         raise SystemExit("--states: shares of the capacity between 0 and 1")
+    kinds = args.stores.split(",")
+    for kind in kinds:
+        name, _, samples = kind.partition(":")
+        if name not in ("local", "redis-lru", "redis-ttl") or (samples and not samples.isdigit()):
+            raise SystemExit(f"--stores: local, redis-lru[:samples] or redis-ttl[:samples], not {kind!r}")
     jobs = [(geo, w, policies, c, args.requests, args.scale, args.chunk, args.outputs, args.seed,
-             args.engine_gb, shares) for geo in models.values() for w in workloads for c in caps]
+             args.engine_gb, shares, kinds) for geo in models.values() for w in workloads for c in caps]
     t0 = time.monotonic()
     figs: list[Figures] = []
     with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import heapq
 import math
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 VOCAB = (1000, 150000)
@@ -172,4 +173,5 @@ def unique(n: int, seed: int, p: Unique | None = None) -> list[Request]:
     return out
 
 
-WORKLOADS = {"chat": chat, "fewshot": fewshot, "agent": agent, "unique": unique}
+WORKLOADS: dict[str, Callable[[int, int], list[Request]]] = {
+    "chat": chat, "fewshot": fewshot, "agent": agent, "unique": unique}

@@ -114,6 +114,8 @@ def test_bad_uris_are_clear_store_errors(server: Valkey) -> None:
         (server.url(capacity="lots"), "lots"),
         (server.url(path="/x"), "database"),
         (server.url(ssl_ca_certs="/ca.pem"), "rediss://"),
+        (server.url(ttl="0"), "ttl must be"),
+        (server.url(ttl="soon"), "soon"),
     ]:
         with pytest.raises(StoreError, match=words):
             open_store(uri)
@@ -482,3 +484,63 @@ def test_acl_users_limited_to_their_key_pattern_cannot_read_each_other(server: V
     assert a.get_many(["ns/r/1"]) == [b"A's record"]
     b = store("b", "pv-b:")
     assert b.put_many([("ns/r/1", [b"B's"])]) == [True] and b.get_many(["ns/r/1"]) == [b"B's"]
+
+
+# -- ttl: expiry in the order keys are used -----------------------------------------------
+
+
+def test_ttl_orders_keys_used_together_and_a_use_only_extends(server: Valkey) -> None:
+    r = redis.Redis(host="127.0.0.1", port=server.port)
+    with open_store(server.url(prefix="ttl:", ttl="3600")) as store:
+        keys = [f"chain/{i}" for i in range(5)]
+        assert store.put_many([(k, [b"v"]) for k in keys]) == [True] * 5
+        ttls = [r.pttl(f"ttl:{k}") for k in keys]
+        assert 3_599_000 < ttls[0] <= 3_600_000
+        assert ttls == sorted(ttls, reverse=True) and len(set(ttls)) == 5  # the tail expires first
+        assert store.put_if_absent("rec", b"r") is True and 3_599_000 < r.pttl("ttl:rec") <= 3_600_000
+        r.pexpire("ttl:chain/3", 5_000)  # as if unused for most of an hour
+        r.pexpire("ttl:chain/4", 7_200_000)  # longer than a use gives: a use never shortens it
+        assert store.touch_many(["chain/3", "gone", "chain/4", "chain/0"], [True, True, True, False]) == [
+            True, False, True, True]
+        assert 3_599_000 < r.pttl("ttl:chain/3") <= 3_600_000
+        assert r.pttl("ttl:chain/4") > 7_000_000
+        assert store.exists_many(keys) == [True] * 5
+
+
+def test_volatile_ttl_evicts_a_chain_from_its_tail() -> None:
+    """With ``ttl`` and ``maxmemory-policy volatile-ttl``, Redis evicts the key nearest to
+    expiry: of keys put together, the last. (Every key is sampled here: fewer keys than
+    ``maxmemory-samples``, so the order is exact; a large server evicts approximately.)"""
+    server = Valkey("--maxmemory", "4mb", "--maxmemory-policy", "volatile-ttl", "--maxmemory-samples", "64")
+    try:
+        with open_store(server.url(ttl="3600")) as store:
+            head = [f"old/{i}" for i in range(12)]
+            assert all(store.put_many([(k, [bytes(OBJ)]) for k in head]))
+            assert all(store.touch_many(head[:4]))  # a hit on the chain's first four
+            for i in range(20):  # later chains push the old one out
+                store.put_many([(f"new/{i}", [bytes(OBJ)])])
+            alive = store.exists_many(head)
+            assert 0 < sum(alive) < len(head)
+            assert alive == sorted(alive, reverse=True), alive  # what is left is the head
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(
+    ("policy", "ttl", "warning"),
+    [("volatile-ttl", None, "add ttl=SECONDS"), ("allkeys-lru", "3600", "use volatile-ttl"),
+     ("volatile-ttl", "3600", None), ("allkeys-lru", None, None)],
+)
+def test_a_policy_that_works_against_ttl_is_one_warning(
+        policy: str, ttl: str | None, warning: str | None, caplog: pytest.LogCaptureFixture) -> None:
+    server = Valkey("--maxmemory", "64mb", "--maxmemory-policy", policy)
+    try:
+        with caplog.at_level("WARNING", logger="prefixvault.stores.redis"):
+            open_store(server.url(**({"ttl": ttl} if ttl else {}))).close()
+        lines = [r.getMessage() for r in caplog.records if r.name == "prefixvault.stores.redis"]
+        if warning is None:
+            assert lines == []
+        else:
+            assert len(lines) == 1 and warning in lines[0] and policy in lines[0], lines
+    finally:
+        server.stop()

@@ -5,7 +5,12 @@ all. Every batch call is one pipelined round trip. The server, not this store, b
 under ``maxmemory`` with an LRU policy it evicts (approximately LRU, server-wide), and with
 ``noeviction`` a full server refuses writes, which put_many reports as False.
 
-``redis://[[user]:password@]host:port[/db]?prefix=pv:&timeout=5&capacity=8GiB``
+With ``ttl`` every object expires after that long without use, and keys put or touched
+together get expiry times in the order given, one millisecond apart (the first the latest):
+under ``maxmemory-policy volatile-ttl`` the server evicts the sampled key nearest to expiry
+first, so a chain goes from its tail, as the local store evicts.
+
+``redis://[[user]:password@]host:port[/db]?prefix=pv:&timeout=5&capacity=8GiB&ttl=86400``
 ``rediss://...&ssl_ca_certs=/path/ca.pem&ssl_cert_reqs=required``  (TLS)
 ``redis+cluster://host:port``                                      (Redis Cluster)
 """
@@ -13,6 +18,7 @@ under ``maxmemory`` with an LRU policy it evicts (approximately LRU, server-wide
 from __future__ import annotations
 
 import contextlib
+import logging
 import ssl
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -35,12 +41,18 @@ from prefixvault.stores.base import (
 )
 from prefixvault.units import parse_size
 
+log = logging.getLogger("prefixvault.stores.redis")
+
 SCHEMES = ("redis", "rediss", "redis+cluster")
 DEFAULT_PREFIX = "pv:"
 DEFAULT_TIMEOUT = 5.0
 #: A timeout beyond this is a typo (``inf`` would make a stalled server hang the engine).
 MAX_TIMEOUT_S = 3600.0
 DEFAULT_PORT = 6379
+#: Keys used together expire this many milliseconds apart, in the order given (``ttl``).
+RANK_TICK_MS = 1
+#: The longest ``ttl`` (seconds): ten years; longer is a typo.
+MAX_TTL_S = 10 * 365 * 86400
 #: Keys per SCAN step and per STRLEN pipeline while scanning.
 SCAN_CHUNK = 1000
 
@@ -87,15 +99,39 @@ class RedisStore(Store):
         where: str,
         prefix: str = DEFAULT_PREFIX,
         capacity: int | None = None,
+        ttl: float | None = None,
     ) -> None:
         self.uri = uri
         self.where = where
         self.prefix = prefix
         self.capacity = capacity
+        self._ttl_ms = None if ttl is None else max(1, round(ttl * 1000))
         self._client = client
         self._prefix_bytes = prefix.encode()
         with self._errors("cannot reach server"):
             client.ping()  # fail here, in seconds, rather than on the first put
+        self._check_eviction()
+
+    def _check_eviction(self) -> None:
+        """One warning line where the server's eviction policy and ``ttl`` work against each
+        other (nothing to say where the server hides its CONFIG, as managed services do)."""
+        try:
+            conf = self._client.config_get("maxmemory-policy")
+            bounded = self._maxmemory() is not None
+        except redis.RedisError:
+            return
+        policies = {str(c.get("maxmemory-policy", "")) for c in self._per_node(conf)} - {""}
+        if not bounded or not policies:
+            return
+        shown = ", ".join(sorted(policies))
+        if self._ttl_ms is None and all(p.startswith("volatile-") for p in policies):
+            log.warning("redis store %s: maxmemory-policy %s evicts only keys with an expiry and this "
+                        "store sets none, so a full server refuses every put: add ttl=SECONDS to the "
+                        "store URI, or use allkeys-lru", self.where, shown)
+        elif self._ttl_ms is not None and policies != {"volatile-ttl"}:
+            log.warning("redis store %s: ttl is set but maxmemory-policy is %s, so the server does not "
+                        "evict in the order ttl gives (a chain from its tail); use volatile-ttl",
+                        self.where, shown)
 
     @classmethod
     def from_uri(cls, uri: str, params: dict[str, str] | None = None) -> RedisStore:
@@ -113,10 +149,14 @@ class RedisStore(Store):
             timeout = float(params.pop("timeout", DEFAULT_TIMEOUT))
             cap = params.pop("capacity", None)
             capacity = parse_size(cap) if cap else None
+            ttl_text = params.pop("ttl", None)
+            ttl = float(ttl_text) if ttl_text else None
         except ValueError as exc:
             raise StoreError(f"bad redis store URI {shown!r}: {exc}") from None
         if not 0 < timeout < MAX_TIMEOUT_S:
             raise StoreError(f"bad redis store URI {shown!r}: timeout must be in (0, {MAX_TIMEOUT_S:.0f}) s")
+        if ttl is not None and not 1 <= ttl <= MAX_TTL_S:
+            raise StoreError(f"bad redis store URI {shown!r}: ttl must be in [1, {MAX_TTL_S}] seconds")
         tls = {k: params.pop(k) for k in _SSL_PARAMS if k in params}
         if params:
             raise StoreError(f"unknown redis store parameter(s): {', '.join(sorted(params))}")
@@ -157,7 +197,7 @@ class RedisStore(Store):
             raise StoreUnavailable(f"redis store {where}: cannot reach server: {_one_line(exc)}") from None
         safe_uri = parts._replace(netloc=f"{where}").geturl() if parts.password else uri
         try:
-            return cls(client, uri=safe_uri, where=where, prefix=prefix, capacity=capacity)
+            return cls(client, uri=safe_uri, where=where, prefix=prefix, capacity=capacity, ttl=ttl)
         except UnicodeError as exc:  # a host name no resolver accepts
             raise StoreError(f"bad redis store URI {shown!r}: host {where}: {exc}") from None
 
@@ -216,6 +256,10 @@ class RedisStore(Store):
     def _get(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._each("get", "get", keys)
 
+    def _expiry_ms(self, rank: int) -> int | None:
+        """Milliseconds to live for the ``rank``-th key used together (None: no ``ttl``)."""
+        return None if self._ttl_ms is None else max(1, self._ttl_ms - rank * RANK_TICK_MS)
+
     # -- Store -------------------------------------------------------------------------
 
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
@@ -225,8 +269,8 @@ class RedisStore(Store):
         if send:
             with self._errors("put"):
                 pipe = self._pipeline()
-                for name, data in send:
-                    pipe.set(name, data)
+                for rank, (name, data) in enumerate(send):
+                    pipe.set(name, data, px=self._expiry_ms(rank))
                 # A per-item server error (OOM under maxmemory noeviction) is a refusal.
                 results = pipe.execute(raise_on_error=False)
             it = iter(results)
@@ -242,7 +286,7 @@ class RedisStore(Store):
             return False
         with self._errors("put"):
             try:
-                return self._client.set(name, blob, nx=True) is True
+                return self._client.set(name, blob, nx=True, px=self._expiry_ms(0)) is True
             except redis.ResponseError:  # OOM and the like: not stored
                 return False
 
@@ -265,7 +309,10 @@ class RedisStore(Store):
 
     def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
         # EXISTS leaves a key's LRU/LFU clock alone; TOUCH answers the same and updates it.
-        # (Redis evicts by sampling: keys touched together keep no order among themselves.)
+        # (Redis evicts by sampling: keys touched together keep no order among themselves,
+        # unless ``ttl`` orders them by expiry.)
+        if self._ttl_ms is not None:
+            return self._renew(keys, touch)
         if touch is None or all(touch):
             return [bool(n) for n in self._each("exists", "touch", keys)]
         names = [self._key(k) for k in keys]
@@ -276,6 +323,30 @@ class RedisStore(Store):
             for name, t in zip(names, touch, strict=True):
                 (pipe.touch if t else pipe.exists)(name)
             return [bool(n) for n in pipe.execute()]
+
+    def _renew(self, keys: Sequence[str], touch: Sequence[bool] | None) -> list[bool]:
+        """EXISTS, and for the marked keys PEXPIRE ... GT: a use only ever extends a key's life
+        (a key given twice keeps its first rank), and counts for LRU/LFU as TOUCH does."""
+        names = [self._key(k) for k in keys]
+        if not names:
+            return []
+        marks = touch if touch is not None else [True] * len(names)
+        with self._errors("exists"):
+            pipe = self._pipeline()
+            rank = 0
+            for name, t in zip(names, marks, strict=True):
+                pipe.exists(name)
+                if t:
+                    pipe.pexpire(name, self._expiry_ms(rank), gt=True)
+                    rank += 1
+            results = pipe.execute()
+        out: list[bool] = []
+        it = iter(results)
+        for t in marks:
+            out.append(bool(next(it)))
+            if t:
+                next(it)
+        return out
 
     def delete_many(self, keys: Sequence[str]) -> int:
         return sum(int(n) for n in self._each("delete", "delete", keys))
