@@ -51,8 +51,8 @@ def test_stats_shows_the_states_budget(tmp_path: Path) -> None:
     res = runner.invoke(app, ["stats", "--store", f"local://{tmp_path}/s"])
     assert res.exit_code == 0, res.output
     text = " ".join(res.output.split())  # as one line, however the console wraps it
-    assert re.search(r"states hold [1-9]\d* B of their budget 4\.0 MiB", text), text
-    assert "12.0 MiB, is kept for KV blocks and records" in text
+    assert re.search(r"states take [1-9]\d* B of their budget 4\.0 MiB", text), text
+    assert "states never take the rest of the capacity (12.0 MiB) from KV blocks" in text
     open_store(f"local://{tmp_path}/s?states=0").close()
     res = runner.invoke(app, ["stats", "--store", f"local://{tmp_path}/s"])
     assert "(no budget of their own" in " ".join(res.output.split()), res.output

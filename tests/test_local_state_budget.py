@@ -3,6 +3,7 @@ it, make room among themselves from the least recently used, and never evict a K
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import sqlite3
 from pathlib import Path
 
@@ -12,12 +13,14 @@ from hypothesis import strategies as st
 
 from prefixvault.keys import KeySpace
 from prefixvault.stores import StoreError, open_store
-from prefixvault.stores._index import INDEX_NAME, STATES, state_bytes
+from prefixvault.stores._directory import StateBudget
+from prefixvault.stores._index import INDEX_NAME, STATES
 from prefixvault.stores.base import STATE_CLASS, key_class
 from prefixvault.stores.local import LocalStore
 
 MiB = 1 << 20
 SPACE = KeySpace("ns", bytes(8))
+SPAWN = mp.get_context("spawn")
 
 
 def state(i: int) -> str:
@@ -29,11 +32,14 @@ def block(i: int) -> str:
 
 
 def held_by_states(path: Path) -> int:
-    """Counted afresh from the index, key by key (not from the store's own count)."""
+    """Counted afresh from the index, key by key (not from the store's own count): an inline
+    state takes its bytes, one in a slab its share of the slab."""
     conn = sqlite3.connect(path / INDEX_NAME)
     try:
-        return sum(int(cls if slab is not None else size)
-                   for key, size, cls, slab in conn.execute("SELECT key, size, cls, slab FROM keys")
+        slabs = {sid: nbytes // nslots for sid, nbytes, nslots in conn.execute(
+            "SELECT id, nbytes, nslots FROM slabs")}
+        return sum(int(slabs[slab] if slab is not None else size)
+                   for key, size, slab in conn.execute("SELECT key, size, slab FROM keys")
                    if key_class(key) == STATE_CLASS)
     finally:
         conn.close()
@@ -122,15 +128,108 @@ def test_a_store_made_before_budgets_is_counted_when_opened(tmp_path: Path) -> N
     conn = sqlite3.connect(path / INDEX_NAME)  # what an index of an earlier version looks like
     conn.execute("DROP INDEX keys_pool")
     conn.execute("ALTER TABLE keys DROP COLUMN pool")
+    conn.execute("DELETE FROM meta WHERE name IN ('state_bytes', 'state_budget', 'state_share_ppm')")
     conn.commit()
-    assert state_bytes(conn) == held_by_states(path)  # read-only: counted key by key
     conn.close()
+    with open_store(f"local://{path}", readonly=True) as store:  # counted key by key, changed not
+        assert store.stats().state_bytes == held_by_states(path) == 6 * MiB
     with open_store(f"local://{path}?states=3MiB") as store:
         assert store.stats().state_bytes == held_by_states(path) <= 3 * MiB
         assert all(store.exists_many([block(i) for i in range(6)]))
     conn = sqlite3.connect(path / INDEX_NAME)
     assert conn.execute("SELECT COUNT(*) FROM keys WHERE pool = ?", (STATES,)).fetchone()[0] == 3
+    # A writer of an earlier version adds a state without marking it: the next open marks it,
+    # counts it, and (the oldest state, over the budget) evicts it.
+    conn.execute("INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data)"
+                 " VALUES (?, 100, 0, NULL, NULL, 999999, 0, ?)", (state(99), bytes(100)))
+    conn.commit()
     conn.close()
+    assert held_by_states(path) == 3 * MiB + 100
+    with open_store(f"local://{path}") as store:
+        assert store.stats().state_bytes == held_by_states(path) == 3 * MiB
+        assert store.exists_many([state(99)]) == [False]
+
+
+def test_every_way_a_state_leaves_is_counted(tmp_path: Path) -> None:
+    """Whole slabs dropped for other sizes, slots taken by the capacity, deletes: the count
+    always equals a recount."""
+    path = tmp_path / "a"
+    with open_store(f"local://{path}?capacity=64MiB&states=8MiB") as store:
+        for i in range(16):
+            assert store.put_many([(state(i), [bytes(200 << 10)])]) == [True]
+        for i in range(400):  # KV of another size pushes the states' slabs out
+            store.put_many([(block(i), [bytes(150 << 10)])])
+        assert store.stats().state_bytes == held_by_states(path)
+        assert store.stats().state_bytes < 16 * (200 << 10)
+    path = tmp_path / "b"
+    with open_store(f"local://{path}?capacity=16MiB&states=100%") as store:
+        for i in range(40):  # the capacity evicts states slot by slot (one size class)
+            assert store.put_many([(state(i), [bytes(MiB)])]) == [True]
+            assert store.stats().state_bytes == held_by_states(path)
+        assert store.delete_many([state(39), state(38)]) == 2
+        assert store.stats().state_bytes == held_by_states(path)
+
+
+def test_a_batch_of_states_keeps_its_first(tmp_path: Path) -> None:
+    """Put together, the first state given ranks most recent: when only one fits, the later
+    ones are refused, never the first evicted for them."""
+    with open_store(f"local://{tmp_path}/s?capacity=64MiB&states=1MiB") as store:
+        assert store.put_many([(state(0), [bytes(MiB)]), (state(1), [bytes(MiB)])]) == [True, False]
+        assert store.exists_many([state(0), state(1)]) == [True, False]
+        assert store.put_many([(state(2), [bytes(MiB)])]) == [True]  # a later put: 0 is older
+        assert store.exists_many([state(0), state(2)]) == [False, True]
+
+
+def test_an_inline_state_over_its_budget_evicts_a_state_not_kv(tmp_path: Path) -> None:
+    with open_store(f"local://{tmp_path}/s?capacity=4MiB&states=100KiB") as store:
+        i = 0
+        while store.stats().evictions == 0:  # fill the store with KV
+            assert store.put_many([(block(i), [bytes(100 << 10)])]) == [True]
+            i += 1
+        for j in range(3):
+            assert store.put_many([(state(j), [bytes(30 << 10)])]) == [True]
+        kv = sum(store.exists_many([block(k) for k in range(i)]))
+        for j in range(3, 11):  # over the budget: each evicts the oldest state
+            assert store.put_many([(state(j), [bytes(30 << 10)])]) == [True]
+        assert sum(store.exists_many([block(k) for k in range(i)])) == kv
+
+
+def test_a_share_follows_the_capacity_and_a_rebuild_keeps_the_budget(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with open_store(f"local://{path}?capacity=64MiB&states=50%") as store:
+        assert store.stats().state_budget == 32 * MiB
+    with open_store(f"local://{path}?capacity=8MiB") as store:
+        assert store.stats().state_budget == 4 * MiB
+    LocalStore.rebuild(path)
+    with open_store(f"local://{path}") as store:
+        assert (store.stats().capacity, store.stats().state_budget) == (8 * MiB, 4 * MiB)
+    with open_store(f"local://{path}?capacity=64MiB&states=16MiB") as store:
+        assert store.stats().state_budget == 16 * MiB
+    with open_store(f"local://{path}?capacity=8MiB") as store:  # a size is held to the capacity
+        assert store.stats().state_budget == 8 * MiB
+
+
+def _put_states_and_blocks(path: str, seed: int) -> None:
+    store = LocalStore(path)
+    for i in range(40):
+        k = seed * 1000 + i
+        store.put_many([(state(k), [bytes(200 << 10)]), (block(k), [bytes(150 << 10)])])
+        if i % 7 == 6:
+            store.delete_many([state(k - 3)])
+    store.close()
+
+
+def test_writers_in_several_processes_keep_the_count(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    LocalStore(path, capacity=32 * MiB, states=StateBudget(nbytes=2 * MiB)).close()
+    procs = [SPAWN.Process(target=_put_states_and_blocks, args=(str(path), n)) for n in range(3)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+        assert p.exitcode == 0
+    with open_store(f"local://{path}") as store:
+        assert store.stats().state_bytes == held_by_states(path) <= 2 * MiB
 
 
 @pytest.mark.parametrize("capacity", [256, 10])

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, StateFamily, TensorSpec
 from prefixvault.vllm.config import ConnectorSettings
 from prefixvault.vllm.layout import CacheShape
-from prefixvault.vllm.preflight import can_cache, preflight
+from prefixvault.vllm.preflight import can_cache, outputs_refused, preflight
 
 HYBRID = CacheShape(has_state=True, block_size=16)
 ATTENTION = CacheShape(has_state=False, block_size=16)
@@ -52,3 +53,16 @@ def test_saves_in_the_step_need_no_shutdown_grace() -> None:
     assert preflight(config(shutdown=0), HYBRID, settings, "kv_both") == []
     assert preflight(config(shutdown=0), HYBRID, ConnectorSettings(), "kv_consumer") == [
         preflight(config(), HYBRID, ConnectorSettings(), "kv_consumer")[0]]
+
+
+def test_capture_outputs_is_refused_for_shortconv_models() -> None:
+    attn = CacheGroup.uniform(GroupKind.FULL_ATTENTION, [TensorSpec((4, 8), "float16")])
+
+    def layout(family: StateFamily) -> CacheLayout:
+        state = CacheGroup.uniform(GroupKind.STATE, [TensorSpec((16,), "float32")], family=family)
+        return CacheLayout(model="m", block_size=4, groups=(attn, state))
+
+    assert outputs_refused(layout(StateFamily.GDN)) is None
+    assert outputs_refused(CacheLayout(model="m", block_size=4, groups=(attn,))) is None
+    why = outputs_refused(layout(StateFamily.SHORTCONV))
+    assert why is not None and "ShortConv" in why and "\n" not in why

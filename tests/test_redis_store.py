@@ -494,9 +494,9 @@ def test_ttl_orders_keys_used_together_and_a_use_only_extends(server: Valkey) ->
     with open_store(server.url(prefix="ttl:", ttl="3600")) as store:
         keys = [f"chain/{i}" for i in range(5)]
         assert store.put_many([(k, [b"v"]) for k in keys]) == [True] * 5
-        ttls = [r.pttl(f"ttl:{k}") for k in keys]
-        assert 3_599_000 < ttls[0] <= 3_600_000
-        assert ttls == sorted(ttls, reverse=True) and len(set(ttls)) == 5  # the tail expires first
+        assert 3_599_000 < r.pttl("ttl:chain/0") <= 3_600_000
+        at = [r.pexpiretime(f"ttl:{k}") for k in keys]
+        assert at == [at[0] - i for i in range(5)]  # the tail expires first, 1 ms apart
         assert store.put_if_absent("rec", b"r") is True and 3_599_000 < r.pttl("ttl:rec") <= 3_600_000
         r.pexpire("ttl:chain/3", 5_000)  # as if unused for most of an hour
         r.pexpire("ttl:chain/4", 7_200_000)  # longer than a use gives: a use never shortens it
@@ -505,6 +505,35 @@ def test_ttl_orders_keys_used_together_and_a_use_only_extends(server: Valkey) ->
         assert 3_599_000 < r.pttl("ttl:chain/3") <= 3_600_000
         assert r.pttl("ttl:chain/4") > 7_000_000
         assert store.exists_many(keys) == [True] * 5
+        r.set("ttl:before", b"x")  # written before ttl was set: no expiry
+        assert store.touch_many(["before"]) == [True] and 3_599_000 < r.pttl("ttl:before") <= 3_600_000
+
+
+def test_ttl_order_holds_for_large_objects(server: Valkey) -> None:
+    """The expiry times are fixed by the client, not by when the server reaches each command
+    of the pipeline (megabytes each take longer than the 1 ms between ranks)."""
+    r = redis.Redis(host="127.0.0.1", port=server.port)
+    with open_store(server.url(prefix="big:", ttl="3600")) as store:
+        keys = [f"b/{i}" for i in range(16)]
+        assert all(store.put_many([(k, [bytes(2 << 20)]) for k in keys]))
+        at = [r.pexpiretime(f"big:{k}") for k in keys]
+        assert at == [at[0] - i for i in range(16)]
+        time.sleep(0.05)  # more than the 16 ranks: a use only extends, and this one does
+        assert all(store.touch_many(keys[::-1]))  # touched tail first: now the tail lives longest
+        at = [r.pexpiretime(f"big:{k}") for k in keys]
+        assert at == [at[-1] - (15 - i) for i in range(16)]
+
+
+def test_ttl_on_a_replica_is_refused_at_open() -> None:
+    primary = Valkey()
+    replica = Valkey("--replicaof", "127.0.0.1", str(primary.port))
+    try:
+        with pytest.raises(StoreError, match="ttl needs a writable"):
+            open_store(replica.url(ttl="60"))
+        open_store(replica.url()).close()  # without ttl a replica still serves lookups
+    finally:
+        replica.stop()
+        primary.stop()
 
 
 def test_volatile_ttl_evicts_a_chain_from_its_tail() -> None:

@@ -12,7 +12,9 @@ message are computed. Every turn's tokens and logprobs (top 5) equal the cold se
 
 The pair runs the ``reuse`` capture policy (``prefixvault.admission``): of each turn it stores
 the sequence end (its prompt's last block boundary) and none of the step ends before it, the
-same hits as ``steps`` with one state per turn instead of one per block.
+same hits as ``steps`` with one state per turn instead of one per block. The second server asks
+for ``capture_outputs``, which the connector refuses for ShortConv models (one warning line at
+start, ``preflight.outputs_refused``): it publishes prompt boundaries only, like the first.
 """
 
 from __future__ import annotations
@@ -84,9 +86,14 @@ def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path
     with contextlib.ExitStack() as stack:
         cold = stack.enter_context(server([*vllm_command(str(model)), *flags, "--enable-prefix-caching",
                                            "--mamba-cache-mode", "align"], tmp_path / "cold.log", env))
-        pair = [stack.enter_context(server(serve_command(str(model), store, "kv_both", capture="reuse",
-                                                         extra=flags),
-                                           tmp_path / f"server{i}.log", env)) for i in range(2)]
+        commands = [serve_command(str(model), store, "kv_both", capture="reuse", extra=flags)
+                    for _ in range(2)]
+        at = commands[1].index("--kv-transfer-config") + 1
+        ktc = json.loads(commands[1][at])
+        ktc["kv_connector_extra_config"]["capture_outputs"] = True
+        commands[1][at] = json.dumps(ktc)
+        pair = [stack.enter_context(server(cmd, tmp_path / f"server{i}.log", env))
+                for i, cmd in enumerate(commands)]
         rng = random.Random(0)
         messages = [{"role": "system", "content": text(rng, 160)}, {"role": "user", "content": text(rng, 40)}]
         previous: list[int] = []
@@ -118,6 +125,9 @@ def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path
             previous = prompt
         print(json.dumps(report), file=sys.stderr)
         assert all(r["answer_tokens_kept"] >= 0 for r in report)
+    refused = "capture_outputs is off for this model"
+    assert refused in (tmp_path / "server1.log").read_text()
+    assert refused not in (tmp_path / "server0.log").read_text()
     # The servers stopped (their saves drained): one state per turn, at its prompt's end.
     with open_store(store) as s:
         boundaries = {k.rsplit("/", 1)[1] for k, _ in s.scan() if "/s/" in k}

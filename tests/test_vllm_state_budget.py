@@ -26,9 +26,8 @@ import pytest
 from vllm_support.seedlib import IN_PROCESS, Seed, run_with_metrics
 
 from prefixvault.explain import explain
-from prefixvault.stores import _arena, open_store
+from prefixvault.stores import open_store
 from prefixvault.stores.base import STATE_CLASS, key_class
-from prefixvault.stores.local import LocalStore
 from prefixvault.testing.engine import EngineSpec, identical, max_logprob_diff
 from prefixvault.testing.models import build_model, engine_kwargs
 
@@ -38,12 +37,13 @@ BUDGET_STATES = 4
 
 
 def _states(uri: str) -> tuple[int, int]:
-    """(number of states, the slot one state takes) in a local store."""
+    """(number of states, the space one state takes) in a local store (all states of one
+    model take the same space: its slot's share of a slab)."""
     with open_store(uri, readonly=True) as store:
-        sizes = [n for key, n in store.scan("") if key_class(key) == STATE_CLASS]
-        assert isinstance(store, LocalStore)
-        slab = store.usage().slab_size
-    return len(sizes), _arena.size_class(max(sizes), slab) if sizes else 0
+        count = sum(1 for key, _ in store.scan("") if key_class(key) == STATE_CLASS)
+        held = store.stats().state_bytes or 0
+    assert count and held % count == 0, (count, held)
+    return count, held // count
 
 
 def _restorable(uri: str, tokens: list[int]) -> int:

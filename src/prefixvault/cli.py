@@ -123,11 +123,12 @@ def stats(store: StoreOpt) -> None:
     )
     if st.state_budget is not None:
         held = st.state_bytes or 0
-        console.print(f"states hold {format_size(held)} of their budget {format_size(st.state_budget)}; "
-                      f"the rest of the capacity, {format_size((st.capacity or 0) - st.state_budget)}, "
-                      "is kept for KV blocks and records")
+        rest = max(0, (st.capacity or 0) - st.state_budget)
+        console.print(f"states take {format_size(held)} of their budget {format_size(st.state_budget)}; "
+                      f"states never take the rest of the capacity ({format_size(rest)}) from KV blocks "
+                      "and records")
     elif st.state_bytes is not None:
-        console.print(f"states hold {format_size(st.state_bytes)} (no budget of their own: they share "
+        console.print(f"states take {format_size(st.state_bytes)} (no budget of their own: they share "
                       "the capacity with KV blocks and records)")
 
 

@@ -58,6 +58,38 @@ class StateBudget:
         return self.nbytes if self.nbytes is not None else int(capacity * (self.share or 0.0))
 
 
+def apply_state_budget(conn: sqlite3.Connection, path: Path, states: StateBudget | None) -> None:
+    """Set the states' budget (``states`` None: keep the one there), and resolve a share
+    against the capacity as it is now; a size larger than the capacity is an error when
+    given, and is held to the capacity when the capacity shrinks under it later."""
+    meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
+    capacity = int(meta["capacity"])
+    if states is not None:
+        budget = states.resolve(capacity)
+        if budget > capacity:
+            raise StoreError(f"local store {path}: states={budget} bytes is more than its capacity "
+                             f"({capacity} bytes)")
+        conn.execute("DELETE FROM meta WHERE name = 'state_share_ppm'")
+        if states.share is not None:
+            conn.execute("INSERT INTO meta (name, value) VALUES ('state_share_ppm', ?)",
+                         (round(states.share * 1e6),))
+    elif "state_share_ppm" in meta:
+        budget = capacity * int(meta["state_share_ppm"]) // 1_000_000
+    else:
+        budget = min(int(meta.get("state_budget", 0)), capacity)
+    conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('state_budget', ?)", (budget,))
+
+
+def kept_state_budget(conn: sqlite3.Connection) -> StateBudget | None:
+    """The budget an index holds, as it was given (for a rebuild to keep); None if none."""
+    meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
+    if "state_share_ppm" in meta:
+        return StateBudget(share=int(meta["state_share_ppm"]) / 1e6)
+    if int(meta.get("state_budget", 0) or 0):
+        return StateBudget(nbytes=int(meta["state_budget"]))
+    return None
+
+
 def create_or_check(conn: sqlite3.Connection, path: Path, capacity: int | None,
                     states: StateBudget | None = None) -> None:
     """Create the index's tables and meta rows, or check those there; apply a new capacity
@@ -93,13 +125,7 @@ def create_or_check(conn: sqlite3.Connection, path: Path, capacity: int | None,
                 "UPDATE meta SET value = ? WHERE name = ?",
                 [(capacity, "capacity"), (_arena.slab_size_for(capacity), "slab_size")],
             )
-        if states is not None:
-            now = int(conn.execute("SELECT value FROM meta WHERE name = 'capacity'").fetchone()[0])
-            budget = states.resolve(now)
-            if budget > now:
-                raise StoreError(f"local store {path}: states={budget} bytes is more than its "
-                                 f"capacity ({now} bytes)")
-            conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('state_budget', ?)", (budget,))
+        apply_state_budget(conn, path, states)
         held = state_bytes(conn)  # counted afresh at every writer's open
         conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('state_bytes', ?)", (held,))
         conn.execute("COMMIT")
@@ -124,15 +150,17 @@ def _check_private(path: Path) -> None:
                 os.chmod(entry.path, 0o600)
 
 
-def set_aside(root: Path) -> tuple[Path, int, int | None]:
+def set_aside(root: Path) -> tuple[Path, int, int | None, StateBudget | None]:
     """Move a damaged index aside and remove the slab files it named: (where the index went,
-    slab files removed, the old capacity where it could still be read)."""
+    slab files removed, the old capacity and states' budget where they could still be read)."""
     capacity: int | None = None
-    with contextlib.suppress(sqlite3.Error, TypeError, ValueError):
+    states: StateBudget | None = None
+    with contextlib.suppress(sqlite3.Error, TypeError, ValueError, KeyError):
         conn = sqlite3.connect(root / INDEX_NAME)
         try:
             row = conn.execute("SELECT value FROM meta WHERE name = 'capacity'").fetchone()
             capacity = int(row[0]) if row else None
+            states = kept_state_budget(conn)
         finally:
             conn.close()
     aside = root / f"{INDEX_NAME}.damaged-{int(time.time())}"
@@ -145,7 +173,7 @@ def set_aside(root: Path) -> tuple[Path, int, int | None]:
         if entry.name.startswith("slab-"):
             _arena.remove_file(Path(entry.path))
             removed += 1
-    return aside, removed, capacity
+    return aside, removed, capacity, states
 
 
 def prepare(path: Path, shared: bool = False) -> None:

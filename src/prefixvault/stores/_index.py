@@ -30,9 +30,11 @@ INDEX_NAME = "index.db"
 #: Rows the index's meta table must hold.
 META_NAMES = ("schema", "capacity", "slab_size", "inline_bytes", "next_gen", "evictions", "epoch")
 #: Optional meta rows (a store made before them lacks them): ``state_budget`` is the most
-#: bytes states may take (0 or absent: no budget of their own); ``state_bytes`` what they hold
-#: (counted afresh whenever a writer opens the store, kept by every transaction after).
-META_OPTIONAL = ("state_budget", "state_bytes")
+#: bytes states may take (0 or absent: no budget of their own), ``state_share_ppm`` the share
+#: of the capacity it was given as (absent: given as a size), resolved again whenever the
+#: capacity changes; ``state_bytes`` what they take (counted afresh whenever a writer opens
+#: the store, kept by every transaction after).
+META_OPTIONAL = ("state_budget", "state_share_ppm", "state_bytes")
 SCHEMA_VERSION = 1
 #: Filesystem space the store never fills with objects: room for the index and its log.
 FS_RESERVE = 2 << 20
@@ -78,8 +80,11 @@ CREATE INDEX IF NOT EXISTS keys_slab ON keys (slab, last_used);
 """
 #: ``keys.pool``: 1 for a recurrent state (budgeted on its own), 0 for anything else.
 STATES, OTHER = 1, 0
-#: What an object occupies: its slot, or its bytes when it lives inline.
-_HELD = "CASE WHEN slab IS NULL THEN size ELSE cls END"
+#: The space an object takes (of ``keys k``, its slab ``s``): its share of its slab (a slab
+#: whose size class does not divide it wastes the rest, and that waste is the object's), or
+#: its bytes when it lives inline.
+_HELD = "CASE WHEN k.slab IS NULL THEN k.size ELSE s.nbytes / s.nslots END"
+_HELD_FROM = "keys k LEFT JOIN slabs s ON s.id = k.slab"
 
 
 def pool_of(key: str) -> int:
@@ -87,24 +92,27 @@ def pool_of(key: str) -> int:
 
 
 def add_pools(conn: sqlite3.Connection) -> None:
-    """Give an index made before state budgets its ``pool`` column (inside the caller's
-    transaction): every state key is marked once; new keys are marked as they are written."""
+    """Give every state key its ``pool`` (inside the caller's transaction, at a writer's
+    open): the column on an index made before state budgets, and the mark on states that a
+    writer of such a version added since. Costs one pass over the keys."""
     columns = {row[1] for row in conn.execute("PRAGMA table_info(keys)")}
     if "pool" not in columns:
         conn.execute("ALTER TABLE keys ADD COLUMN pool INTEGER NOT NULL DEFAULT 0")
-        marked = [(k,) for (k,) in conn.execute("SELECT key FROM keys") if pool_of(k) == STATES]
-        conn.executemany("UPDATE keys SET pool = 1 WHERE key = ?", marked)
+    marked = [(k,) for (k,) in conn.execute("SELECT key FROM keys WHERE pool = ?", (OTHER,))
+              if pool_of(k) == STATES]
+    conn.executemany("UPDATE keys SET pool = 1 WHERE key = ?", marked)
     conn.execute("CREATE INDEX IF NOT EXISTS keys_pool ON keys (pool, last_used)")
 
 
 def state_bytes(conn: sqlite3.Connection) -> int:
-    """Bytes the states hold now, counted from their keys (an index without ``pool`` key by
+    """Space the states take now, counted from their keys (an index without ``pool`` key by
     key: a read-only open of a store made before budgets)."""
     columns = {row[1] for row in conn.execute("PRAGMA table_info(keys)")}
     if "pool" in columns:
-        row = conn.execute(f"SELECT COALESCE(SUM({_HELD}), 0) FROM keys WHERE pool = ?", (STATES,)).fetchone()
+        row = conn.execute(f"SELECT COALESCE(SUM({_HELD}), 0) FROM {_HELD_FROM} WHERE k.pool = ?",
+                           (STATES,)).fetchone()
         return int(row[0])
-    return sum(int(held) for key, held in conn.execute(f"SELECT key, {_HELD} FROM keys")
+    return sum(int(held) for key, held in conn.execute(f"SELECT k.key, {_HELD} FROM {_HELD_FROM}")
                if pool_of(key) == STATES)
 
 
@@ -218,24 +226,34 @@ class Transaction:
         return self._states
 
     def _held(self, pool: int, nbytes: int) -> None:
-        """A state of ``nbytes`` came (positive) or went (negative)."""
+        """A state taking ``nbytes`` came (positive) or went (negative)."""
         if pool == STATES and self._states is not None:
             self._states += nbytes
 
-    def fit_state(self, nbytes: int) -> bool:
-        """Evict the least recently used states until one of ``nbytes`` fits their budget;
-        False if it never can. Without a budget, always True."""
+    def slot_share(self, slab_id: int) -> int:
+        """The space one slot of a slab takes (``_HELD``)."""
+        nbytes, nslots = self.conn.execute(
+            "SELECT nbytes, nslots FROM slabs WHERE id = ?", (slab_id,)).fetchone()
+        return int(nbytes) // int(nslots)
+
+    def fit_state(self, nbytes: int, at: float | None = None) -> bool:
+        """Evict the least recently used states until one taking ``nbytes`` fits their
+        budget; False if it cannot: it alone is larger, or (``at``: its recency) only states
+        more recent than it would have to go, such as the ones put before it in the same
+        batch. Without a budget, always True."""
         if not self.state_budget:
             return True
         if nbytes > self.state_budget:
             return False
         while self.states_held + nbytes > self.state_budget:
             row = self.conn.execute(
-                "SELECT key FROM keys WHERE pool = ? ORDER BY last_used, gen LIMIT 1", (STATES,)
+                "SELECT key, last_used FROM keys WHERE pool = ? ORDER BY last_used, gen LIMIT 1", (STATES,)
             ).fetchone()
             if row is None:  # the count and the rows disagree: count again
                 self._states = None
                 return self.states_held + nbytes <= self.state_budget
+            if at is not None and row[1] >= at:
+                return False
             self.remove(row[0])
             self.evictions += 1
         return True
@@ -253,12 +271,13 @@ class Transaction:
     def remove(self, key: str) -> bool:
         """Delete a key and release what it held."""
         row = self.conn.execute(
-            "SELECT size, slab, slot, gen, cls, pool FROM keys WHERE key = ?", (key,)).fetchone()
+            "SELECT size, slab, slot, gen, pool FROM keys WHERE key = ?", (key,)).fetchone()
         if row is None:
             return False
-        size, slab, slot, gen, cls, pool = row
+        size, slab, slot, gen, pool = row
+        if pool == STATES:
+            self._held(pool, -(size if slab is None else self.slot_share(slab)))
         self.conn.execute("DELETE FROM keys WHERE key = ?", (key,))
-        self._held(pool, -(size if slab is None else cls))
         if slab is None:
             self.inline_bytes -= size
         else:
@@ -273,18 +292,21 @@ class Transaction:
         if if_absent and self.exists(key):
             return False
         pool = pool_of(key)
+        when = self.now if at is None else at
+        if pool == STATES:  # room among the states first: a state never evicts anything else
+            self.remove(key)
+            if not self.fit_state(len(data), when):
+                return False
         old = self.conn.execute("SELECT size FROM keys WHERE key = ? AND slab IS NULL", (key,)).fetchone()
         if len(data) > self.capacity or not self.make_room(len(data) - (int(old[0]) if old else 0)):
             return False
         self.remove(key)
         if not self.make_room(len(data)):  # only if the old value was itself evicted just now
             return False
-        if pool == STATES and not self.fit_state(len(data)):
-            return False
         self.conn.execute(
             "INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data, pool)"
             " VALUES (?, ?, 0, NULL, NULL, ?, ?, ?, ?)",
-            (key, len(data), self.gen(), self.now if at is None else at, data, pool),
+            (key, len(data), self.gen(), when, data, pool),
         )
         self.inline_bytes += len(data)
         self._held(pool, len(data))
@@ -303,15 +325,19 @@ class Transaction:
             return False
         self.remove(key)
         pool = pool_of(key)
-        if pool == STATES and not self.fit_state(claim.cls):  # other writers' states came meanwhile
+        when = self.now if at is None else at
+        share = self.slot_share(claim.slab) if pool == STATES else 0
+        # Other writers' states may have come since the claim, or this batch's own earlier
+        # (more recent) states: never evict those for this one.
+        if pool == STATES and not self.fit_state(share, when):
             self.release([claim])
             return False
         self.conn.execute(
             "INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data, pool)"
             " VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?)",
-            (key, size, claim.cls, claim.slab, claim.slot, claim.gen, self.now if at is None else at, pool),
+            (key, size, claim.cls, claim.slab, claim.slot, claim.gen, when, pool),
         )
-        self._held(pool, claim.cls)
+        self._held(pool, share)
         self.conn.execute(
             "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ?",
             (LIVE, claim.slab, claim.slot),
@@ -332,7 +358,7 @@ class Transaction:
         which size to make, outside the transaction, before asking again). A state first
         makes room within the states' budget (its slot may then be one a state just left)."""
         self.wanted = 0
-        if pool == STATES and not self.fit_state(cls):
+        if pool == STATES and not self.fit_state(cls):  # the slot's share is known once found
             return None
         found = self._free_slot(cls)
         if found is None and not self.reclaimed:
@@ -443,9 +469,9 @@ class Transaction:
         return None if row is None else (row[0], row[1])
 
     def _evict_key(self, key: str, slab: int, slot: int) -> None:
-        row = self.conn.execute("SELECT cls, pool FROM keys WHERE key = ?", (key,)).fetchone()
-        if row is not None:
-            self._held(int(row[1]), -int(row[0]))
+        row = self.conn.execute("SELECT pool FROM keys WHERE key = ?", (key,)).fetchone()
+        if row is not None and row[0] == STATES:
+            self._held(STATES, -self.slot_share(slab))
         self.conn.execute("DELETE FROM keys WHERE key = ?", (key,))
         self.conn.execute(
             "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ?",
@@ -456,9 +482,9 @@ class Transaction:
     def _states_in(self, slab_id: int) -> None:
         """The states of a slab are about to go."""
         row = self.conn.execute(
-            "SELECT COALESCE(SUM(cls), 0) FROM keys WHERE slab = ? AND pool = ?", (slab_id, STATES)
-        ).fetchone()
-        self._held(STATES, -int(row[0]))
+            "SELECT COUNT(*) FROM keys WHERE slab = ? AND pool = ?", (slab_id, STATES)).fetchone()
+        if row[0]:
+            self._held(STATES, -int(row[0]) * self.slot_share(slab_id))
 
     def _empty_slab(self, slab_id: int) -> None:
         self._states_in(slab_id)

@@ -297,10 +297,11 @@ class LocalStore(Store):
     @classmethod
     def rebuild(cls, path: Path | str) -> tuple[Path, int]:
         """Start a damaged store afresh: its index is moved aside (returned) and its slab files
-        removed (counted); a new, empty index keeps the old capacity where it can be read."""
+        removed (counted); a new, empty index keeps the old capacity and states' budget where
+        they can be read."""
         root = Path(path).expanduser().absolute()
-        aside, removed, capacity = _directory.set_aside(root)
-        cls(root, capacity).close()
+        aside, removed, capacity, states = _directory.set_aside(root)
+        cls(root, capacity, states=states).close()
         return aside, removed
 
     def _writable(self) -> None:

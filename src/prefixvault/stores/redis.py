@@ -6,9 +6,13 @@ under ``maxmemory`` with an LRU policy it evicts (approximately LRU, server-wide
 ``noeviction`` a full server refuses writes, which put_many reports as False.
 
 With ``ttl`` every object expires after that long without use, and keys put or touched
-together get expiry times in the order given, one millisecond apart (the first the latest):
-under ``maxmemory-policy volatile-ttl`` the server evicts the sampled key nearest to expiry
-first, so a chain goes from its tail, as the local store evicts.
+together get expiry times in the order given, one millisecond apart (the first the latest).
+The times are absolute (``PXAT``/``PEXPIREAT``, from this client's clock at the call): a
+relative TTL would start when the server reaches each command, and a pipeline of megabyte
+values takes longer than a millisecond per key. Under ``maxmemory-policy volatile-ttl`` the
+server evicts the sampled key nearest to expiry first, so a chain goes from its tail, as the
+local store evicts. ``ttl`` needs Redis 7.0 or Valkey (``PEXPIREAT ... NX|GT``) and a writable
+server; both are checked at open.
 
 ``redis://[[user]:password@]host:port[/db]?prefix=pv:&timeout=5&capacity=8GiB&ttl=86400``
 ``rediss://...&ssl_ca_certs=/path/ca.pem&ssl_cert_reqs=required``  (TLS)
@@ -20,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import ssl
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
@@ -49,7 +54,8 @@ DEFAULT_TIMEOUT = 5.0
 #: A timeout beyond this is a typo (``inf`` would make a stalled server hang the engine).
 MAX_TIMEOUT_S = 3600.0
 DEFAULT_PORT = 6379
-#: Keys used together expire this many milliseconds apart, in the order given (``ttl``).
+#: Keys used together expire this many milliseconds apart, in the order given (``ttl``); a
+#: batch's offsets never take more than half the ttl.
 RANK_TICK_MS = 1
 #: The longest ``ttl`` (seconds): ten years; longer is a typo.
 MAX_TTL_S = 10 * 365 * 86400
@@ -110,17 +116,39 @@ class RedisStore(Store):
         self._prefix_bytes = prefix.encode()
         with self._errors("cannot reach server"):
             client.ping()  # fail here, in seconds, rather than on the first put
+        if self._ttl_ms is not None:
+            self._check_ttl_support()
         self._check_eviction()
+
+    def _check_ttl_support(self) -> None:
+        """``ttl`` renews with ``PEXPIREAT ... NX`` and ``... GT`` (Redis 7.0, Valkey) and needs
+        a writable server (a replica refuses them): refuse at open, in one line, rather than
+        fail every lookup later."""
+        probe = self._key("ttl-probe")  # never holds anything: the commands change nothing
+        try:
+            with self._errors("check ttl"):
+                at = self._expires_at(self._now_ms(), 0)
+                pipe = self._pipeline()
+                pipe.pexpireat(probe, at, nx=True)
+                pipe.pexpireat(probe, at, gt=True)
+                pipe.execute()
+        except StoreUnavailable:
+            raise
+        except StoreError as exc:
+            raise StoreError(f"redis store {self.where}: ttl needs a writable Redis 7.0+ or Valkey server "
+                             f"(PEXPIREAT ... NX/GT): {exc}") from None
 
     def _check_eviction(self) -> None:
         """One warning line where the server's eviction policy and ``ttl`` work against each
-        other (nothing to say where the server hides its CONFIG, as managed services do)."""
+        other (nothing to say where the server hides its CONFIG, as managed services do; a
+        cluster is asked through one node)."""
         try:
-            conf = self._client.config_get("maxmemory-policy")
-            bounded = self._maxmemory() is not None
-        except redis.RedisError:
+            conf = self._client.config_get("maxmemory*")
+        except Exception:  # advisory only: no permission, no CONFIG, a timeout
             return
-        policies = {str(c.get("maxmemory-policy", "")) for c in self._per_node(conf)} - {""}
+        nodes = self._per_node(conf)
+        policies = {str(c.get("maxmemory-policy", "")) for c in nodes} - {""}
+        bounded = any(int(c.get("maxmemory", 0) or 0) for c in nodes)
         if not bounded or not policies:
             return
         shown = ", ".join(sorted(policies))
@@ -256,9 +284,13 @@ class RedisStore(Store):
     def _get(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._each("get", "get", keys)
 
-    def _expiry_ms(self, rank: int) -> int | None:
-        """Milliseconds to live for the ``rank``-th key used together (None: no ``ttl``)."""
-        return None if self._ttl_ms is None else max(1, self._ttl_ms - rank * RANK_TICK_MS)
+    def _now_ms(self) -> int:
+        return int(time.time() * 1000)
+
+    def _expires_at(self, now_ms: int, rank: int) -> int:
+        """When the ``rank``-th of the keys used together at ``now_ms`` expires (with ``ttl``)."""
+        assert self._ttl_ms is not None
+        return now_ms + self._ttl_ms - min(rank * RANK_TICK_MS, self._ttl_ms // 2)
 
     # -- Store -------------------------------------------------------------------------
 
@@ -269,8 +301,10 @@ class RedisStore(Store):
         if send:
             with self._errors("put"):
                 pipe = self._pipeline()
+                now = self._now_ms()
                 for rank, (name, data) in enumerate(send):
-                    pipe.set(name, data, px=self._expiry_ms(rank))
+                    at = None if self._ttl_ms is None else self._expires_at(now, rank)
+                    pipe.set(name, data, pxat=at)
                 # A per-item server error (OOM under maxmemory noeviction) is a refusal.
                 results = pipe.execute(raise_on_error=False)
             it = iter(results)
@@ -286,7 +320,8 @@ class RedisStore(Store):
             return False
         with self._errors("put"):
             try:
-                return self._client.set(name, blob, nx=True, px=self._expiry_ms(0)) is True
+                at = None if self._ttl_ms is None else self._expires_at(self._now_ms(), 0)
+                return self._client.set(name, blob, nx=True, pxat=at) is True
             except redis.ResponseError:  # OOM and the like: not stored
                 return False
 
@@ -325,19 +360,23 @@ class RedisStore(Store):
             return [bool(n) for n in pipe.execute()]
 
     def _renew(self, keys: Sequence[str], touch: Sequence[bool] | None) -> list[bool]:
-        """EXISTS, and for the marked keys PEXPIRE ... GT: a use only ever extends a key's life
-        (a key given twice keeps its first rank), and counts for LRU/LFU as TOUCH does."""
+        """EXISTS, and for the marked keys PEXPIREAT ... NX (a key without expiry, written
+        before ``ttl`` was set, gets one) then ... GT: a use only ever extends a key's life (a
+        key given twice keeps its first rank), and counts for LRU/LFU as TOUCH does."""
         names = [self._key(k) for k in keys]
         if not names:
             return []
         marks = touch if touch is not None else [True] * len(names)
         with self._errors("exists"):
             pipe = self._pipeline()
+            now = self._now_ms()
             rank = 0
             for name, t in zip(names, marks, strict=True):
                 pipe.exists(name)
                 if t:
-                    pipe.pexpire(name, self._expiry_ms(rank), gt=True)
+                    at = self._expires_at(now, rank)
+                    pipe.pexpireat(name, at, nx=True)
+                    pipe.pexpireat(name, at, gt=True)
                     rank += 1
             results = pipe.execute()
         out: list[bool] = []
@@ -345,6 +384,7 @@ class RedisStore(Store):
         for t in marks:
             out.append(bool(next(it)))
             if t:
+                next(it)
                 next(it)
         return out
 

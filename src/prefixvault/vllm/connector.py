@@ -9,6 +9,7 @@ Enable it with::
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from typing import TYPE_CHECKING, Any
@@ -30,7 +31,7 @@ from prefixvault.vllm.config import ConnectorSettings
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.layout import build_layout, cache_shape
 from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled
-from prefixvault.vllm.preflight import can_cache, preflight
+from prefixvault.vllm.preflight import can_cache, outputs_refused, preflight
 from prefixvault.vllm.scheduler import SchedulerSide
 from prefixvault.vllm.stats import PrefixVaultPromMetrics, PrefixVaultStats, Snapshot
 from prefixvault.vllm.worker import WorkerSide
@@ -65,6 +66,11 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("prefixvault: off for this engine (see above): every request is computed")
             return  # inert: vLLM runs as without a connector
         self.layout = build_layout(vllm_config, kv_cache_config, self.settings.model_id)
+        refused = outputs_refused(self.layout) if self.settings.capture_outputs else None
+        if refused:
+            if role == KVConnectorRole.SCHEDULER:
+                log.warning("prefixvault: %s", refused)
+            self.settings = dataclasses.replace(self.settings, capture_outputs=False)
         key = self.settings.namespace_key()
         store = open_store_or_retry(self.settings.store)
         self.vault = Vault(store, self.layout, self.settings.namespace, key)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from prefixvault.layout import CacheLayout, StateFamily
 from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
 from prefixvault.vllm.layout import CacheShape
 
@@ -63,3 +64,18 @@ def preflight(vllm_config: Any, shape: CacheShape, settings: ConnectorSettings, 
         out.append(f"block size {bs}: only prompts longer than {bs} tokens can hit, and every hit "
                    "is rounded down to a multiple of it; a smaller --block-size hits more often")
     return out
+
+
+def outputs_refused(layout: CacheLayout) -> str | None:
+    """Why ``capture_outputs`` must stay off for this model, or None.
+
+    A boundary is published only where its objects are the state at exactly that token count.
+    For ShortConv layers that is not known of decode steps: on vLLM CPU their decode-computed
+    KV blocks and states differ from the prefill-computed ones of the same tokens by far more
+    than rounding (``tests/test_vllm_conversation.py`` measured it; the cause is not
+    established), so a consumer could resume from objects no prefill would compute."""
+    if any(g.family is StateFamily.SHORTCONV for g in layout.groups):
+        return ("capture_outputs is off for this model: decode-computed KV blocks and states of "
+                "its ShortConv layers differ from prefill-computed ones of the same tokens by far "
+                "more than rounding (measured on vLLM CPU), so only prompt boundaries are published")
+    return None
