@@ -4,7 +4,9 @@ it, make room among themselves from the least recently used, and never evict a K
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import sqlite3
+import time
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixvault.keys import KeySpace
-from prefixvault.stores import StoreError, open_store
+from prefixvault.stores import StoreError, _arena, open_store
 from prefixvault.stores._directory import StateBudget
 from prefixvault.stores._index import INDEX_NAME, STATES
 from prefixvault.stores.base import STATE_CLASS, key_class
@@ -142,6 +144,7 @@ def test_a_store_made_before_budgets_is_counted_when_opened(tmp_path: Path) -> N
     # counts it, and (the oldest state, over the budget) evicts it.
     conn.execute("INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data)"
                  " VALUES (?, 100, 0, NULL, NULL, 999999, 0, ?)", (state(99), bytes(100)))
+    conn.execute("UPDATE meta SET value = value + 100 WHERE name = 'inline_bytes'")
     conn.commit()
     conn.close()
     assert held_by_states(path) == 3 * MiB + 100
@@ -160,7 +163,8 @@ def test_every_way_a_state_leaves_is_counted(tmp_path: Path) -> None:
         for i in range(400):  # KV of another size pushes the states' slabs out
             store.put_many([(block(i), [bytes(150 << 10)])])
         assert store.stats().state_bytes == held_by_states(path)
-        assert store.stats().state_bytes < 16 * (200 << 10)
+        share = 256 << 10  # a 200 KiB state's slot: its share of its slab
+        assert store.stats().state_bytes < 16 * share
     path = tmp_path / "b"
     with open_store(f"local://{path}?capacity=16MiB&states=100%") as store:
         for i in range(40):  # the capacity evicts states slot by slot (one size class)
@@ -207,6 +211,8 @@ def test_a_share_follows_the_capacity_and_a_rebuild_keeps_the_budget(tmp_path: P
         assert store.stats().state_budget == 16 * MiB
     with open_store(f"local://{path}?capacity=8MiB") as store:  # a size is held to the capacity
         assert store.stats().state_budget == 8 * MiB
+    with open_store(f"local://{path}?capacity=64MiB") as store:  # ... while it is smaller
+        assert store.stats().state_budget == 16 * MiB
 
 
 def _put_states_and_blocks(path: str, seed: int) -> None:
@@ -259,3 +265,56 @@ def test_states_never_pass_their_budget(tmp_path_factory: pytest.TempPathFactory
             assert store.stats().state_bytes == held_by_states(path) <= 5 * MiB
         if capacity == 256:
             assert all(store.exists_many([block(i) for i in sorted(blocks)]))
+
+
+def test_a_state_that_cannot_fit_evicts_nothing(tmp_path: Path) -> None:
+    """Its slot's share of a slab (here 1 MiB for 700 KiB) is larger than the budget: it is
+    refused before any state is evicted for it or any slab is made."""
+    with open_store(f"local://{tmp_path}/s?capacity=64MiB&states=900KiB") as store:
+        assert isinstance(store, LocalStore)
+        assert all(store.put_many([(state(i), [bytes(200 << 10)]) for i in range(3)]))
+        slabs = store.usage().slabs
+        assert store.put_many([(state(9), [bytes(700 << 10)])]) == [False]
+        assert store.exists_many([state(i) for i in range(3)]) == [True] * 3
+        assert store.usage().slabs == slabs
+
+
+def test_a_slab_the_store_loses_takes_its_states_count(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with open_store(f"local://{path}?capacity=64MiB&states=8MiB") as store:
+        assert all(store.put_many([(state(i), [bytes(200 << 10)]) for i in range(4)]))
+        assert all(store.put_many([(block(i), [bytes(MiB)]) for i in range(2)]))
+        conn = sqlite3.connect(path / INDEX_NAME)
+        (slab,) = conn.execute("SELECT slab FROM keys WHERE key = ?", (state(0),)).fetchone()
+        conn.close()
+        os.truncate(_arena.slab_path(path, slab), 0)  # cut short by something else
+        assert store.get_many([state(0)]) == [None]  # noticed: the slab is forgotten
+        assert store.stats().state_bytes == held_by_states(path) == 0
+        assert all(store.exists_many([block(i) for i in range(2)]))
+
+
+def test_a_damaged_index_without_a_slab_row_still_deletes(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with open_store(f"local://{path}?capacity=64MiB&states=8MiB") as store:
+        assert all(store.put_many([(state(0), [bytes(200 << 10)])]))
+    conn = sqlite3.connect(path / INDEX_NAME)
+    conn.execute("DELETE FROM slabs")  # a slab row gone under a key (damage, or a hand edit)
+    conn.commit()
+    conn.close()
+    with open_store(f"local://{path}") as store:
+        assert store.delete_many([state(0)]) == 1
+        assert store.stats().state_bytes == held_by_states(path) == 0
+
+
+def test_a_clock_stepped_back_still_evicts_the_older_states(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """States stamped before the wall clock stepped back look newer than a new batch: they
+    are still the ones to go, never the batch's own."""
+    with open_store(f"local://{tmp_path}/s?capacity=64MiB&states=2MiB") as store:
+        for i in range(2):
+            assert store.put_many([(state(i), [bytes(MiB)])]) == [True]
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() - 60)
+        assert store.put_many([(state(2), [bytes(MiB)]), (block(0), [bytes(MiB)]),
+                               (state(3), [bytes(MiB)])]) == [True, True, True]
+        assert store.exists_many([state(i) for i in range(4)]) == [False, False, True, True]

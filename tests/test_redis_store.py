@@ -573,3 +573,18 @@ def test_a_policy_that_works_against_ttl_is_one_warning(
             assert len(lines) == 1 and warning in lines[0] and policy in lines[0], lines
     finally:
         server.stop()
+
+
+def test_ttl_follows_the_servers_clock(server: Valkey, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A client whose clock is two hours behind the server's, with a one-minute ttl: absolute
+    times from its own clock would lie in the past (a put would store nothing, a renewal would
+    delete); the store follows the server's clock, read at open. (The skewed clock is this
+    process's time.time: a host with a wrong clock cannot be made here.)"""
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 7200)
+    r = redis.Redis(host="127.0.0.1", port=server.port)
+    with open_store(server.url(prefix="skew:", ttl="60")) as store:
+        assert store.put_many([("k", [b"v"])]) == [True]
+        r.set("skew:old", b"x")
+        assert store.touch_many(["k", "old"]) == [True, True]
+        assert 59_000 < r.pttl("skew:k") <= 60_000 and 59_000 < r.pttl("skew:old") <= 60_000

@@ -59,34 +59,34 @@ class StateBudget:
 
 
 def apply_state_budget(conn: sqlite3.Connection, path: Path, states: StateBudget | None) -> None:
-    """Set the states' budget (``states`` None: keep the one there), and resolve a share
-    against the capacity as it is now; a size larger than the capacity is an error when
-    given, and is held to the capacity when the capacity shrinks under it later."""
-    meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
-    capacity = int(meta["capacity"])
+    """Set the states' budget as given (``states`` None: keep the one there) and resolve it
+    against the capacity as it is now: a share of it, or a size held to it. A size larger than
+    the capacity is an error when given; a capacity that shrinks under it later holds it only
+    while it is smaller."""
     if states is not None:
-        budget = states.resolve(capacity)
-        if budget > capacity:
-            raise StoreError(f"local store {path}: states={budget} bytes is more than its capacity "
-                             f"({capacity} bytes)")
-        conn.execute("DELETE FROM meta WHERE name = 'state_share_ppm'")
+        capacity = int(conn.execute("SELECT value FROM meta WHERE name = 'capacity'").fetchone()[0])
+        if states.resolve(capacity) > capacity:
+            raise StoreError(f"local store {path}: states={states.resolve(capacity)} bytes is more than "
+                             f"its capacity ({capacity} bytes)")
+        conn.execute("DELETE FROM meta WHERE name IN ('state_share_ppm', 'state_size')")
         if states.share is not None:
             conn.execute("INSERT INTO meta (name, value) VALUES ('state_share_ppm', ?)",
                          (round(states.share * 1e6),))
-    elif "state_share_ppm" in meta:
-        budget = capacity * int(meta["state_share_ppm"]) // 1_000_000
-    else:
-        budget = min(int(meta.get("state_budget", 0)), capacity)
+        else:
+            conn.execute("INSERT INTO meta (name, value) VALUES ('state_size', ?)", (states.nbytes or 0,))
+    given = kept_state_budget(conn)
+    capacity = int(conn.execute("SELECT value FROM meta WHERE name = 'capacity'").fetchone()[0])
+    budget = 0 if given is None else min(given.resolve(capacity), capacity)
     conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('state_budget', ?)", (budget,))
 
 
 def kept_state_budget(conn: sqlite3.Connection) -> StateBudget | None:
-    """The budget an index holds, as it was given (for a rebuild to keep); None if none."""
+    """The budget an index holds, as it was given; None if none."""
     meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
     if "state_share_ppm" in meta:
         return StateBudget(share=int(meta["state_share_ppm"]) / 1e6)
-    if int(meta.get("state_budget", 0) or 0):
-        return StateBudget(nbytes=int(meta["state_budget"]))
+    if int(meta.get("state_size", 0) or 0):
+        return StateBudget(nbytes=int(meta["state_size"]))
     return None
 
 

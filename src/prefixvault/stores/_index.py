@@ -30,11 +30,11 @@ INDEX_NAME = "index.db"
 #: Rows the index's meta table must hold.
 META_NAMES = ("schema", "capacity", "slab_size", "inline_bytes", "next_gen", "evictions", "epoch")
 #: Optional meta rows (a store made before them lacks them): ``state_budget`` is the most
-#: bytes states may take (0 or absent: no budget of their own), ``state_share_ppm`` the share
-#: of the capacity it was given as (absent: given as a size), resolved again whenever the
-#: capacity changes; ``state_bytes`` what they take (counted afresh whenever a writer opens
-#: the store, kept by every transaction after).
-META_OPTIONAL = ("state_budget", "state_share_ppm", "state_bytes")
+#: bytes states may take now (0 or absent: no budget of their own), resolved at every writer's
+#: open from how it was given: ``state_share_ppm`` (a share of the capacity) or ``state_size``
+#: (a size, held to the capacity); ``state_bytes`` what they take (counted afresh whenever a
+#: writer opens the store, kept by every transaction after).
+META_OPTIONAL = ("state_budget", "state_share_ppm", "state_size", "state_bytes")
 SCHEMA_VERSION = 1
 #: Filesystem space the store never fills with objects: room for the index and its log.
 FS_RESERVE = 2 << 20
@@ -98,8 +98,10 @@ def add_pools(conn: sqlite3.Connection) -> None:
     columns = {row[1] for row in conn.execute("PRAGMA table_info(keys)")}
     if "pool" not in columns:
         conn.execute("ALTER TABLE keys ADD COLUMN pool INTEGER NOT NULL DEFAULT 0")
-    marked = [(k,) for (k,) in conn.execute("SELECT key FROM keys WHERE pool = ?", (OTHER,))
-              if pool_of(k) == STATES]
+    # GLOB narrows to keys with an ``s`` segment past the second (SQLite, fast); ``pool_of``
+    # decides. Every other key is a KV block or record and is never looked at in Python.
+    marked = [(k,) for (k,) in conn.execute("SELECT key FROM keys WHERE pool = ? AND key GLOB '*/*/s/*'",
+                                            (OTHER,)) if pool_of(k) == STATES]
     conn.executemany("UPDATE keys SET pool = 1 WHERE key = ?", marked)
     conn.execute("CREATE INDEX IF NOT EXISTS keys_pool ON keys (pool, last_used)")
 
@@ -177,6 +179,7 @@ class Transaction:
         self.epoch = int(meta["epoch"])
         self.state_budget = int(meta.get("state_budget", 0))
         self._states: int | None = int(meta["state_bytes"]) if "state_bytes" in meta else None
+        self._batch: set[str] = set()  # states put in this transaction: never evicted for each other
         self.slab_bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM slabs").fetchone()[0])
         # The filesystem may hold less than the capacity: never plan to use more than it has,
         # and leave room for the index (and its write-ahead log) to grow.
@@ -231,29 +234,32 @@ class Transaction:
             self._states += nbytes
 
     def slot_share(self, slab_id: int) -> int:
-        """The space one slot of a slab takes (``_HELD``)."""
-        nbytes, nslots = self.conn.execute(
-            "SELECT nbytes, nslots FROM slabs WHERE id = ?", (slab_id,)).fetchone()
-        return int(nbytes) // int(nslots)
+        """The space one slot of a slab takes (``_HELD``; 0 for a slab the index lost)."""
+        row = self.conn.execute("SELECT nbytes / nslots FROM slabs WHERE id = ?", (slab_id,)).fetchone()
+        return 0 if row is None or row[0] is None else int(row[0])
 
-    def fit_state(self, nbytes: int, at: float | None = None) -> bool:
+    def new_slot_share(self, cls: int) -> int:
+        """The space a slot of class ``cls`` takes in a slab made now."""
+        return _arena.slab_bytes(cls, self.slab_size) // _arena.slots_per_slab(cls, self.slab_size)
+
+    def fit_state(self, nbytes: int) -> bool:
         """Evict the least recently used states until one taking ``nbytes`` fits their
-        budget; False if it cannot: it alone is larger, or (``at``: its recency) only states
-        more recent than it would have to go, such as the ones put before it in the same
-        batch. Without a budget, always True."""
+        budget; False if it cannot: it alone is larger, or only states put earlier in this
+        transaction (its own batch, which ranks them more recent) would have to go. Without a
+        budget, always True."""
         if not self.state_budget:
             return True
         if nbytes > self.state_budget:
             return False
+        keep = sorted(self._batch)
         while self.states_held + nbytes > self.state_budget:
             row = self.conn.execute(
-                "SELECT key, last_used FROM keys WHERE pool = ? ORDER BY last_used, gen LIMIT 1", (STATES,)
+                f"SELECT key FROM keys WHERE pool = ? AND key NOT IN ({marks(len(keep))})"
+                " ORDER BY last_used, gen LIMIT 1", (STATES, *keep)
             ).fetchone()
-            if row is None:  # the count and the rows disagree: count again
+            if row is None:  # only this batch's states are left (or the count is off: recount)
                 self._states = None
                 return self.states_held + nbytes <= self.state_budget
-            if at is not None and row[1] >= at:
-                return False
             self.remove(row[0])
             self.evictions += 1
         return True
@@ -271,12 +277,13 @@ class Transaction:
     def remove(self, key: str) -> bool:
         """Delete a key and release what it held."""
         row = self.conn.execute(
-            "SELECT size, slab, slot, gen, pool FROM keys WHERE key = ?", (key,)).fetchone()
+            f"SELECT k.size, k.slab, k.slot, k.gen, k.pool, {_HELD} FROM {_HELD_FROM} WHERE k.key = ?",
+            (key,)).fetchone()
         if row is None:
             return False
-        size, slab, slot, gen, pool = row
-        if pool == STATES:
-            self._held(pool, -(size if slab is None else self.slot_share(slab)))
+        size, slab, slot, gen, pool, held = row
+        self._held(pool, -int(held or 0))  # NULL (a slab the index lost) counts 0, as in the recount
+        self._batch.discard(key)
         self.conn.execute("DELETE FROM keys WHERE key = ?", (key,))
         if slab is None:
             self.inline_bytes -= size
@@ -295,7 +302,7 @@ class Transaction:
         when = self.now if at is None else at
         if pool == STATES:  # room among the states first: a state never evicts anything else
             self.remove(key)
-            if not self.fit_state(len(data), when):
+            if not self.fit_state(len(data)):
                 return False
         old = self.conn.execute("SELECT size FROM keys WHERE key = ? AND slab IS NULL", (key,)).fetchone()
         if len(data) > self.capacity or not self.make_room(len(data) - (int(old[0]) if old else 0)):
@@ -310,6 +317,8 @@ class Transaction:
         )
         self.inline_bytes += len(data)
         self._held(pool, len(data))
+        if pool == STATES:
+            self._batch.add(key)
         return True
 
     def publish(self, key: str, size: int, claim: Claim, if_absent: bool = False,
@@ -329,7 +338,7 @@ class Transaction:
         share = self.slot_share(claim.slab) if pool == STATES else 0
         # Other writers' states may have come since the claim, or this batch's own earlier
         # (more recent) states: never evict those for this one.
-        if pool == STATES and not self.fit_state(share, when):
+        if pool == STATES and not self.fit_state(share):
             self.release([claim])
             return False
         self.conn.execute(
@@ -338,6 +347,8 @@ class Transaction:
             (key, size, claim.cls, claim.slab, claim.slot, claim.gen, when, pool),
         )
         self._held(pool, share)
+        if pool == STATES:
+            self._batch.add(key)
         self.conn.execute(
             "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ?",
             (LIVE, claim.slab, claim.slot),
@@ -358,7 +369,8 @@ class Transaction:
         which size to make, outside the transaction, before asking again). A state first
         makes room within the states' budget (its slot may then be one a state just left)."""
         self.wanted = 0
-        if pool == STATES and not self.fit_state(cls):  # the slot's share is known once found
+        # The share a new slab's slot takes: a state that cannot fit that way evicts nothing.
+        if pool == STATES and not self.fit_state(self.new_slot_share(cls)):
             return None
         found = self._free_slot(cls)
         if found is None and not self.reclaimed:

@@ -7,9 +7,11 @@ under ``maxmemory`` with an LRU policy it evicts (approximately LRU, server-wide
 
 With ``ttl`` every object expires after that long without use, and keys put or touched
 together get expiry times in the order given, one millisecond apart (the first the latest).
-The times are absolute (``PXAT``/``PEXPIREAT``, from this client's clock at the call): a
-relative TTL would start when the server reaches each command, and a pipeline of megabyte
-values takes longer than a millisecond per key. Under ``maxmemory-policy volatile-ttl`` the
+The times are absolute (``PXAT``/``PEXPIREAT``) on the server's clock, as this client reads it
+at open (``TIME``) and follows it with its own since: a relative TTL would start when the
+server reaches each command, and a pipeline of megabyte values takes longer than a millisecond
+per key; the client's clock alone could lie behind the server's by more than the ttl, and a
+time in the past deletes a key. Under ``maxmemory-policy volatile-ttl`` the
 server evicts the sampled key nearest to expiry first, so a chain goes from its tail, as the
 local store evicts. ``ttl`` needs Redis 7.0 or Valkey (``PEXPIREAT ... NX|GT``) and a writable
 server; both are checked at open.
@@ -112,11 +114,18 @@ class RedisStore(Store):
         self.prefix = prefix
         self.capacity = capacity
         self._ttl_ms = None if ttl is None else max(1, round(ttl * 1000))
+        self._clock_offset_ms = 0  # the server's clock minus this client's (``ttl``)
         self._client = client
         self._prefix_bytes = prefix.encode()
         with self._errors("cannot reach server"):
             client.ping()  # fail here, in seconds, rather than on the first put
         if self._ttl_ms is not None:
+            with self._errors("read the server's clock"):
+                answer = self._client.time()
+            if isinstance(answer, dict):  # a cluster may answer per node: any node's clock
+                answer = next(iter(answer.values()))
+            seconds, micros = answer
+            self._clock_offset_ms = int(seconds) * 1000 + int(micros) // 1000 - int(time.time() * 1000)
             self._check_ttl_support()
         self._check_eviction()
 
@@ -285,7 +294,8 @@ class RedisStore(Store):
         return self._each("get", "get", keys)
 
     def _now_ms(self) -> int:
-        return int(time.time() * 1000)
+        """The server's clock now (``ttl``), as read at open and followed since."""
+        return int(time.time() * 1000) + self._clock_offset_ms
 
     def _expires_at(self, now_ms: int, rank: int) -> int:
         """When the ``rank``-th of the keys used together at ``now_ms`` expires (with ``ttl``)."""
