@@ -245,6 +245,45 @@ def test_put_if_absent_threads_exactly_one_wins(any_store: Store, size: int) -> 
     assert any_store.get_many(["race"]) == [version(winner, 0, size)]
 
 
+@pytest.mark.parametrize("size", [64, 300_000])
+def test_put_if_absent_many_threads_exactly_one_wins_per_key(any_store: Store, size: int) -> None:
+    """Batches over overlapping keys, some already stored: each key has one winner, whose
+    bytes are what every reader gets; a key stored before stays as it was."""
+    assert any_store.put_if_absent("batch/old", b"before") is True
+    n, keys = 6, [f"batch/{k}" for k in range(5)]
+    barrier = threading.Barrier(n)
+    results: list[list[bool]] = [[] for _ in range(n)]
+
+    def contend(i: int) -> None:
+        mine = [*keys[i % 2 :], "batch/old"]  # overlapping, in different orders
+        barrier.wait()
+        won = any_store.put_if_absent_many([(k, version(i, j, size)) for j, k in enumerate(mine)])
+        results[i] = [k for k, w in zip(mine, won, strict=True) if w]
+
+    threads = [threading.Thread(target=contend, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for key in keys:
+        winners = [i for i in range(n) if key in results[i]]
+        assert len(winners) == 1, f"{key}: winners {winners}"
+        i = winners[0]
+        mine = [*keys[i % 2 :], "batch/old"]
+        assert any_store.get_many([key]) == [version(i, mine.index(key), size)]
+    assert not any("batch/old" in won for won in results)
+    assert any_store.get_many(["batch/old"]) == [b"before"]
+
+
+def test_put_if_absent_many_edges(any_store: Store) -> None:
+    assert any_store.put_if_absent_many([]) == []
+    with pytest.raises(ValueError):
+        any_store.put_if_absent_many([("dup", b"a"), ("dup", b"b")])
+    assert any_store.exists_many(["dup"]) == [False]
+    with pytest.raises(ValueError):
+        any_store.put_if_absent_many([("bad key!", b"a")])
+
+
 def _absent_worker(uri: str, i: int, size: int, barrier: Any, out: Any) -> None:
     with open_store(uri) as store:
         barrier.wait()

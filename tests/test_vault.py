@@ -10,6 +10,7 @@ import pytest
 from prefixvault.boundary import Refusal, StateCapture, plan_saves
 from prefixvault.codec import HEADER_SIZE
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
+from prefixvault.records import BoundaryRecord
 from prefixvault.stores.base import Buffer, Store, StoreStats
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import ObjectRef, RankAck, Vault
@@ -251,3 +252,72 @@ def test_lookups_together_cost_the_round_trips_of_one() -> None:
     assert together == alone
     assert [r.hit for r in together] == [40, 16, 0, 0, 0]
     assert store.calls == ["touch", "touch"]
+
+
+class BatchCountingStore(CountingStore):
+    """Also counts single conditional puts and batches of them."""
+
+    def put_if_absent(self, key: str, data: Buffer) -> bool:
+        self.calls.append("put_if_absent")
+        return super().put_if_absent(key, data)
+
+    def put_if_absent_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        self.calls.append("put_if_absent_many")
+        return [MemoryStore.put_if_absent(self, k, d) for k, d in items]
+
+
+def saves_of(vault: Vault, prompts: list[list[int]], parents: list[int],
+             world: int = 2, ranks: Sequence[int] = (0, 1)) -> list[tuple[list[bytes], list[RankAck], int]]:
+    """Each prompt saved by ``ranks`` from its parent on, with every block boundary captured."""
+    out = []
+    for tokens, parent in zip(prompts, parents, strict=True):
+        hashes = vault.hashes(tokens)
+        n = len(tokens) // BS
+        tables = {0: list(range(1, n + 1)), 1: list(range(100, 100 + n))}
+        caps = [StateCapture(2, b, 200 + b, 1) for b in range(parent + BS, n * BS + 1, BS)]
+        d = plan_saves(vault.layout, len(tokens), tables, caps, step=1, since=parent)
+        acks: list[RankAck] = []
+        for r in ranks:
+            acks += vault.save(r, hashes, d.publishable, payload)
+        out.append((hashes, acks, parent))
+    return out
+
+
+def test_publish_many_is_publish_of_each_in_two_round_trips() -> None:
+    """Several saves published together give each the outcomes and records ``publish``
+    gives it alone, with one existence check and one conditional put for all of them: a
+    record two of them share is put once, a parent record that is gone and a rank that did
+    not store its objects are handled per save."""
+    shared = list(range(2 * BS))
+    prompts = [shared + list(range(100, 100 + 2 * BS)), shared + list(range(200, 200 + 3 * BS)),
+               list(range(300, 300 + 4 * BS)), list(range(400, 400 + 2 * BS))]
+    results = []
+    for together in (False, True):
+        store = BatchCountingStore()
+        vault = Vault(store, layout(world=2))
+        # A parent (boundary 8) published for the third prompt, then its record removed.
+        third = saves_of(vault, [prompts[2][:BS]], [0])
+        vault.publish_many(third)
+        store.delete_many([vault.keys.record(vault.hashes(prompts[2])[0])])
+        saves = saves_of(vault, prompts[:3], [0, 0, BS])
+        saves += saves_of(vault, prompts[3:], [0], ranks=(0,))  # rank 1 never stores its part
+        store.calls.clear()
+        if together:
+            outcomes = vault.publish_many(saves)
+            # One existence check for all; one more only for the save whose parent record is
+            # gone; one put of every record; the layout's touch.
+            assert store.calls == ["exists", "exists", "put_if_absent_many", "touch"]
+        else:
+            outcomes = [vault.publish(h, a, p) for h, a, p in saves]
+        records = {}
+        for key, _ in store.scan(vault.keys.record_prefix()):
+            rec = BoundaryRecord.decode(store.get_many([key])[0] or b"", vault.fingerprint)
+            records[key] = (rec.tokens, rec.hashes, rec.parent, rec.parent_hash)  # not its time
+        results.append((outcomes, records, vault.counters.records_published, vault.counters.records_existing))
+    alone, batched = results
+    assert batched == alone
+    outcomes = alone[0]
+    assert outcomes[0] == {8: None, 16: None, 24: None, 32: None}
+    assert outcomes[1] == {8: None, 16: None, 24: None, 32: None, 40: None}  # 8 and 16 shared
+    assert outcomes[2] == {16: None, 24: None, 32: None}  # its parent's record gone: from block 0
+    assert set(outcomes[3].values()) == {Refusal.MISSING_RANK}

@@ -171,14 +171,24 @@ def test_a_stopping_worker_stores_its_queued_saves() -> None:
 
 def test_saves_queued_behind_a_slow_store_are_stored_in_one_batch() -> None:
     """A store slower than the engine makes saves queue up; the save thread then stores all of
-    them with one existence check and one put, not one round trip per save."""
+    them with one existence check and one put, and publishes their records with one more
+    check and one conditional put, not round trips per save."""
 
     class CountingGated(GatedStore):
         puts = 0
+        record_puts = 0
 
         def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
             CountingGated.puts += 1
             return super().put_many(items)
+
+        def put_if_absent(self, key: str, data: Buffer) -> bool:
+            CountingGated.record_puts += "/r/" in key  # a record's (not the layout's)
+            return super().put_if_absent(key, data)
+
+        def put_if_absent_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+            CountingGated.record_puts += 1
+            return [MemoryStore.put_if_absent(self, k, d) for k, d in items]
 
     store = CountingGated()
     vault = Vault(store, layout())
@@ -190,6 +200,7 @@ def test_saves_queued_behind_a_slow_store_are_stored_in_one_batch() -> None:
     store.gate.set()
     assert settle(worker, {save_id(i, f"q{i}") for i in range(6)}) == {save_id(i, f"q{i}") for i in range(6)}
     assert CountingGated.puts <= 2  # the first save, maybe alone, then the five queued behind it
+    assert CountingGated.record_puts <= 2  # their records: as many batches
     assert worker.counters.published == 6
     for prompt in prompts:
         assert vault.lookup(vault.hashes(prompt), 3 * BS + 1) == 3 * BS

@@ -329,66 +329,89 @@ class Vault:
         if that record is gone, the blocks before it are checked in the store instead.
         Returns, per boundary, None if its record exists now, else why not.
         """
+        return self.publish_many([(hashes, acks, parent)])[0]
+
+    def publish_many(
+        self, publishes: Sequence[tuple[Sequence[bytes], Iterable[RankAck], int]]
+    ) -> list[dict[int, Refusal | None]]:
+        """``publish`` for several prefixes at once, (hashes, acks, parent) each, in the round
+        trips of one: one existence check for all of them, then one conditional put of all
+        their records (a slow store is paid per batch, not per save). A record names the one
+        before it, so each prefix's records are built in order as ``publish`` builds them; a
+        record two prefixes both publish is put once."""
         bs = self.layout.block_size
         world = set(range(self.layout.world_size))
-        acked: dict[int, set[int]] = {}
-        failed: set[int] = set()
-        for a in acks:
-            n = a.tokens // bs
-            if a.tokens % bs or not 0 < n <= len(hashes) or a.boundary_hash != hashes[n - 1]:
-                raise ValueError(f"ack for boundary {a.tokens} does not match the prefix given")
-            acked.setdefault(a.tokens, set())
-            if a.ok:
-                acked[a.tokens].add(a.rank)
-            else:
-                failed.add(a.tokens)
-        out: dict[int, Refusal | None] = {b: Refusal.STORE_ERROR for b in failed}
-        todo = sorted(b for b in acked if b not in failed and b > parent)
-        if not todo:
-            return out
-        # One round trip: the parent record, and every object of a rank that did not ack.
-        keys: list[str] = [self.keys.record(hashes[parent // bs - 1])] if parent else []
-        checks: dict[int, list[str]] = {}
-        for b in todo:
-            missing_ranks = sorted(world - acked[b])
-            if missing_ranks:
-                checks[b] = [r.key for r in self.needed(hashes, b, missing_ranks, since=parent)]
-                keys.extend(checks[b])
-        present = dict(zip(keys, self.store.exists_many(keys), strict=True)) if keys else {}
-        if parent and not present[keys[0]]:
-            # The parent's record is gone: publish from the first block if the blocks it
-            # covered are all still stored (one more round trip, only on this path).
-            early = sorted({r.key for r in self.needed(hashes, todo[0], since=0)
-                            if r.kind is ObjectKind.BLOCK and r.tokens <= parent})
-            if early and not all(self.store.exists_many(early)):
+        outs: list[dict[int, Refusal | None]] = []
+        plans: list[tuple[Sequence[bytes], list[int], int, dict[int, list[str]]]] = []
+        keys: list[str] = []
+        for hashes, acks, parent in publishes:
+            acked: dict[int, set[int]] = {}
+            failed: set[int] = set()
+            for a in acks:
+                n = a.tokens // bs
+                if a.tokens % bs or not 0 < n <= len(hashes) or a.boundary_hash != hashes[n - 1]:
+                    raise ValueError(f"ack for boundary {a.tokens} does not match the prefix given")
+                acked.setdefault(a.tokens, set())
+                if a.ok:
+                    acked[a.tokens].add(a.rank)
+                else:
+                    failed.add(a.tokens)
+            outs.append({b: Refusal.STORE_ERROR for b in failed})
+            todo = sorted(b for b in acked if b not in failed and b > parent)
+            checks: dict[int, list[str]] = {}
+            if todo:
+                if parent:
+                    keys.append(self.keys.record(hashes[parent // bs - 1]))
                 for b in todo:
-                    out[b] = Refusal.MISSING_OBJECT
-                    self.counters.refused[Refusal.MISSING_OBJECT] += 1
-                return out
-            parent = 0
-        for b in todo:
-            if not all(present[k] for k in checks.get(b, ())):
-                out[b] = Refusal.MISSING_RANK
-                self.counters.refused[Refusal.MISSING_RANK] += 1
+                    missing_ranks = sorted(world - acked[b])
+                    if missing_ranks:
+                        checks[b] = [r.key for r in self.needed(hashes, b, missing_ranks, since=parent)]
+                        keys.extend(checks[b])
+            plans.append((hashes, todo, parent, checks))
+        # One round trip: every parent record, and every object of a rank that did not ack.
+        present = dict(zip(keys, self.store.exists_many(keys), strict=True)) if keys else {}
+        records: dict[str, bytes] = {}
+        for (hashes, todo, parent, checks), out in zip(plans, outs, strict=True):
+            if not todo:
                 continue
-            self._put_record(hashes, b, parent)
-            out[b] = None
-            parent = b
-        if any(why is None for why in out.values()):
+            if parent and not present[self.keys.record(hashes[parent // bs - 1])]:
+                # The parent's record is gone: publish from the first block if the blocks it
+                # covered are all still stored (one more round trip, only on this path).
+                early = sorted({r.key for r in self.needed(hashes, todo[0], since=0)
+                                if r.kind is ObjectKind.BLOCK and r.tokens <= parent})
+                if early and not all(self.store.exists_many(early)):
+                    for b in todo:
+                        out[b] = Refusal.MISSING_OBJECT
+                        self.counters.refused[Refusal.MISSING_OBJECT] += 1
+                    continue
+                parent = 0
+            for b in todo:
+                if not all(present[k] for k in checks.get(b, ())):
+                    out[b] = Refusal.MISSING_RANK
+                    self.counters.refused[Refusal.MISSING_RANK] += 1
+                    continue
+                key, blob = self._record(hashes, b, parent)
+                if key in records:  # another prefix of this batch publishes the same boundary
+                    self.counters.records_existing += 1
+                else:
+                    records[key] = blob
+                out[b] = None
+                parent = b
+        if records:
+            stored = self.store.put_if_absent_many(list(records.items()))
+            self.counters.records_published += sum(stored)
+            self.counters.records_existing += len(stored) - sum(stored)
             self.keep_layout()  # after the records: never older than a record that needs it
-        return out
+        return outs
 
-    def _put_record(self, hashes: Sequence[bytes], tokens: int, parent: int) -> None:
+    def _record(self, hashes: Sequence[bytes], tokens: int, parent: int) -> tuple[str, bytes]:
+        """The key and stored bytes of the record of boundary ``tokens`` extending ``parent``."""
         bs = self.layout.block_size
         n = tokens // bs
         record = BoundaryRecord(tokens, tuple(hashes[parent // bs : n]), self.layout.world_size,
                                 producer_id(), parent=parent,
                                 parent_hash=hashes[parent // bs - 1] if parent else b"")
-        blob = record.encode(self.fingerprint, self.key)
-        if self.store.put_if_absent(self.keys.record(hashes[n - 1]), blob):
-            self.counters.records_published += 1
-        else:
-            self.counters.records_existing += 1
+        return self.keys.record(hashes[n - 1]), record.encode(self.fingerprint, self.key)
 
     def refuse(self, reason: Refusal, count: int = 1) -> None:
         """Count boundaries the boundary rule refused (for metrics)."""

@@ -129,6 +129,14 @@ class Store(abc.ABC):
         Of many concurrent callers (threads or processes) exactly one gets True.
         """
 
+    def put_if_absent_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        """``put_if_absent`` for each (key, data), in one round trip where the store can;
+        True for each key this call stored. Keys must be distinct. Not atomic as a whole: each
+        key is settled on its own, as by ``put_if_absent``."""
+        if len({k for k, _ in items}) != len(items):
+            raise ValueError("put_if_absent_many: keys must be distinct")
+        return [self.put_if_absent(k, data) for k, data in items]
+
     @abc.abstractmethod
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         """Copy each object into the caller's buffer (zero extra copies where possible).

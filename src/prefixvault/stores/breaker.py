@@ -188,6 +188,9 @@ class BreakerStore(Store):
     def put_if_absent(self, key: str, data: Buffer) -> bool:
         return self._call(lambda s: s.put_if_absent(key, data))
 
+    def put_if_absent_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        return self._call(lambda s: s.put_if_absent_many(items))
+
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         return self._call(lambda s: s.get_into(keys, buffers))
 

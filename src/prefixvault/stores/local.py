@@ -572,6 +572,21 @@ class LocalStore(Store):
         part = _u8(data)
         return self._put([key], [[part]], [part.nbytes], if_absent=True)[0]
 
+    def put_if_absent_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        self._writable()
+        keys = [check_key(key) for key, _ in items]
+        if len(set(keys)) != len(keys):
+            raise ValueError("put_if_absent_many: keys must be distinct")
+        parts = [_u8(data) for _, data in items]
+        fresh = [i for i, found in enumerate(self.exists_many(keys)) if not found]
+        out = [False] * len(keys)
+        if fresh:  # one transaction for all; a key another writer stored meanwhile stays theirs
+            done = self._put([keys[i] for i in fresh], [[parts[i]] for i in fresh],
+                             [parts[i].nbytes for i in fresh], if_absent=True)
+            for i, stored in zip(fresh, done, strict=True):
+                out[i] = stored
+        return out
+
     def _put(
         self, keys: list[str], parts: list[list[Bytes]], sizes: list[int], if_absent: bool
     ) -> list[bool]:

@@ -335,6 +335,24 @@ class RedisStore(Store):
             except redis.ResponseError:  # OOM and the like: not stored
                 return False
 
+    def put_if_absent_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        if len({k for k, _ in items}) != len(items):
+            raise ValueError("put_if_absent_many: keys must be distinct")
+        prepared = [(self._key(key), bytes(data)) for key, data in items]
+        send = [i for i, (_, blob) in enumerate(prepared) if self._fits(len(blob))]
+        done = [False] * len(prepared)
+        if send:
+            with self._errors("put"):
+                pipe = self._pipeline()
+                at = None if self._ttl_ms is None else self._expires_at(self._now_ms(), 0)
+                for i in send:
+                    name, blob = prepared[i]
+                    pipe.set(name, blob, nx=True, pxat=at)
+                results = pipe.execute(raise_on_error=False)  # a per-item error (OOM) is a refusal
+            for i, result in zip(send, results, strict=True):
+                done[i] = result is True
+        return done
+
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")

@@ -228,7 +228,8 @@ class WorkerSide:
                 self._idle.notify_all()
 
     def _store_many(self, specs: Sequence[SaveSpec], read: Any) -> list[bool]:
-        """Whether each save's boundaries were all published."""
+        """Whether each save's boundaries were all published. Stored with one batch put and
+        published with one batch of records (``Vault.publish_many``)."""
         assert self.vault is not None
         try:
             all_acks = self.vault.save_many(self.rank, [(s.hashes, s.plans) for s in specs], read)
@@ -237,7 +238,7 @@ class WorkerSide:
             log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
                     "prefixvault: %d saves failed: %s", len(specs), e)
             return [False] * len(specs)
-        return [self._publish(spec, acks) for spec, acks in zip(specs, all_acks, strict=True)]
+        return self._publish(specs, all_acks)
 
     def _store(self, spec: SaveSpec, read: Any, read_into: Any) -> bool:
         assert self.vault is not None
@@ -248,25 +249,32 @@ class WorkerSide:
             log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
                     "prefixvault: save for request %s failed: %s", spec.req_id, e)
             return False
-        return self._publish(spec, acks)
+        return self._publish([spec], [acks])[0]
 
-    def _publish(self, spec: SaveSpec, acks: Sequence[RankAck]) -> bool:
-        """Publish one save's boundaries; whether all of them are published now."""
+    def _publish(self, specs: Sequence[SaveSpec], all_acks: Sequence[Sequence[RankAck]]) -> list[bool]:
+        """Publish these saves' boundaries together; whether each save's are all published now."""
         assert self.vault is not None
-        self.counters.save_errors += sum(not a.ok for a in acks)
-        self.counters.saved_boundaries += sum(a.ok for a in acks)
+        for acks in all_acks:
+            self.counters.save_errors += sum(not a.ok for a in acks)
+            self.counters.saved_boundaries += sum(a.ok for a in acks)
         try:
-            results = self.vault.publish(spec.hashes, acks, parent=spec.parent)
+            outcomes = self.vault.publish_many([(spec.hashes, acks, spec.parent)
+                                                for spec, acks in zip(specs, all_acks, strict=True)])
+        except Exception as e:  # a store problem costs future hits, never a request
+            self.counters.save_errors += len(specs)
+            # an open breaker was said once when it opened; not once per request
+            log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
+                    "prefixvault: publishing %d saves (first: request %s) failed: %s",
+                    len(specs), specs[0].req_id if specs else "-", e)
+            return [False] * len(specs)
+        done = []
+        for results in outcomes:
             self.counters.published += sum(why is None for why in results.values())
             # MISSING_RANK: another rank has not stored its objects yet; the last one to
             # finish publishes (Vault.publish), so this rank's part is done.
-            return bool(results) and all(why in (None, Refusal.MISSING_RANK) for why in results.values())
-        except Exception as e:  # a store problem costs future hits, never this request
-            self.counters.save_errors += 1
-            # an open breaker was said once when it opened; not once per request
-            log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
-                    "prefixvault: save for request %s failed: %s", spec.req_id, e)
-            return False
+            fine = all(why in (None, Refusal.MISSING_RANK) for why in results.values())
+            done.append(bool(results) and fine)
+        return done
 
     def _settle(self, sid: str, published: bool) -> None:
         with self._lock:
