@@ -321,3 +321,36 @@ def test_publish_many_is_publish_of_each_in_two_round_trips() -> None:
     assert outcomes[1] == {8: None, 16: None, 24: None, 32: None, 40: None}  # 8 and 16 shared
     assert outcomes[2] == {16: None, 24: None, 32: None}  # its parent's record gone: from block 0
     assert set(outcomes[3].values()) == {Refusal.MISSING_RANK}
+
+
+def test_a_request_s_steps_published_together_chain_as_published_one_by_one() -> None:
+    """Two steps of one request queued behind a slow store are published in one batch: the
+    second continues the first's top boundary, whose record this batch writes, so it names it
+    as its parent (as one by one) instead of listing its chain from block 0. A third save with
+    a failed ack is refused alone."""
+    tokens = list(range(4 * BS))
+    other = list(range(500, 500 + 3 * BS))
+    results = []
+    for together in (False, True):
+        store = BatchCountingStore()
+        vault = Vault(store, layout(world=2))
+        vault.keep_layout()
+        first = saves_of(vault, [tokens[: 2 * BS]], [0])
+        second = saves_of(vault, [tokens], [2 * BS])
+        (h, acks, p), = saves_of(vault, [other], [0])
+        bad = [(h, [RankAck(a.rank, a.tokens, a.boundary_hash, a.tokens != 2 * BS) for a in acks], p)]
+        batch = first + second + bad
+        store.calls.clear()
+        outcomes = vault.publish_many(batch) if together else [vault.publish(*b) for b in batch]
+        if together:
+            assert store.calls == ["exists", "put_if_absent_many", "touch"]
+        records = {}
+        for key, _ in store.scan(vault.keys.record_prefix()):
+            rec = BoundaryRecord.decode(store.get_many([key])[0] or b"", vault.fingerprint)
+            records[rec.tokens, len(rec.hashes)] = rec.parent
+        results.append((outcomes, records))
+    assert results[1] == results[0]
+    outcomes, records = results[0]
+    assert outcomes[:2] == [{8: None, 16: None}, {24: None, 32: None}]
+    assert outcomes[2][16] is Refusal.STORE_ERROR and outcomes[2][8] is None
+    assert records[(24, 1)] == 16  # the second step's first record names the first step's top

@@ -337,8 +337,10 @@ class Vault:
         """``publish`` for several prefixes at once, (hashes, acks, parent) each, in the round
         trips of one: one existence check for all of them, then one conditional put of all
         their records (a slow store is paid per batch, not per save). A record names the one
-        before it, so each prefix's records are built in order as ``publish`` builds them; a
-        record two prefixes both publish is put once."""
+        before it, so each prefix's records are built in order as ``publish`` builds them, and
+        a save may continue one an earlier save of the batch publishes (the same request's
+        previous step): that parent is put first. A record two prefixes both publish is put
+        once (the first built)."""
         bs = self.layout.block_size
         world = set(range(self.layout.world_size))
         outs: list[dict[int, Refusal | None]] = []
@@ -369,12 +371,16 @@ class Vault:
                         keys.extend(checks[b])
             plans.append((hashes, todo, parent, checks))
         # One round trip: every parent record, and every object of a rank that did not ack.
-        present = dict(zip(keys, self.store.exists_many(keys), strict=True)) if keys else {}
-        records: dict[str, bytes] = {}
+        unique = list(dict.fromkeys(keys))
+        present = dict(zip(unique, self.store.exists_many(unique), strict=True)) if unique else {}
+        records: dict[str, bytes] = {}  # put in this order: a parent before the records naming it
         for (hashes, todo, parent, checks), out in zip(plans, outs, strict=True):
             if not todo:
                 continue
-            if parent and not present[self.keys.record(hashes[parent // bs - 1])]:
+            parent_key = self.keys.record(hashes[parent // bs - 1]) if parent else ""
+            # A parent published by an earlier save of this batch (the same request's previous
+            # step) is as good as one already stored.
+            if parent and not (present[parent_key] or parent_key in records):
                 # The parent's record is gone: publish from the first block if the blocks it
                 # covered are all still stored (one more round trip, only on this path).
                 early = sorted({r.key for r in self.needed(hashes, todo[0], since=0)

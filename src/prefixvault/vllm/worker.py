@@ -197,8 +197,8 @@ class WorkerSide:
 
     def _store_queued(self) -> None:
         """On the save thread: store every save queued by now as one batch (one existence check
-        and one put for all their objects: a slow store is not paid per save), publish each, in
-        order, then give their staging back."""
+        and one put for all their objects: a slow store is not paid per save), publish them
+        together (``Vault.publish_many``), then give their staging back."""
         with self._lock:
             batch, self._queue = self._queue, []
         if not batch:
