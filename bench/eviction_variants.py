@@ -9,21 +9,23 @@ store) under variants of the order in which the store evicts:
 
 - ``lru``: as prefixvault ranks objects today. A put ranks what it writes and a lookup what
   it hits, each in chain order (a chain ages from its tail within one call).
-- ``chain``: also, after every save, the whole chain up to the save's longest boundary (and
-  the state of the boundary it continues) is touched again in chain order, so a tail written
-  after a hit never outlives the head it needs (the order then holds across calls too).
-- ``value:K``: ``chain``, plus Marconi-style value per byte (MLSys 2025): every object of a
-  chain is ranked as if used ``K`` requests later per doubling of the FLOPs its newest
-  boundary saves per byte it takes, relative to a chain of one block (negative below). The
-  value is marginal, as a leaf's in Marconi's tree: FLOPs of the tokens since the boundary
-  the save continues, over the state plus their KV. A hit re-ranks its chain with its own
-  value. This is greedy-dual-size with recency as the clock; ``K`` plays Marconi's alpha.
+- ``chain``: also, after every publish, what restoring its longest boundary needs (the layout,
+  the records, the KV blocks, the states stored, the state of the boundary the save continues)
+  is touched again in a lookup's order, so a tail written after a hit never outlives the head
+  it needs (the order then holds across calls too).
+- ``value:K``: ``chain``, plus value per byte as Marconi (MLSys 2025) weighs it against
+  recency: everything a boundary needs (records and layout included) is ranked as if used
+  ``K`` requests later per doubling of the FLOPs a restore of that boundary saves per byte it
+  needs, against a one-block boundary's (greedy-dual-size with recency as the clock; ``K``
+  plays Marconi's alpha). A hit re-ranks what it restores with its own value.
 
-The store's code is unchanged: variants only add touches, and ``value:K`` shifts the clock the
-local store reads while it ranks a chain (``time.time`` in ``prefixvault.stores.local`` and
-``._index``; a "request" is the mean wall time per request of the replay so far). Printed per
-variant and policy: the change in token hit rate and in prefill FLOPs saved against ``lru``
-(points, mean / worst / best over the cells). The last line is one JSON object.
+The store's code is unchanged: variants only add touches, and every variant (``lru`` too)
+replays with the clock the local store reads (``time.time`` in ``prefixvault.stores.local``
+and ``._index``) counting one second per request, so recency is counted in requests and
+results do not depend on the machine's speed; ``value:K`` adds its credit to that clock while
+it ranks a chain. The patches reach the worker processes by ``fork``. Printed per variant and
+policy: the change in token hit rate and in prefill FLOPs saved against ``lru`` (points, mean /
+worst / best over the cells); the JSON also has every cell. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -31,10 +33,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -46,23 +49,33 @@ from policy_traces import WORKLOADS
 
 import prefixvault.stores._index as store_index
 import prefixvault.stores.local as store_local
-from prefixvault.boundary import SavePlan
+from prefixvault.boundary import Refusal, SavePlan
 from prefixvault.codec import ObjectKind
 from prefixvault.geometry import ModelGeometry
 from prefixvault.vault import LookupResult, ObjectRef, RankAck, Vault, chain_order
 
 
-class ShiftedClock:
-    """``time`` as the local store sees it: the real clock plus ``offset`` seconds."""
+class RequestClock:
+    """``time`` as the local store sees it during a replay: one second per request (plus the
+    real time since the request began, under a second, so calls keep their order), plus
+    ``offset``. Recency is then counted in requests, whatever the machine's speed, and a
+    credit of ``K`` seconds is ``K`` requests of extra life."""
 
+    request = 0
+    began = 0.0
     offset = 0.0
     monotonic = staticmethod(time.monotonic)
     perf_counter = staticmethod(time.perf_counter)
     sleep = staticmethod(time.sleep)
 
     @classmethod
+    def next_request(cls) -> None:
+        cls.request += 1
+        cls.began = time.monotonic()
+
+    @classmethod
     def time(cls) -> float:
-        return time.time() + cls.offset
+        return cls.request + min(0.9, time.monotonic() - cls.began) + cls.offset
 
 
 #: The variant this process replays: (name, chain ranking on, weight K or None).
@@ -75,39 +88,43 @@ class RankingVault(Vault):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.t0 = time.monotonic()
-        self.requests = 0
-        self.parent = 0  # the last lookup's hit: the boundary the next save continues
         self.geo = GEOMETRY[self.layout.model]
+        self.parent = 0  # the last lookup's hit: the boundary the next save continues
 
-    def _credit(self, tokens: int, parent: int) -> float:
-        _, _, weight = VARIANT
-        if weight is None or tokens <= parent:
+    def _credit(self, tokens: int) -> float:
+        """``K`` requests of life per doubling of the FLOPs a restore of ``tokens`` saves per
+        byte it needs (a state and the KV of every token before it), against one block's:
+        greedy-dual-size's value per byte, on a log scale so that one weight suits every
+        model. Every object a boundary needs gets its credit (a chain is ranked as a whole)."""
+        weight = VARIANT[2]
+        if weight is None or tokens <= 0:
             return 0.0
         g = self.geo
 
-        def per_byte(n: int, since: int) -> float:
-            saved = g.prefill_flops(n) - g.prefill_flops(since)
-            return saved / (g.state_bytes + g.kv_bytes_per_token * (n - since))
+        def per_byte(n: int) -> float:
+            return g.prefill_flops(n) / (g.state_bytes + g.kv_bytes_per_token * n)
 
-        per_request = (time.monotonic() - self.t0) / max(1, self.requests)
-        return weight * per_request * math.log2(per_byte(tokens, parent) / per_byte(g.block_size, 0))
+        return weight * math.log2(per_byte(tokens) / per_byte(g.block_size))
 
     def _rank(self, hashes: Sequence[bytes], tokens: int, parent: int, extra: Sequence[ObjectRef]) -> None:
+        """Touch, with the boundary's credit, what restoring ``tokens`` needs, in a lookup's
+        order: the layout, the records, then the chain (and the parent's state in its place)."""
+        bs = self.layout.block_size
         refs = {r.key: r for r in self.needed(hashes, tokens, [0])}
         if 0 < parent < tokens:
             refs.update((r.key, r) for r in self.needed(hashes, parent, [0]) if r.kind is ObjectKind.STATE)
         refs.update((r.key, r) for r in extra)
-        keys = [r.key for r in sorted(refs.values(), key=chain_order)]
-        ShiftedClock.offset = self._credit(tokens, parent)
+        records = [self.keys.record(hashes[b // bs - 1]) for b in (parent, tokens) if b > 0]
+        keys = [self.keys.layout(), *records[::-1], *(r.key for r in sorted(refs.values(), key=chain_order))]
+        RequestClock.offset = self._credit(tokens)
         try:
             self.store.touch_many(keys)
         finally:
-            ShiftedClock.offset = 0.0
+            RequestClock.offset = 0.0
 
     def lookup_explained(self, hashes: Sequence[bytes], prompt_tokens: int,
                          min_tokens: int = 0) -> LookupResult:
-        self.requests += 1
+        RequestClock.next_request()
         found = super().lookup_explained(hashes, prompt_tokens, min_tokens)
         self.parent = found.hit
         if found.hit and VARIANT[2] is not None:
@@ -116,17 +133,28 @@ class RankingVault(Vault):
 
     def save(self, rank: int, hashes: Sequence[bytes], plans: Sequence[SavePlan], read: Any,
              read_into: Any = None) -> list[RankAck]:
-        if not plans or not VARIANT[1]:
-            return super().save(rank, hashes, plans, read, read_into)
-        top = max(p.tokens for p in plans)
-        ShiftedClock.offset = self._credit(top, self.parent)
+        RequestClock.offset = self._credit(max((p.tokens for p in plans), default=0))
         try:
-            acks = super().save(rank, hashes, plans, read, read_into)
+            return super().save(rank, hashes, plans, read, read_into)
         finally:
-            ShiftedClock.offset = 0.0
-        objects, _ = self.objects_of(rank, hashes, plans)
-        self._rank(hashes, top, self.parent, [r for r, _ in objects])
-        return acks
+            RequestClock.offset = 0.0
+
+    def publish(self, hashes: Sequence[bytes], acks: Iterable[RankAck], parent: int = 0
+                ) -> dict[int, Refusal | None]:
+        acks = list(acks)
+        top = max((a.tokens for a in acks), default=0)
+        RequestClock.offset = self._credit(top)
+        try:
+            out = super().publish(hashes, acks, parent)
+        finally:
+            RequestClock.offset = 0.0
+        published = [b for b, why in out.items() if why is None]
+        if VARIANT[1] and published:
+            bs = self.layout.block_size
+            states = [self.state_ref(gi, 0, hashes[b // bs - 1], b // bs - 1)
+                      for b in published for gi, g in enumerate(self.layout.groups) if g.is_state]
+            self._rank(hashes, max(published), parent, states)
+        return out
 
 
 def _replay_variant(job: tuple[str, bool, float | None, tuple[Any, ...]]) -> list[policy_sim.Figures]:
@@ -163,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise SystemExit(f"--weights: numbers, not {args.weights!r}") from None
     caps = [float(c) for c in args.capacities.split(",")]
     for module in (store_local, store_index):
-        setattr(module, "time", ShiftedClock)  # noqa: B010 (a module's global, swapped on purpose)
+        setattr(module, "time", RequestClock)  # noqa: B010 (a module's global, swapped on purpose)
     setattr(policy_sim, "Vault", RankingVault)  # noqa: B010
     variants: list[tuple[str, bool, float | None]] = [("lru", False, None), ("chain", True, None)]
     variants += [(f"value:{k:g}", True, k) for k in weights]
@@ -172,7 +200,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             for geo in models.values() for w in args.workloads.split(",") for c in caps]
     t0 = time.monotonic()
     figs: list[policy_sim.Figures] = []
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    # The patches above reach the workers by fork (spawned ones would replay plain ``lru``).
+    fork = multiprocessing.get_context("fork")
+    with ProcessPoolExecutor(max_workers=max(1, args.jobs), mp_context=fork) as pool:
         for done in pool.map(_replay_variant, [(*v, job) for v in variants for job in base]):
             figs.extend(done)
     by = {(f.model, f.workload, f.capacity, f.policy): f for f in figs}
