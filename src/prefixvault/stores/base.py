@@ -40,6 +40,12 @@ def check_key(key: str) -> str:
     return key
 
 
+def check_distinct(keys: Sequence[str]) -> None:
+    """Refuse a batch that names a key twice where each key must be settled once."""
+    if len(set(keys)) != len(keys):
+        raise ValueError("put_if_absent_many: keys must be distinct")
+
+
 #: The key class of recurrent states (see ``key_class``).
 STATE_CLASS = "s"
 
@@ -133,8 +139,7 @@ class Store(abc.ABC):
         """``put_if_absent`` for each (key, data), in one round trip where the store can;
         True for each key this call stored. Keys must be distinct. Not atomic as a whole: each
         key is settled on its own, as by ``put_if_absent``."""
-        if len({k for k, _ in items}) != len(items):
-            raise ValueError("put_if_absent_many: keys must be distinct")
+        check_distinct([k for k, _ in items])
         return [self.put_if_absent(k, data) for k, data in items]
 
     @abc.abstractmethod

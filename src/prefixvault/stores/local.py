@@ -57,7 +57,7 @@ from prefixvault.stores._index import (
     state_bytes,
 )
 from prefixvault.stores._writers import WriterToken
-from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_key
+from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_distinct, check_key
 from prefixvault.units import parse_size
 
 #: Recency from gets is written back at most this often (and before any eviction).
@@ -575,8 +575,7 @@ class LocalStore(Store):
     def put_if_absent_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         self._writable()
         keys = [check_key(key) for key, _ in items]
-        if len(set(keys)) != len(keys):
-            raise ValueError("put_if_absent_many: keys must be distinct")
+        check_distinct(keys)
         parts = [_u8(data) for _, data in items]
         fresh = [i for i, found in enumerate(self.exists_many(keys)) if not found]
         out = [False] * len(keys)

@@ -42,6 +42,7 @@ from prefixvault.stores.base import (
     StoreError,
     StoreStats,
     StoreUnavailable,
+    check_distinct,
     check_key,
     copy_into,
     redact,
@@ -336,8 +337,7 @@ class RedisStore(Store):
                 return False
 
     def put_if_absent_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
-        if len({k for k, _ in items}) != len(items):
-            raise ValueError("put_if_absent_many: keys must be distinct")
+        check_distinct([k for k, _ in items])
         prepared = [(self._key(key), bytes(data)) for key, data in items]
         send = [i for i, (_, blob) in enumerate(prepared) if self._fits(len(blob))]
         done = [False] * len(prepared)
