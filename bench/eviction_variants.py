@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setattr(policy_sim, "Vault", RankingVault)  # noqa: B010
     variants: list[tuple[str, bool, float | None]] = [("lru", False, None), ("chain", True, None)]
     variants += [(f"value:{k:g}", True, k) for k in weights]
-    base = [(geo, w, args.policies.split(","), c, args.requests, args.scale, args.chunk, False, args.seed,
+    base = [(geo, w, args.policies.split(","), c, args.requests, args.scale, args.chunk, "", args.seed,
              16.0, [0.0], ["local"])
             for geo in models.values() for w in args.workloads.split(",") for c in caps]
     t0 = time.monotonic()

@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python bench/policy_sim.py [--models all|name,...] [--workloads chat,...]
         [--policies steps,interval:8192,checkpoints,marconi,reuse] [--requests 400]
-        [--capacities 0.1,0.3,1,3] [--states 0,0.25] [--scale 256] [--chunk 2048] [--outputs]
+        [--capacities 0.1,0.3,1,3] [--states 0,0.25] [--scale 256] [--chunk 2048] [--outputs [every|last]]
         [--engine-gb 16] [--jobs 2]
 
 No engine runs. For each model (``bench/model_configs/*.json``: real configs' fields, turned
@@ -15,8 +15,9 @@ capacity, every policy replays the same trace:
    of ``--chunk`` tokens ending on block boundaries, a stop at the junction with an earlier
    request's tokens still in the engine's own cache (``--engine-gb`` of KV, LRU) and at the
    prompt's last block boundary; with ``--outputs`` (the connector's ``capture_outputs``)
-   decode steps that end on a block boundary; the sequence end is the last of these (without
-   outputs, the prompt's last block boundary, as the connector marks it);
+   decode steps that end on a block boundary (``--outputs last``, the connector's
+   ``output_boundaries: last``: only the last of them); the sequence end is the last of these
+   (without outputs, the prompt's last block boundary, as the connector marks it);
 3. ``prefixvault.admission.Admission`` (the connector's own admission code) picks among those
    candidates; ``Vault.save`` + ``Vault.publish`` store them (KV blocks since the hit, one state
    per boundary, a record), exactly as the connector's save thread does.
@@ -131,7 +132,7 @@ def scaled_layout(geo: ModelGeometry, scale: int) -> CacheLayout:
     ))
 
 
-def candidates(prompt: int, seq: int, hit: int, junction: int, bs: int, chunk: int, outputs: bool
+def candidates(prompt: int, seq: int, hit: int, junction: int, bs: int, chunk: int, outputs: str
                ) -> dict[int, Kind]:
     """The boundaries where the engine leaves an exact state for this request (see module doc)."""
     out: dict[int, Kind] = {}
@@ -152,7 +153,8 @@ def candidates(prompt: int, seq: int, hit: int, junction: int, bs: int, chunk: i
             out[end] = out.get(end, Kind(0)) | Kind.STEP_END
         pos = end
     if outputs:  # decode feeds output tokens up to the last but one: states at [prompt+1, seq-1]
-        for b in range((prompt // bs + 1) * bs, seq, bs):
+        ends = range((prompt // bs + 1) * bs, seq, bs)
+        for b in ends[-1:] if outputs == "last" else ends:
             out[b] = out.get(b, Kind(0)) | Kind.OUTPUT
     if out:
         last = max(out)
@@ -193,7 +195,7 @@ def open_sim_store(kind: str, nbytes: int, states: float) -> Iterator[Store]:
 
 
 def replay(geo: ModelGeometry, trace: Sequence[Request], policy: str, capacity: float, footprint: int,
-           scale: int, chunk: int, outputs: bool, workload: str, engine_gb: float,
+           scale: int, chunk: int, outputs: str, workload: str, engine_gb: float,
            states: float = 0.0, store_kind: str = "local") -> Figures:
     layout = scaled_layout(geo, scale)
     bs = geo.block_size
@@ -266,7 +268,7 @@ def kv_footprint(geo: ModelGeometry, trace: Sequence[Request]) -> int:
     return len(seen) * geo.block_bytes()
 
 
-def _job(args: tuple[ModelGeometry, str, list[str], float, int, int, int, bool, int, float, list[float],
+def _job(args: tuple[ModelGeometry, str, list[str], float, int, int, int, str, int, float, list[float],
                      list[str]]) -> list[Figures]:
     geo, workload, policies, capacity, n, scale, chunk, outputs, seed, engine_gb, shares, kinds = args
     trace = WORKLOADS[workload](n, seed)
@@ -334,8 +336,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--chunk", type=int, default=2048,
                     help="prefill tokens per step: max_num_batched_tokens (vLLM 0.32's API-server default "
                     "on GPUs under 70 GiB and A100s; 8192 on H100-class, 16384 on the largest)")
-    ap.add_argument("--outputs", action="store_true",
-                    help="boundaries over generated tokens too (the connector's capture_outputs)")
+    ap.add_argument("--outputs", nargs="?", const="every", default="", choices=["every", "last"],
+                    help="boundaries over generated tokens too (the connector's capture_outputs): "
+                    "every one, or only the last before the request finishes")
     ap.add_argument("--engine-gb", type=float, default=16.0,
                     help="KV the engine's own prefix cache holds (where vLLM finds junctions)")
     ap.add_argument("--states", default="0",

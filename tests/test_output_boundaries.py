@@ -14,7 +14,7 @@ from prefixvault.keys import chain_hashes
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
-from prefixvault.vllm.config import ConnectorSettings
+from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.scheduler import SchedulerSide
 
 BS = 4
@@ -26,23 +26,35 @@ LAYOUT = CacheLayout(
 PROMPT = list(range(1, 7))  # 6 tokens: the prompt's last block boundary is 4
 
 
-def side(capture_outputs: bool) -> tuple[SchedulerSide, Any]:
+def side(capture_outputs: bool, boundaries: OutputBoundaries = OutputBoundaries.EVERY
+         ) -> tuple[SchedulerSide, Any]:
     vault = Vault(MemoryStore(), LAYOUT)
-    s = SchedulerSide(ConnectorSettings(capture_outputs=capture_outputs), LAYOUT, vault, load=True, save=True)
+    settings = ConnectorSettings(capture_outputs=capture_outputs, output_boundaries=boundaries)
+    s = SchedulerSide(settings, LAYOUT, vault, load=True, save=True)
     req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, num_tokens=6, cache_salt=None,
-                          lora_request=None, mm_features=None, all_token_ids=list(PROMPT))
+                          lora_request=None, mm_features=None, all_token_ids=list(PROMPT),
+                          status=SimpleNamespace(name="RUNNING"))
     ask(s, req, 0)
     return s, req
 
 
-def step(s: SchedulerSide, start: int, n: int, drafts: dict[str, list[int]] | None = None) -> list[Any]:
+TABLES = ([11, 12, 13, 14], [20, 21, 22, 23])
+
+
+def step(s: SchedulerSide, start: int, n: int, drafts: dict[str, list[int]] | None = None,
+         releases: list[Any] | None = None) -> list[Any]:
+    """One engine step computing tokens [start, start + n) of request "r"; its saves (and, in
+    ``releases``, the held saves it tells the workers to store or drop)."""
     out = SimpleNamespace(
         scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=["r"], num_computed_tokens=[start]),
-        num_scheduled_tokens={"r": n}, scheduled_spec_decode_tokens=drafts or {},
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["r"] if n else [], num_computed_tokens=[start] if n else []),
+        num_scheduled_tokens={"r": n} if n else {}, scheduled_spec_decode_tokens=drafts or {},
         kv_connector_block_state=SimpleNamespace(boundary_state_offloads={},
-                                                 get_block_ids=lambda r: ([11, 12, 13], [20, 21, 22])))
-    return list(s.build_connector_meta(out).saves)
+                                                 get_block_ids=lambda r: TABLES))
+    meta = s.build_connector_meta(out)
+    if releases is not None:
+        releases.extend(meta.releases)
+    return list(meta.saves)
 
 
 def test_decode_steps_publish_only_with_capture_outputs() -> None:
@@ -71,3 +83,77 @@ def test_no_capture_where_the_tokens_or_the_state_are_not_certain() -> None:
     assert step(s, 7, 1, drafts={"r": [9]}) == []  # a draft token may be rejected
     assert step(s, 6, 1) == []  # a decode step that does not end on a block boundary
     assert len(step(s, 7, 1)) == 1
+
+
+# -- output_boundaries "last": hold each output boundary, store the last one at finish -----------
+
+def decode_to(s: SchedulerSide, req: Any, end: int) -> list[Any]:
+    """Generate tokens until ``end`` are computed (one decode step per token); the saves."""
+    saves = []
+    for computed in range(len(req.all_token_ids) - 1, end):
+        req.all_token_ids.append(100 + computed)
+        saves += step(s, computed, 1)
+    return saves
+
+
+def test_last_holds_each_output_boundary_and_stores_the_last_at_finish() -> None:
+    s, req = side(True, OutputBoundaries.LAST)
+    assert [p.tokens for spec in step(s, 0, 4) for p in spec.plans] == [4]  # prompt: saved now
+    assert step(s, 4, 2) == []
+    first, = decode_to(s, req, 8)
+    assert first.hold and [p.tokens for p in first.plans] == [8] and first.parent == 4
+    second, = decode_to(s, req, 12)
+    # The next hold replaces it, and still covers the KV blocks since the prompt's boundary:
+    # the boundary at 8 is never published.
+    assert second.hold and [p.tokens for p in second.plans] == [12] and second.parent == 4
+    assert [(g, i) for g, i, _ in second.plans[0].blocks] == [(0, 1), (0, 2)]
+    assert [b for _, b in second.plans[0].states] == [22]
+    assert s.counters.plans == 1  # held saves count once stored
+    decode_to(s, req, 13)
+
+    req.status = SimpleNamespace(name="FINISHED_STOPPED")
+    assert s.request_finished(req, TABLES) is True  # vLLM keeps the blocks until sent
+    releases: list[Any] = []
+    assert step(s, 0, 0, releases=releases) == []
+    assert [(r.req_id, r.store) for r in releases] == [("r", True)]
+    assert s.counters.plans == 2
+    # Lookups of the finished prefix wait for the save, as for any save in flight.
+    assert s._saving_any([second.hashes[2]])
+
+
+def test_last_drops_the_hold_of_an_aborted_preempted_or_moved_request() -> None:
+    for how in ("aborted", "preempted", "moved", "window"):
+        s, req = side(True, OutputBoundaries.LAST)
+        step(s, 0, 4)
+        step(s, 4, 2)
+        held, = decode_to(s, req, 8)
+        tables = TABLES
+        if how == "preempted":  # vLLM asks for a hit again: it is computed again from the start
+            ask(s, req, 0)
+        if how == "aborted":
+            req.status = SimpleNamespace(name="FINISHED_ABORTED")
+        else:
+            req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+        if how == "moved":  # a block the hold reads is no longer this request's
+            tables = ([11, 99, 13, 14], TABLES[1])
+        if how == "window":  # a sliding window let it go (vLLM's null block)
+            tables = ([11, 0, 13, 14], TABLES[1])
+        assert s.request_finished(req, tables) is False, how
+        releases: list[Any] = []
+        step(s, 0, 0, releases=releases)
+        assert [(r.req_id, r.store) for r in releases] == [("r", False)], how
+        assert not s._saving_any([held.hashes[1]]), how  # no save of 8 is in flight
+        reason = {"aborted": "not_finished", "preempted": "preempted"}.get(how, "blocks_moved")
+        assert s.counters.refused.get(reason) == 1, (how, s.counters.refused)
+
+
+def test_a_request_without_an_output_boundary_frees_its_blocks_at_once() -> None:
+    s, req = side(True, OutputBoundaries.LAST)
+    step(s, 0, 4)
+    step(s, 4, 2)
+    decode_to(s, req, 7)
+    req.status = SimpleNamespace(name="FINISHED_STOPPED")
+    assert s.request_finished(req, TABLES) is False
+    releases: list[Any] = []
+    step(s, 0, 0, releases=releases)
+    assert releases == []

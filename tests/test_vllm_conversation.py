@@ -1,9 +1,10 @@
 """Conversations: boundaries over generated tokens (``capture_outputs``), on real engines.
 
 Turn 2's prompt is turn 1's prompt, the token ids turn 1 generated, then a new message. With
-``capture_outputs`` a producer publishes the boundaries its decode steps end on, and a consumer
-of turn 2 restores the last one before turn 2's new message (1024: turn 1 is 700 tokens + 400
-generated, computed through 1099).
+``capture_outputs`` a producer publishes the boundaries its decode steps end on (every one, or
+only the last one before the request finishes: ``output_boundaries``), and a consumer of turn 2
+restores the last one before turn 2's new message (1024: turn 1 is 700 tokens + 400 generated,
+computed through 1099).
 
 What this engine cannot give is bit-identity: a decode step computes the same tokens' KV and
 state with other kernels and shapes than a prefill step (a matrix-vector product per token
@@ -37,22 +38,43 @@ def test_a_consumer_restores_the_previous_answer_with_capture_outputs(
     turn1 = seed.producer[:700]
     store_uri = f"local://{root}/store?capacity=1GiB"
 
-    decode = {"namespace": "decode", "capture_outputs": True}
-    s = spec(seed, "kv_producer", [turn1], [""], store_uri, extra_config=decode, max_tokens=400,
-             ignore_eos=True, conversation=True)
-    answer = run_with_metrics(seed, s, root / "producer")[0][0].token_ids
+    # Two producers of turn 1, one per output_boundaries policy: "every" publishes 768 and 1024 as
+    # their decode steps end; "last" holds each and publishes 1024 only, once the request finished.
+    answers, metrics = {}, {}
+    for mode in ("every", "last"):
+        extra = {"namespace": mode, "capture_outputs": True, "output_boundaries": mode}
+        s = spec(seed, "kv_producer", [turn1], [""], store_uri, extra_config=extra, max_tokens=400,
+                 ignore_eos=True, conversation=True)
+        # "last" stores at finish, in a step after the request's last: an engine in its own
+        # process (vLLM's default) steps on while vLLM keeps the request's blocks for it.
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if mode == "last" else None
+        got, metrics[mode] = run_with_metrics(seed, s, root / f"producer-{mode}", env)
+        answers[mode] = got[0].token_ids
+    answer = answers["every"]
+    assert answers["last"] == answer  # the same greedy request on the same model
     turn2 = [*turn1, *answer, *seed.producer[700:760]]
 
-    got, metrics = run_with_metrics(seed, spec(seed, "kv_consumer", [turn2], [""], store_uri,
-                                               extra_config=decode), root / "consumer")
-    assert got[0].cached_tokens == 1024, metrics  # 768 and 1024 ended decode steps of turn 1
+    got, consumer = run_with_metrics(seed, spec(seed, "kv_consumer", [turn2], [""], store_uri,
+                                                extra_config={"namespace": "last", "capture_outputs": True}),
+                                     root / "consumer")
+    assert got[0].cached_tokens == 1024, (consumer, metrics)  # 1024: the last output boundary of turn 1
+
+    # "last" stored what "every" stored, bit for bit, except the state at 768 (one per state group).
+    store = open_store(store_uri)
+    states = {mode: {k.split("/", 2)[2] for k, _ in store.scan(f"{mode}/") if "/s/" in k}
+              for mode in ("every", "last")}
+    groups = {k.split("/")[1] for k in states["every"]}
+    assert states["last"] < states["every"] and len(states["every"] - states["last"]) == len(groups)
+    same = compare_namespaces(store, "last", "every")
+    assert same and all(m.error == 0.0 for m in same), [(m.suffix[:12], m.error) for m in same]
+    assert metrics["last"]["put_bytes"] < metrics["every"]["put_bytes"], metrics
 
     # The same prefix computed by prefill: every decode-computed object is the object at its
     # key up to bfloat16 rounding (a wrong state or block would be off by about 1).
     prefill = {"namespace": "prefill"}
     run_with_metrics(seed, spec(seed, "kv_producer", [turn2], [""], store_uri, extra_config=prefill,
                                 max_tokens=1), root / "prefill")
-    compared = compare_namespaces(open_store(store_uri), "decode", "prefill")
+    compared = compare_namespaces(store, "every", "prefill")
     matches = [m for m in compared if m.error is not None]
     assert {m.is_state for m in matches} == {True, False}, matches
     assert all(m.error < 0.1 for m in matches), [(m.suffix[:12], m.error) for m in matches]

@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from prefixvault.testing import scenario
-from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
+from prefixvault.vllm.config import CapturePolicy, ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.stats import PrefixVaultPromMetrics, PrefixVaultStats, Snapshot
 
 
@@ -15,6 +15,9 @@ def test_settings_defaults_and_policies() -> None:
     assert (s.store, s.namespace, s.capture) == ("local://", "default", CapturePolicy.STEPS)
     s = ConnectorSettings.from_extra({"capture": "interval:1024", "namespace": "team-a"})
     assert (s.capture, s.capture_interval, s.namespace) == (CapturePolicy.INTERVAL, 1024, "team-a")
+    assert (s.output_boundaries, s.save_hold_mib) == (OutputBoundaries.LAST, 256)
+    s = ConnectorSettings.from_extra({"capture_outputs": True, "output_boundaries": "every", "save_hold_mib": 0})
+    assert (s.capture_outputs, s.output_boundaries, s.save_hold_mib) == (True, OutputBoundaries.EVERY, 0)
 
 
 @pytest.mark.parametrize(
@@ -22,7 +25,9 @@ def test_settings_defaults_and_policies() -> None:
     [({"stor": "x"}, "unknown kv_connector_extra_config"), ({"capture": "sometimes"}, "capture must be"),
      ({"capture": "interval"}, "positive capture_interval"), ({"namespace": "a b"}, "invalid namespace"),
      ({"verify_sample": 1.5}, "verify_sample must be"),
-     ({"verify_sample": "often"}, "verify_sample must be")],
+     ({"verify_sample": "often"}, "verify_sample must be"),
+     ({"output_boundaries": "first"}, "output_boundaries must be last or every"),
+     ({"save_hold_mib": -1}, "save_hold_mib must be")],
 )
 def test_settings_errors_are_clear(extra: dict[str, str], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

@@ -4,6 +4,7 @@ and a stopping worker stores what is queued. Real vault, store and CPU tensors; 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -23,7 +24,7 @@ from prefixvault.stores.base import Buffer
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
 from prefixvault.vllm.config import ConnectorSettings
-from prefixvault.vllm.metadata import LoadSpec, SaveSpec, SavesSettled, save_id
+from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec, SavesSettled, save_id
 from prefixvault.vllm.scheduler import SchedulerSide
 from prefixvault.vllm.worker import WorkerSide
 
@@ -44,7 +45,7 @@ class GatedStore(MemoryStore):
         return super().put_many(items)
 
 
-def engine(vault: Vault, staging: int, drain: float = 30.0, strided: bool = False
+def engine(vault: Vault, staging: int, drain: float = 30.0, strided: bool = False, hold: int = 0
            ) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
     """A worker on CPU caches; ``strided``: the attention layer's blocks are not one run of
     bytes (heads outermost, vLLM's LHBNC layout)."""
@@ -54,7 +55,7 @@ def engine(vault: Vault, staging: int, drain: float = 30.0, strided: bool = Fals
         for b in range(16):
             t[b] = b + {"a": 0.25, "w": 0.5, "s": 0.75}[name]
     worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], staging_bytes=staging,
-                        drain_timeout=drain)
+                        drain_timeout=drain, hold_bytes=hold)
     worker.register_kv_caches(caches)
     return worker, caches
 
@@ -76,7 +77,8 @@ def settle(worker: WorkerSide, want: set[str], timeout: float = 5.0) -> set[str]
     return got
 
 
-def restored(vault: Vault, worker: WorkerSide, caches: dict[str, torch.Tensor]) -> None:
+def restored(vault: Vault, worker: WorkerSide, caches: dict[str, torch.Tensor],
+             state: float = STATE_BLOCK + 0.75) -> None:
     """Load the saved boundary into fresh blocks 11..13 (state 14) and check the bytes are
     the ones the engine held when the save was made."""
     for t in caches.values():
@@ -86,7 +88,7 @@ def restored(vault: Vault, worker: WorkerSide, caches: dict[str, torch.Tensor]) 
     assert settle_loads(worker) == ({"back"}, set()), worker.counters.failure_reasons
     assert np.all(caches["a"][11:14].numpy() == np.array([1.25, 2.25, 3.25])[:, None, None, None])
     assert np.all(caches["w"][13].numpy() == 12.5)  # a one-block window needs the last block only
-    assert np.all(caches["s"][14].numpy() == STATE_BLOCK + 0.75)
+    assert np.all(caches["s"][14].numpy() == state)
 
 
 def settle_loads(worker: WorkerSide) -> tuple[set[str], set[str]]:
@@ -305,3 +307,48 @@ def test_a_save_not_published_makes_the_next_one_start_from_its_parent() -> None
     assert top.tokens == 6 * BS
     assert sorted({i for g, i, _ in top.blocks if g == 0}) == list(range(6))
     side.close()
+
+
+# -- held saves (output_boundaries: last) ---------------------------------------------------------
+
+def held(vault: Vault, req: str = "r", tokens: list[int] = TOKENS) -> SaveSpec:
+    return dataclasses.replace(spec(vault, req, tokens), hold=True)
+
+
+@pytest.mark.parametrize("staging", [0, 1 << 20])
+def test_a_held_save_stores_the_state_of_its_step_when_its_request_finishes(staging: int) -> None:
+    vault = Vault(MemoryStore(), layout())
+    worker, caches = engine(vault, staging=staging, hold=1 << 20)
+    worker.save([held(vault)], step=1)
+    caches["s"][STATE_BLOCK] = 5.0  # a later decode step writes the state block...
+    worker.save([held(vault)], step=2)  # ...and the next output boundary replaces the hold
+    assert worker.take_settled() == [] and vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 0
+    assert worker._holds is not None and worker._holds.taken == 1  # one slot per request
+    caches["s"][STATE_BLOCK] = 99.0  # decoding goes on past the last boundary
+    worker.release([Release("r", True)], step=9)
+    assert worker.take_sent() == {"r"}  # its blocks were read: vLLM may free them
+    assert settle(worker, {save_id(9, "r")}) == {save_id(9, "r")}
+    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS
+    restored(vault, worker, caches, state=5.0)  # the held state, not the engine's block now
+    assert worker._holds.taken == 0
+    worker.close()
+
+
+def test_holds_without_room_are_dropped_and_a_release_always_reports_the_request() -> None:
+    vault = Vault(MemoryStore(), layout())
+    state_bytes = vault.layout.groups[2].nbytes(0)
+    worker, _ = engine(vault, staging=1 << 20, hold=state_bytes)  # one slot
+    worker.save([held(vault, "a"), held(vault, "b", [*TOKENS[: 2 * BS], *range(500, 500 + BS)])], step=1)
+    assert worker.counters.save_dropped == {"hold_full": 1}
+    worker.release([Release("b", True), Release("a", False)], step=2)  # b has no hold; a dropped
+    assert worker.take_sent() == {"b"} and worker.take_settled() == [(save_id(2, "b"), False)]
+    assert worker._holds is not None and worker._holds.taken == 0
+    worker.save([held(vault, "c")], step=3)
+    worker.fail_releases([Release("c", True)], step=4)  # an error of ours while releasing
+    assert worker.take_sent() == {"c"} and worker.take_settled() == [(save_id(4, "c"), False)]
+    assert worker._holds.taken == 0
+    worker.close()
+    tiny, _ = engine(vault, staging=1 << 20, hold=state_bytes - 1)
+    tiny.save([held(vault)], step=1)
+    assert tiny.counters.save_dropped == {"hold_too_large": 1}
+    tiny.close()

@@ -101,3 +101,44 @@ class StagingRing:
                 if nxt < old.offset:  # the next one wrapped to the start: the skipped end is free
                     self._used -= self.capacity - (old.offset + old.nbytes)
                 self._tail = nxt
+
+
+class SlotPool:
+    """``count`` slots of ``slot_bytes`` each, in one pre-faulted buffer, taken and given back
+    in any order.
+
+    What it holds: the state of each decoding request at its last output boundary, kept until
+    the request finishes (a ring would be pinned by the longest-running request). Every slot
+    has the same size (one boundary's states), so freeing never fragments.
+
+    Invariant (under ``_lock``): ``_free`` holds every slot index not taken, each once.
+    """
+
+    def __init__(self, slot_bytes: int, count: int) -> None:
+        if slot_bytes <= 0 or count <= 0:
+            raise ValueError("a slot pool needs a positive slot size and count")
+        self.slot_bytes = slot_bytes
+        self.count = count
+        self._buf = np.empty(slot_bytes * count, np.uint8)
+        self._buf.fill(0)  # pre-fault: a hold is copied inside the engine's step
+        self._free = list(range(count - 1, -1, -1))
+        self._lock = threading.Lock()
+
+    @property
+    def taken(self) -> int:
+        with self._lock:
+            return self.count - len(self._free)
+
+    def take(self) -> int | None:
+        """A free slot's index, or None when every slot is taken."""
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def view(self, slot: int) -> memoryview:
+        return self._buf[slot * self.slot_bytes : (slot + 1) * self.slot_bytes].data
+
+    def give(self, slot: int) -> None:
+        with self._lock:
+            if not 0 <= slot < self.count or slot in self._free:
+                raise ValueError(f"slot {slot} is not taken")
+            self._free.append(slot)

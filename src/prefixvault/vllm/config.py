@@ -30,6 +30,19 @@ class CapturePolicy(StrEnum):
     REUSE = "reuse"
 
 
+class OutputBoundaries(StrEnum):
+    """Which boundaries over generated tokens ``capture_outputs`` publishes.
+
+    ``last``: only the last one before the request finishes (its sequence end): the state is
+    copied at each output boundary and kept in host memory (``save_hold_mib``), replacing the
+    previous one, and stored once the request finishes normally; an aborted or preempted
+    request stores none. ``every``: every output boundary, as its decode step ends.
+    """
+
+    LAST = "last"
+    EVERY = "every"
+
+
 @dataclass(frozen=True)
 class ConnectorSettings:
     store: str = "local://"
@@ -43,6 +56,10 @@ class ConnectorSettings:
     # default: a decode step's KV and states round differently from a prefill's, so restoring
     # them is equivalent to a cold run, not bit-identical (tests/test_vllm_conversation.py).
     capture_outputs: bool = False
+    output_boundaries: OutputBoundaries = OutputBoundaries.LAST
+    # Host memory (MiB per worker) for the states ``output_boundaries: last`` keeps until their
+    # requests finish; a request finding it full keeps its earlier output boundary, or none.
+    save_hold_mib: int = 256
     lookup_timeout: float = 1.0  # seconds a lookup may take before its request is computed without it
     # Host memory (MiB per worker) for saves copied out of the engine and not yet stored; a
     # save that does not fit is dropped. 0: saves are stored inside the engine's step.
@@ -62,7 +79,7 @@ class ConnectorSettings:
         extra = dict(extra or {})
         known = {"store", "namespace", "capture", "capture_interval", "model_id", "verify_sample",
                  "namespace_secret_file", "namespace_secret_env", "capture_outputs", "lookup_timeout",
-                 "save_staging_mib", "save_drain_timeout"}
+                 "save_staging_mib", "save_drain_timeout", "output_boundaries", "save_hold_mib"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -82,6 +99,10 @@ class ConnectorSettings:
             ) from None
         if policy is CapturePolicy.INTERVAL and interval <= 0:
             raise ValueError("prefixvault: capture 'interval' needs a positive capture_interval")
+        boundaries = str(extra.get("output_boundaries", OutputBoundaries.LAST.value))
+        if boundaries not in {b.value for b in OutputBoundaries}:
+            raise ValueError(f"prefixvault: output_boundaries must be last or every, "
+                             f"got {boundaries[:100]!r}")
         namespace = check_namespace(str(extra.get("namespace", "default")))
         try:
             check_uri(str(extra.get("store", "local://")))
@@ -104,6 +125,8 @@ class ConnectorSettings:
             namespace_secret_file=str(extra.get("namespace_secret_file") or ""),
             namespace_secret_env=str(extra.get("namespace_secret_env") or ""),
             capture_outputs=_flag(extra.get("capture_outputs", False), "capture_outputs"),
+            output_boundaries=OutputBoundaries(boundaries),
+            save_hold_mib=_mib(extra.get("save_hold_mib", 256), "save_hold_mib"),
             lookup_timeout=_seconds(extra.get("lookup_timeout", 1.0), "lookup_timeout"),
             save_staging_mib=_mib(extra.get("save_staging_mib", 256), "save_staging_mib"),
             save_drain_timeout=_seconds(extra.get("save_drain_timeout", 30.0), "save_drain_timeout"),

@@ -27,7 +27,7 @@ from prefixvault.stores import open_store_or_retry, redact
 from prefixvault.stores.breaker import BreakerStore
 from prefixvault.vault import Vault
 from prefixvault.vllm.alignment import ChunkAlignment
-from prefixvault.vllm.config import ConnectorSettings
+from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.layout import build_layout, cache_shape
 from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled
@@ -92,8 +92,11 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             groups = [g.layer_names for g in kv_cache_config.kv_cache_groups]
+            hold_outputs = (self.settings.capture_outputs
+                            and self.settings.output_boundaries is OutputBoundaries.LAST)
             self.worker = WorkerSide(self.layout, self.vault, get_tensor_model_parallel_rank(), groups,
                                      staging_bytes=self.settings.save_staging_mib << 20,
+                                     hold_bytes=self.settings.save_hold_mib << 20 if hold_outputs else 0,
                                      drain_timeout=self.settings.save_drain_timeout)
 
     # -- properties vLLM asks -------------------------------------------------------------------
@@ -123,14 +126,16 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler.build_connector_meta(scheduler_output)  # never raises
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        if self.scheduler is not None:
-            self.scheduler.request_finished(request)
-        return False, None
+        return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
-        # Saves are copied out in the step that computes them, so blocks can be freed now.
-        return self.request_finished(request, [])
+        # Saves are copied out in the step that computes them, so blocks are freed now; except
+        # a held output boundary's (output_boundaries: last): its KV blocks are read in the next
+        # step, and the workers report the request sent (``get_finished``) once they are.
+        if self.scheduler is None:
+            return False, None
+        return self.scheduler.request_finished(request, block_ids), None
 
     # -- worker side ------------------------------------------------------------------------------
 
@@ -158,6 +163,9 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         assert isinstance(meta, PrefixVaultMetadata)
         if meta.saves and worker is not None:
             self.guard.call("wait_for_save", lambda: worker.save(meta.saves, meta.step), lambda: None)
+        if meta.releases and worker is not None:  # whatever happens, every stored one is reported sent
+            self.guard.call("wait_for_save", lambda: worker.release(meta.releases, meta.step),
+                            lambda: worker.fail_releases(meta.releases, meta.step))
 
     def build_connector_worker_meta(self) -> SavesSettled | None:
         worker = self.worker
@@ -177,13 +185,14 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         results = self.get_transfer_results(finished_req_ids)
-        return None, results.finished_recving or None
+        return results.finished_sending or None, results.finished_recving or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.worker is None:
             return KVConnectorTransferResults()
         done, failed = self.worker.take_finished()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+        return KVConnectorTransferResults(finished_sending=self.worker.take_sent(),
+                                          finished_recving=done, failed_recving=failed)
 
     # -- metrics ----------------------------------------------------------------------------------
 

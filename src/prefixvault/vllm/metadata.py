@@ -29,6 +29,18 @@ class SaveSpec:
     hashes: list[bytes]
     plans: list[SavePlan]
     parent: int = 0  # an earlier boundary whose record covers the KV blocks the plans skip
+    # Held (``output_boundaries: last``): the workers copy only the states now and keep them,
+    # replacing the request's earlier hold; its KV blocks are read when the request finishes.
+    hold: bool = False
+
+
+@dataclass
+class Release:
+    """A request with a held save finished: store it (``store``: it finished normally, and
+    vLLM keeps its blocks until every worker reports it sent) or drop it."""
+
+    req_id: str
+    store: bool
 
 
 @dataclass
@@ -36,6 +48,7 @@ class PrefixVaultMetadata(KVConnectorMetadata):
     step: int = 0
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
+    releases: list[Release] = field(default_factory=list)
 
 
 def save_id(step: int, req_id: str) -> str:

@@ -23,7 +23,7 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
@@ -38,9 +38,9 @@ from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample, write_sample
 from prefixvault.stores.breaker import BreakerOpen
 from prefixvault.vault import LookupResult, Miss, Vault
-from prefixvault.vllm.config import ConnectorSettings
+from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, SaveSpec, SavesSettled, save_id
+from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, Release, SaveSpec, SavesSettled, save_id
 
 log = logging.getLogger("vllm.prefixvault")
 
@@ -50,6 +50,9 @@ MAX_LOADS_PER_REQUEST = 2
 LOOKUP_WAIT_S = 0.005
 #: A save no worker reported settled (a report lost) stops holding lookups after this long.
 SAVE_FORGET_S = 60.0
+#: How a request ended for its held output boundary to be stored (vLLM's ``RequestStatus``
+#: names): a stop token or string, or its length limit. Aborted, ignored or failed: dropped.
+FINISHED_NORMALLY = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
 
 
 def lora_key(lora: Any) -> str:
@@ -97,6 +100,9 @@ class _Request:
     held: bool = False  # its lookup found a save of its prefix in flight; it waits for it once
     local: int = 0  # tokens vLLM's own prefix cache had when the request was looked up
     counted: bool = False  # told the admission policy whether it shares a prefix (once)
+    # Its last output boundary, held by the workers until it finishes (output_boundaries: last);
+    # its plans' KV blocks are checked against the request's blocks then.
+    hold: SaveSpec | None = None
 
 
 @dataclass
@@ -142,6 +148,9 @@ class SchedulerSide:
         self._saving: dict[str, tuple[list[bytes], int, float]] = {}
         self._save_parent: dict[str, tuple[str, int]] = {}  # save_id -> (request, its parent boundary)
         self._saving_hashes: Counter[bytes] = Counter()
+        # Held saves to store or drop, for the next step's workers (a store: with its boundaries).
+        self._releases: list[tuple[Release, list[bytes]]] = []
+        self._hold_last = settings.capture_outputs and settings.output_boundaries is OutputBoundaries.LAST
 
     def close(self) -> None:
         self._lookups.shutdown(wait=False, cancel_futures=True)
@@ -187,11 +196,16 @@ class SchedulerSide:
                         lambda: self._after_alloc(request, blocks, num_external_tokens),
                         lambda: self.fail_load(request, num_external_tokens))
 
-    def request_finished(self, request: Any) -> None:
-        self.guard.call("request_finished", lambda: self._finished(request), lambda: None)
+    def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]] = ()) -> bool:
+        """Whether vLLM must keep the request's blocks until the workers report it sent (its
+        held output boundary is stored from them)."""
+        return bool(self.guard.call("request_finished", lambda: self._finished(request, block_ids),
+                                    lambda: False))
 
     def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._track(request)
+        if st is not None and st.hold is not None:  # asked again after decoding: preempted
+            self._drop_hold(st, "preempted")
         if st is None or not self.load_enabled or self.vault is None:
             return 0, False
         if getattr(request, "skip_reading_prefix_cache", False):
@@ -388,6 +402,13 @@ class SchedulerSide:
         for sid in [sid for sid, (_, _, since) in self._saving.items() if now - since > SAVE_FORGET_S]:
             self._forget_save(sid)
         self._pending_loads = []  # loads are handed over whatever happens below
+        for release, boundaries in self._releases:
+            meta.releases.append(release)
+            if release.store:  # lookups of its prefix wait for it, as for any save in flight
+                sid = save_id(self._step, release.req_id)
+                self._saving[sid] = (boundaries, self.layout.world_size, now)
+                self._saving_hashes.update(boundaries)
+        self._releases = []
         if self.save_enabled and self.vault is not None:
             meta.saves = self.guard.call("build_connector_meta", lambda: self._plan_saves(scheduler_output),
                                          list)
@@ -438,6 +459,11 @@ class SchedulerSide:
         if start >= known:
             return None  # the tokens this step computes are not known yet (async scheduling)
         end = min(chunk.end, known)
+        # output_boundaries "last": a step ending on an output boundary is held until the
+        # request finishes (replacing its earlier hold); a chunk that also computes prompt
+        # tokens (a preempted request computed again) publishes its prompt boundaries only.
+        hold = self._hold_last and end > prompt_len and start >= prompt_len
+        limit = end if start >= prompt_len or not self._hold_last else min(end, prompt_len)
         tables = state.get_block_ids(req_id)
         if tables is None:
             return None
@@ -450,13 +476,17 @@ class SchedulerSide:
             kinds, admits, last = self._kinds(st, prompt_len), self.admission.admits, st.last_capture
             captures = [c for c in offered if admits(kinds(c.tokens) | Kind.CHECKPOINT, c.tokens, last)]
             step_kind = Kind.STEP_END if end <= prompt_len else Kind.OUTPUT
+            if hold:  # stored only if it is the last: the sequence end
+                step_kind |= Kind.SEQUENCE_END
             if at_end and end % bs == 0 and admits(kinds(end) | step_kind, end, last):
                 captures += at_end
                 st.last_capture = end
             candidates = {c.tokens for c in captures}
         else:
             captures, candidates = [], set(range((start // bs + 1) * bs, end + 1, bs))
-        candidates = {t for t in candidates if t > st.saved and t % bs == 0 and t <= end}
+        candidates = {t for t in candidates if t > st.saved and t % bs == 0 and t <= limit}
+        if hold:
+            candidates &= {end}
         if not candidates:
             return None
         decision = plan_saves(self.layout, end, {g: tables[g] for g in self.attn_groups}, captures,
@@ -466,6 +496,9 @@ class SchedulerSide:
         if not decision.publishable:
             return None
         top = max(p.tokens for p in decision.publishable)
+        if hold:  # published, if at all, when the request finishes (``_release_hold``)
+            st.hold = SaveSpec(req_id, self._hashes(st, top), list(decision.publishable), st.saved, hold=True)
+            return st.hold
         self.counters.plans += len(decision.publishable)
         spec = SaveSpec(req_id, self._hashes(st, top), list(decision.publishable), st.saved)
         st.saved = max(st.saved, top)
@@ -500,12 +533,58 @@ class SchedulerSide:
             return k
         return kinds
 
-    def _finished(self, request: Any) -> None:
+    def _drop_hold(self, st: _Request, why: str) -> None:
+        """The workers free a request's held save, unstored; counted by ``why``."""
+        assert st.hold is not None
+        self._releases.append((Release(st.hold.req_id, False), []))
+        self.counters.refused[why] = self.counters.refused.get(why, 0) + 1
+        st.hold = None
+
+    def _release_hold(self, st: _Request, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:
+        """Store a finished request's held output boundary, if it finished normally and every
+        KV block its plans read is still the request's, at the same place (blocks a sliding
+        window let go of, or a preemption replaced, are not); whether vLLM must keep the
+        blocks until the workers read them."""
+        spec = st.hold
+        assert spec is not None
+        if getattr(getattr(request, "status", None), "name", "") not in FINISHED_NORMALLY:
+            self._drop_hold(st, "not_finished")
+            return False
+
+        def kept(g: int, i: int, b: int) -> bool:
+            return g < len(block_ids) and i < len(block_ids[g]) and block_ids[g][i] == b
+        if not all(kept(g, i, b) for p in spec.plans for g, i, b in p.blocks):
+            self._drop_hold(st, "blocks_moved")
+            return False
+        boundaries = [spec.hashes[p.tokens // self.block_size - 1] for p in spec.plans]
+        for h in boundaries:
+            self.admission.admitted(h, Kind.OUTPUT | Kind.SEQUENCE_END)
+        self.counters.plans += len(spec.plans)
+        self._releases.append((Release(spec.req_id, True), boundaries))
+        st.hold = None
+        return True
+
+    def _finished(self, request: Any, block_ids: Sequence[Sequence[int]] = ()) -> bool:
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()  # aborted or finished while its lookup waits: drop the lookup
+        if st is None:
+            return False
+        delay = False
+        if st.hold is not None:  # an error here still frees the workers' hold, and keeps no block
+            def dropped() -> bool:
+                if st.hold is not None:
+                    self._drop_hold(st, "internal_error")
+                return False
+            delay = self.guard.call("request_finished", lambda: self._release_hold(st, request, block_ids),
+                                    dropped)
+        self.guard.call("request_finished", lambda: self._sample(request, st), lambda: None)
+        return delay
+
+    def _sample(self, request: Any, st: _Request) -> None:
+        """Maybe write a verification sample of a restored greedy request (``verify_sample``)."""
         rate = self.settings.verify_sample
-        if st is None or not st.loaded or rate <= 0 or self.vault is None or random.random() >= rate:
+        if not st.loaded or rate <= 0 or self.vault is None or random.random() >= rate:
             return
         params = getattr(request, "sampling_params", None)
         output = list(getattr(request, "output_token_ids", None) or [])[:SAMPLE_TOKENS]

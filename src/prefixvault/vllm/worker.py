@@ -11,11 +11,17 @@ writes them into the request's blocks while the engine goes on with other reques
 is reported finished (``get_finished``) only after its objects landed, and vLLM schedules its
 first chunk only then. Its blocks are fresh (vLLM caches them only once loaded), so nothing else
 reads or writes them meanwhile.
+
+A held save (``output_boundaries: last``) copies only its states, into a slot of its own that
+the request's next held save reuses; when the request finishes, its KV blocks (kept by vLLM
+until this worker reports the request sent) are staged beside the held states and the save
+goes to the save thread as any other.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
@@ -29,12 +35,15 @@ from prefixvault.blockio import Done, GroupIO
 from prefixvault.boundary import Refusal
 from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheLayout
-from prefixvault.staging import Reservation, StagingRing
+from prefixvault.staging import Reservation, SlotPool, StagingRing
 from prefixvault.stores.breaker import BreakerOpen
 from prefixvault.vault import ObjectRef, RankAck, Vault
-from prefixvault.vllm.metadata import LoadSpec, SaveSpec, save_id
+from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec, save_id
 
 log = logging.getLogger("vllm.prefixvault")
+
+#: A save's objects copied into staging: its reservation, payloads by key, copies in flight.
+Staged = tuple[Reservation, dict[str, memoryview], list[Done]]
 
 
 @dataclass
@@ -52,7 +61,7 @@ class WorkerCounters:
 class WorkerSide:
     def __init__(
         self, layout: CacheLayout, vault: Vault | None, rank: int, layer_groups: Sequence[Sequence[str]],
-        staging_bytes: int = 0, drain_timeout: float = 30.0,
+        staging_bytes: int = 0, drain_timeout: float = 30.0, hold_bytes: int = 0,
     ) -> None:
         self.layout = layout
         self.vault = vault
@@ -74,8 +83,15 @@ class WorkerSide:
         self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-save")
         self._in_flight = 0  # saves queued on the save thread; under _idle's lock
         # Staged saves waiting for the save thread: (save_id, spec, reservation, payloads by
-        # key, copies in flight); under _lock.
-        self._queue: list[tuple[str, SaveSpec, Reservation, dict[str, memoryview], list[Done]]] = []
+        # key, copies in flight, hold slot to give back once stored); under _lock.
+        self._queue: list[tuple[str, SaveSpec, Reservation, dict[str, memoryview], list[Done],
+                                int | None]] = []
+        # Held saves by request: (spec, slot, the held states' payloads by key). Only the
+        # engine's thread (save, release) touches it; slots go back from the save thread.
+        self._hold_bytes = hold_bytes if vault is not None else 0
+        self._holds: SlotPool | None = None
+        self._held: dict[str, tuple[SaveSpec, int | None, dict[str, memoryview]]] = {}
+        self._sent: set[str] = set()  # requests whose held save's blocks were read; under _lock
         self._idle = threading.Condition(self._lock)
         self._drain_timeout = drain_timeout
         self.counters = WorkerCounters()
@@ -113,6 +129,13 @@ class WorkerSide:
             pinned = any(io.device.type == "cuda" for io in self._io)
             buf = torch.empty(self._staging_bytes, dtype=torch.uint8, pin_memory=pinned).numpy()
             self._staging = StagingRing(self._staging_bytes, buf)
+        slot = sum(io.object_bytes for g, io in enumerate(self._io) if self.layout.groups[g].is_state)
+        if self._hold_bytes and slot and self._holds is None:
+            if self._hold_bytes < slot:
+                log.warning("prefixvault: one boundary's states (%d bytes) do not fit save_hold_mib (%d "
+                            "bytes): no output boundary is stored; raise it", slot, self._hold_bytes)
+            else:
+                self._holds = SlotPool(slot, self._hold_bytes // slot)
 
     # -- save -------------------------------------------------------------------------------------
 
@@ -133,6 +156,9 @@ class WorkerSide:
         for spec in specs:
             sid = save_id(step, spec.req_id)
             try:
+                if spec.hold:  # nothing is stored, nor settled, until its request finishes
+                    self._hold(spec)
+                    continue
                 if not self._staging_bytes:
                     self._settle(sid, self._store(spec, self._gather, self._gather_into))
                     continue
@@ -145,30 +171,153 @@ class WorkerSide:
             if staged is None:
                 self._settle(sid, False)
                 continue
-            with self._idle:
-                self._in_flight += 1
-                self._queue.append((sid, spec, *staged))
-            try:
-                self._saver.submit(self._store_queued)
-            except RuntimeError:  # shut down meanwhile: nothing will store it
-                with self._idle:
-                    self._queue = [q for q in self._queue if q[0] != sid]
-                    self._in_flight -= 1
-                if self._staging is not None:
-                    self._staging.release(staged[0])
-                self._settle(sid, False)
+            self._enqueue(sid, spec, staged, None)
 
-    def _stage(self, spec: SaveSpec) -> tuple[Reservation, dict[str, memoryview], list[Done]] | None:
+    def _enqueue(self, sid: str, spec: SaveSpec, staged: Staged, slot: int | None) -> None:
+        """Hand a staged save to the save thread (which gives ``slot`` back once it is stored)."""
+        with self._idle:
+            self._in_flight += 1
+            self._queue.append((sid, spec, *staged, slot))
+        try:
+            self._saver.submit(self._store_queued)
+        except RuntimeError:  # shut down meanwhile: nothing will store it
+            with self._idle:
+                self._queue = [q for q in self._queue if q[0] != sid]
+                self._in_flight -= 1
+            if self._staging is not None:
+                self._staging.release(staged[0])
+            self._give(slot)
+            self._settle(sid, False)
+
+    def _give(self, slot: int | None) -> None:
+        if slot is not None and self._holds is not None:
+            self._holds.give(slot)
+
+    # -- held saves (output_boundaries: last) ---------------------------------------------------
+
+    def _hold(self, spec: SaveSpec) -> None:
+        """Copy a held save's states into the request's slot (taking one if it has none); its
+        earlier hold is replaced. No slot free: the earlier hold, if any, stays."""
+        assert self.vault is not None
+        objects, _ = self.vault.objects_of(self.rank, spec.hashes, spec.plans)
+        states = [(ref, b) for ref, b in objects if ref.kind is ObjectKind.STATE]
+        old = self._held.get(spec.req_id)
+        slot = old[1] if old is not None else None
+        if states and slot is None:
+            slot = self._holds.take() if self._holds is not None else None
+            if slot is None:
+                self._count(self.counters.save_dropped, "hold_full" if self._holds else "hold_too_large")
+                return
+        held: dict[str, memoryview] = {}
+        try:
+            if states:
+                assert self._holds is not None and slot is not None
+                view, off = self._holds.view(slot), 0
+                for ref, block_id in states:
+                    size = self._io[ref.group].object_bytes
+                    if off + size > len(view):
+                        raise ValueError("a held save has more states than one boundary's")
+                    self._gather_into(ref, block_id, view[off : off + size])
+                    held[ref.key] = view[off : off + size]
+                    off += size
+        except BaseException:  # the slot may hold half of two boundaries: drop the hold
+            self._held.pop(spec.req_id, None)
+            self._give(slot)
+            raise
+        self._held[spec.req_id] = (spec, slot, held)
+
+    def release(self, releases: Sequence[Release], step: int) -> None:
+        """Store (``Release.store``) or drop the finished requests' held saves. A stored one's
+        KV blocks are copied out now and the request is reported sent (vLLM frees its blocks),
+        whatever happens to the save."""
+        for rel in releases:
+            entry = self._held.pop(rel.req_id, None)
+            if not rel.store:
+                if entry is not None:
+                    self._give(entry[1])
+                continue
+            sid = save_id(step, rel.req_id)
+            try:
+                if entry is None:  # its hold was dropped when made (no slot)
+                    self._settle(sid, False)
+                else:
+                    self._store_held(sid, *entry)
+            except Exception as e:  # one save's error of ours costs that save only
+                log.warning("prefixvault: held save for request %s not stored: %s", rel.req_id, e)
+                self.counters.save_errors += 1
+                self._settle(sid, False)
+            finally:
+                with self._lock:
+                    self._sent.add(rel.req_id)
+
+    def _store_held(self, sid: str, spec: SaveSpec, slot: int | None, held: dict[str, memoryview]) -> None:
+        """Stage (or, without staging, store) a held save: its KV blocks from the engine, its
+        states from the slot, which goes back once the save is stored."""
+        spec = dataclasses.replace(spec, hold=False)
+        if not self._staging_bytes:
+            def read(ref: ObjectRef, block_id: int) -> memoryview:
+                return held[ref.key] if ref.key in held else self._gather(ref, block_id)
+
+            def read_into(ref: ObjectRef, block_id: int, dest: memoryview) -> None:
+                if ref.key in held:
+                    dest[:] = held[ref.key]
+                else:
+                    self._gather_into(ref, block_id, dest)
+            try:
+                self._settle(sid, self._store(spec, read, read_into))
+            finally:
+                self._give(slot)
+            return
+        try:
+            staged = self._stage(spec, held)
+        except BaseException:
+            self._give(slot)
+            raise
+        if staged is None:
+            self._give(slot)
+            self._settle(sid, False)
+            return
+        for c in staged[2]:
+            c.wait()  # the blocks are freed once this request is reported sent
+        self._enqueue(sid, spec, staged, slot)
+
+    def fail_releases(self, releases: Sequence[Release], step: int) -> None:
+        """After an error of ours in ``release``: drop the held saves left; every request to
+        store is still reported sent (its blocks must be freed) and its save settled."""
+        for rel in releases:
+            entry = self._held.pop(rel.req_id, None)
+            if entry is not None:
+                self._give(entry[1])
+            if rel.store:
+                with self._lock:
+                    done = rel.req_id in self._sent
+                if not done:
+                    self._settle(save_id(step, rel.req_id), False)
+                    with self._lock:
+                        self._sent.add(rel.req_id)
+
+    def take_sent(self) -> set[str]:
+        """Requests whose held saves' blocks were read since the last call (vLLM frees them)."""
+        with self._lock:
+            out, self._sent = self._sent, set()
+        return out
+
+    def _stage(self, spec: SaveSpec, held: dict[str, memoryview] | None = None) -> Staged | None:
         """The spec's objects copied into one staging reservation, one gather per cache
-        group (on a device, still in flight: wait for each ``Done``); None if dropped."""
+        group (on a device, still in flight: wait for each ``Done``); None if dropped.
+        Objects in ``held`` are not copied: their payloads are the held bytes."""
         assert self.vault is not None and self._staging is not None
         objects, _ = self.vault.objects_of(self.rank, spec.hashes, spec.plans)
         by_group: dict[int, list[tuple[ObjectRef, int]]] = {}
+        payloads: dict[str, memoryview] = {}
         for ref, block_id in objects:
-            by_group.setdefault(ref.group, []).append((ref, block_id))
+            if held is not None and ref.key in held:
+                payloads[ref.key] = held[ref.key]
+            else:
+                by_group.setdefault(ref.group, []).append((ref, block_id))
         total = sum(len(objs) * self._io[g].object_bytes for g, objs in by_group.items())
         if not total:  # nothing to copy (records only): no staging, nothing to hand back
-            return Reservation(0, 0, memoryview(b""), released=True), {}, []
+            return Reservation(0, 0, memoryview(b""), released=True), payloads, []
         r = self._staging.reserve(total)
         if r is None:
             reason = "too_large" if total > self._staging.capacity else "staging_full"
@@ -177,7 +326,6 @@ class WorkerSide:
                             "raise it, or such saves are never stored", total, self._staging.capacity)
             self._count(self.counters.save_dropped, reason)
             return None
-        payloads: dict[str, memoryview] = {}
         copies: list[Done] = []
         off = 0
         try:
@@ -206,22 +354,23 @@ class WorkerSide:
         outcomes = [False] * len(batch)
         try:
             payloads: dict[str, memoryview] = {}
-            for _, _, _, staged, copies in batch:
+            for _, _, _, staged, copies, _ in batch:
                 for c in copies:
                     c.wait()
                 payloads.update(staged)
-            outcomes = self._store_many([spec for _, spec, _, _, _ in batch],
+            outcomes = self._store_many([spec for _, spec, _, _, _, _ in batch],
                                         lambda ref, _block: payloads[ref.key])
         except Exception as e:  # logged here: nothing else sees this thread's errors
             log.warning("prefixvault: %d saves failed: %s", len(batch), e)
             self.counters.save_errors += len(batch)
         finally:
             assert self._staging is not None
-            for (sid, _, r, _, copies), ok in zip(batch, outcomes, strict=True):
+            for (sid, _, r, _, copies, slot), ok in zip(batch, outcomes, strict=True):
                 for c in copies:
                     with contextlib.suppress(Exception):
                         c.wait()  # never hand back memory a copy may still write
                 self._staging.release(r)
+                self._give(slot)
                 self._settle(sid, ok)
             with self._idle:
                 self._in_flight -= len(batch)
