@@ -47,7 +47,7 @@ def step(s: SchedulerSide, start: int, n: int, drafts: dict[str, list[int]] | No
     ``releases``, the held saves it tells the workers to store or drop)."""
     out = SimpleNamespace(
         scheduled_new_reqs=[],
-        scheduled_cached_reqs=SimpleNamespace(req_ids=["r"] if n else [], num_computed_tokens=[start] if n else []),
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["r"][:n], num_computed_tokens=[start][:n]),
         num_scheduled_tokens={"r": n} if n else {}, scheduled_spec_decode_tokens=drafts or {},
         kv_connector_block_state=SimpleNamespace(boundary_state_offloads={},
                                                  get_block_ids=lambda r: TABLES))
@@ -121,8 +121,8 @@ def test_last_holds_each_output_boundary_and_stores_the_last_at_finish() -> None
     assert s._saving_any([second.hashes[2]])
 
 
-def test_last_drops_the_hold_of_an_aborted_preempted_or_moved_request() -> None:
-    for how in ("aborted", "preempted", "moved", "window"):
+def test_last_drops_the_hold_of_a_failed_preempted_or_moved_request() -> None:
+    for how in ("failed", "preempted", "moved", "window"):
         s, req = side(True, OutputBoundaries.LAST)
         step(s, 0, 4)
         step(s, 4, 2)
@@ -130,8 +130,8 @@ def test_last_drops_the_hold_of_an_aborted_preempted_or_moved_request() -> None:
         tables = TABLES
         if how == "preempted":  # vLLM asks for a hit again: it is computed again from the start
             ask(s, req, 0)
-        if how == "aborted":
-            req.status = SimpleNamespace(name="FINISHED_ABORTED")
+        if how == "failed":
+            req.status = SimpleNamespace(name="FINISHED_ERROR")
         else:
             req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
         if how == "moved":  # a block the hold reads is no longer this request's
@@ -143,7 +143,7 @@ def test_last_drops_the_hold_of_an_aborted_preempted_or_moved_request() -> None:
         step(s, 0, 0, releases=releases)
         assert [(r.req_id, r.store) for r in releases] == [("r", False)], how
         assert not s._saving_any([held.hashes[1]]), how  # no save of 8 is in flight
-        reason = {"aborted": "not_finished", "preempted": "preempted"}.get(how, "blocks_moved")
+        reason = {"failed": "request_failed", "preempted": "preempted"}.get(how, "blocks_moved")
         assert s.counters.refused.get(reason) == 1, (how, s.counters.refused)
 
 
@@ -157,3 +157,16 @@ def test_a_request_without_an_output_boundary_frees_its_blocks_at_once() -> None
     releases: list[Any] = []
     step(s, 0, 0, releases=releases)
     assert releases == []
+
+
+def test_last_stores_the_hold_of_a_request_stopped_by_a_stop_string() -> None:
+    """vLLM ends a request at a stop string by aborting it; the boundary held before is whole."""
+    s, req = side(True, OutputBoundaries.LAST)
+    step(s, 0, 4)
+    step(s, 4, 2)
+    decode_to(s, req, 9)
+    req.status = SimpleNamespace(name="FINISHED_ABORTED")
+    assert s.request_finished(req, TABLES) is True
+    releases: list[Any] = []
+    step(s, 0, 0, releases=releases)
+    assert [(r.req_id, r.store) for r in releases] == [("r", True)]

@@ -66,3 +66,14 @@ def test_capture_outputs_is_refused_for_shortconv_models() -> None:
     assert outputs_refused(CacheLayout(model="m", block_size=4, groups=(attn,))) is None
     why = outputs_refused(layout(StateFamily.SHORTCONV))
     assert why is not None and "ShortConv" in why and "\n" not in why
+
+
+def test_output_boundaries_last_is_refused_when_save_hold_mib_cannot_hold_one_boundary() -> None:
+    attn = CacheGroup.uniform(GroupKind.FULL_ATTENTION, [TensorSpec((4, 8), "float16")])
+    state = CacheGroup.uniform(GroupKind.STATE, [TensorSpec((16,), "float32")], family=StateFamily.GDN)
+    gdn = CacheLayout(model="m", block_size=4, groups=(attn, state))  # 64 bytes of state per boundary
+    assert outputs_refused(gdn, hold_bytes=64) is None
+    assert outputs_refused(gdn, hold_bytes=None) is None  # output_boundaries every holds nothing
+    why = outputs_refused(gdn, hold_bytes=0)
+    assert why is not None and "save_hold_mib" in why and "\n" not in why
+    assert outputs_refused(CacheLayout(model="m", block_size=4, groups=(attn,)), hold_bytes=0) is None

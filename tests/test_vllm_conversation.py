@@ -18,7 +18,7 @@ that is why ``capture_outputs`` is off by default (docs/configuration.md).
 from __future__ import annotations
 
 import pytest
-from vllm_support.seedlib import make_seed, run_with_metrics, spec
+from vllm_support.seedlib import make_seed, run_result, run_with_metrics, spec
 
 from prefixvault.stores import open_store
 from prefixvault.testing.compare import compare_namespaces
@@ -46,9 +46,10 @@ def test_a_consumer_restores_the_previous_answer_with_capture_outputs(
         s = spec(seed, "kv_producer", [turn1], [""], store_uri, extra_config=extra, max_tokens=400,
                  ignore_eos=True, conversation=True)
         # "last" stores at finish, in a step after the request's last: an engine in its own
-        # process (vLLM's default) steps on while vLLM keeps the request's blocks for it.
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"} if mode == "last" else None
-        got, metrics[mode] = run_with_metrics(seed, s, root / f"producer-{mode}", env)
+        # process (vLLM's default) steps on while vLLM keeps the request's blocks for it. Both
+        # run so, for their bytes to be comparable (in-process engines differ in the last bits).
+        got, metrics[mode] = run_with_metrics(seed, s, root / f"producer-{mode}",
+                                              {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
         answers[mode] = got[0].token_ids
     answer = answers["every"]
     assert answers["last"] == answer  # the same greedy request on the same model
@@ -68,6 +69,17 @@ def test_a_consumer_restores_the_previous_answer_with_capture_outputs(
     same = compare_namespaces(store, "last", "every")
     assert same and all(m.error == 0.0 for m in same), [(m.suffix[:12], m.error) for m in same]
     assert metrics["last"]["put_bytes"] < metrics["every"]["put_bytes"], metrics
+
+    # An in-process engine steps only while requests are unfinished: turn 1's boundary is stored
+    # with turn 2's first step, and vLLM frees turn 1's blocks once the worker reports it sent
+    # (only turn 2, whose own hold has no later step, is still kept at the end).
+    inproc = {"namespace": "last-inproc", "capture_outputs": True}
+    out = run_result(seed, spec(seed, "kv_producer", [turn1, seed.producer[700:760]], ["", ""], store_uri,
+                                extra_config=inproc, max_tokens=400, ignore_eos=True, conversation=True),
+                     root / "producer-inproc")
+    assert out["requests_kept"] == 1, out["metrics"]
+    kept = {k.split("/", 2)[2] for k, _ in store.scan("last-inproc/") if "/s/" in k}
+    assert kept == states["last"], (sorted(kept), sorted(states["last"]))
 
     # The same prefix computed by prefill: every decode-computed object is the object at its
     # key up to bfloat16 rounding (a wrong state or block would be off by about 1).

@@ -16,7 +16,8 @@ def test_settings_defaults_and_policies() -> None:
     s = ConnectorSettings.from_extra({"capture": "interval:1024", "namespace": "team-a"})
     assert (s.capture, s.capture_interval, s.namespace) == (CapturePolicy.INTERVAL, 1024, "team-a")
     assert (s.output_boundaries, s.save_hold_mib) == (OutputBoundaries.LAST, 256)
-    s = ConnectorSettings.from_extra({"capture_outputs": True, "output_boundaries": "every", "save_hold_mib": 0})
+    s = ConnectorSettings.from_extra({"capture_outputs": True, "output_boundaries": "every",
+                                      "save_hold_mib": 0})
     assert (s.capture_outputs, s.output_boundaries, s.save_hold_mib) == (True, OutputBoundaries.EVERY, 0)
 
 

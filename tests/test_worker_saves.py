@@ -334,6 +334,22 @@ def test_a_held_save_stores_the_state_of_its_step_when_its_request_finishes(stag
     worker.close()
 
 
+def test_a_release_and_a_new_hold_of_the_same_request_in_one_step() -> None:
+    """A request preempted while holding drops its hold; computed again, it may hold anew in
+    the same step the drop reaches the workers: the drop goes first, the new hold stays."""
+    vault = Vault(MemoryStore(), layout())
+    worker, caches = engine(vault, staging=1 << 20, hold=1 << 20)
+    worker.step([held(vault)], [], step=1)
+    caches["s"][STATE_BLOCK] = 5.0
+    worker.step([held(vault)], [Release("r", False)], step=2)
+    assert "r" in worker._held
+    worker.step([], [Release("r", True)], step=3)
+    assert worker.take_sent() == {"r"}
+    assert settle(worker, {save_id(3, "r")}) == {save_id(3, "r")}
+    restored(vault, worker, caches, state=5.0)
+    worker.close()
+
+
 def test_holds_without_room_are_dropped_and_a_release_always_reports_the_request() -> None:
     vault = Vault(MemoryStore(), layout())
     state_bytes = vault.layout.groups[2].nbytes(0)

@@ -84,12 +84,18 @@ def spec(seed: Seed, role: str, prompts: list[list[int]], salts: list[str], stor
                       store=store, salts=salts, **kw)
 
 
+def run_result(seed: Seed, engine_spec: EngineSpec, workdir: Path, env: dict[str, str] | None = None
+               ) -> dict[str, Any]:
+    """What ``testing.engine`` reports of the run (in-process unless ``env`` says otherwise)."""
+    merged = {**IN_PROCESS, "PYTHONPATH": SUPPORT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+              **(env or {})}
+    return run_engine(engine_spec, workdir / seed.profile, env=merged, timeout=600)
+
+
 def run_with_metrics(seed: Seed, engine_spec: EngineSpec, workdir: Path, env: dict[str, str] | None = None
                      ) -> tuple[list[Completion], dict[str, float]]:
     """The engine's completions and the connector's counters (see testing.engine)."""
-    merged = {**IN_PROCESS, "PYTHONPATH": SUPPORT + os.pathsep + os.environ.get("PYTHONPATH", ""),
-              **(env or {})}
-    out = run_engine(engine_spec, workdir / seed.profile, env=merged, timeout=600)
+    out = run_result(seed, engine_spec, workdir, env)
     metrics: dict[str, float] = out.get("metrics", {})
     return completions(out), metrics
 

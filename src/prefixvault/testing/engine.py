@@ -83,7 +83,7 @@ def _run(spec: EngineSpec) -> dict[str, Any]:
         return {"completions": conversation(llm, spec.prompts, params), "start_s": started,
                 "block_size": int(config.cache_config.block_size),
                 "max_num_batched_tokens": int(config.scheduler_config.max_num_batched_tokens),
-                "metrics": connector_metrics(llm)}
+                "metrics": connector_metrics(llm), "requests_kept": requests_kept(llm)}
     salts = spec.salts or [""] * len(spec.prompts)
     inputs: list[dict[str, Any]] = [
         {"prompt_token_ids": p, **({"cache_salt": s} if s else {})}
@@ -116,6 +116,13 @@ def conversation(llm: Any, messages: list[list[int]], params: Any) -> list[dict[
         result = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
         outs.append({**asdict(completion_of(result)), "prompt_tokens": len(prompt)})
     return outs
+
+
+def requests_kept(llm: Any) -> int | None:
+    """Requests an in-process engine's scheduler still holds, finished ones whose blocks a
+    connector asked it to keep included; None for an engine core in its own process."""
+    scheduler = getattr(getattr(llm.llm_engine.engine_core, "engine_core", None), "scheduler", None)
+    return None if scheduler is None else len(scheduler.requests)
 
 
 def completion_of(result: Any) -> Completion:

@@ -35,8 +35,9 @@ class OutputBoundaries(StrEnum):
 
     ``last``: only the last one before the request finishes (its sequence end): the state is
     copied at each output boundary and kept in host memory (``save_hold_mib``), replacing the
-    previous one, and stored once the request finishes normally; an aborted or preempted
-    request stores none. ``every``: every output boundary, as its decode step ends.
+    previous one, and stored once the request finishes (stopped, length, or aborted, as a stop
+    string ends it); a failed request stores none, a preempted one drops its hold.
+    ``every``: every output boundary, as its decode step ends.
     """
 
     LAST = "last"
@@ -58,7 +59,7 @@ class ConnectorSettings:
     capture_outputs: bool = False
     output_boundaries: OutputBoundaries = OutputBoundaries.LAST
     # Host memory (MiB per worker) for the states ``output_boundaries: last`` keeps until their
-    # requests finish; a request finding it full keeps its earlier output boundary, or none.
+    # requests finish; a request finding every slot taken holds nothing until one is free.
     save_hold_mib: int = 256
     lookup_timeout: float = 1.0  # seconds a lookup may take before its request is computed without it
     # Host memory (MiB per worker) for saves copied out of the engine and not yet stored; a

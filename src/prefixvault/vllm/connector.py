@@ -66,7 +66,9 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                 log.warning("prefixvault: off for this engine (see above): every request is computed")
             return  # inert: vLLM runs as without a connector
         self.layout = build_layout(vllm_config, kv_cache_config, self.settings.model_id)
-        refused = outputs_refused(self.layout) if self.settings.capture_outputs else None
+        last = self.settings.output_boundaries is OutputBoundaries.LAST
+        refused = outputs_refused(self.layout, self.settings.save_hold_mib << 20 if last else None) \
+            if self.settings.capture_outputs else None
         if refused:
             if role == KVConnectorRole.SCHEDULER:
                 log.warning("prefixvault: %s", refused)
@@ -161,10 +163,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._get_connector_metadata()
         worker = self.worker
         assert isinstance(meta, PrefixVaultMetadata)
-        if meta.saves and worker is not None:
-            self.guard.call("wait_for_save", lambda: worker.save(meta.saves, meta.step), lambda: None)
-        if meta.releases and worker is not None:  # whatever happens, every stored one is reported sent
-            self.guard.call("wait_for_save", lambda: worker.release(meta.releases, meta.step),
+        if (meta.saves or meta.releases) and worker is not None:
+            self.guard.call("wait_for_save", lambda: worker.step(meta.saves, meta.releases, meta.step),
                             lambda: worker.fail_releases(meta.releases, meta.step))
 
     def build_connector_worker_meta(self) -> SavesSettled | None:

@@ -36,7 +36,7 @@ class SaveSpec:
 
 @dataclass
 class Release:
-    """A request with a held save finished: store it (``store``: it finished normally, and
+    """A request with a held save finished: store it (``store``: it did not fail, and
     vLLM keeps its blocks until every worker reports it sent) or drop it."""
 
     req_id: str

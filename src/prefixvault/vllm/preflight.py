@@ -66,16 +66,26 @@ def preflight(vllm_config: Any, shape: CacheShape, settings: ConnectorSettings, 
     return out
 
 
-def outputs_refused(layout: CacheLayout) -> str | None:
-    """Why ``capture_outputs`` must stay off for this model, or None.
+def outputs_refused(layout: CacheLayout, hold_bytes: int | None = None) -> str | None:
+    """Why ``capture_outputs`` must stay off for this model, or None. ``hold_bytes``: the
+    ``save_hold_mib`` budget of ``output_boundaries: last`` (None with ``every``); one that
+    cannot hold one boundary's states would keep blocks and hold lookups for nothing.
 
     A boundary is published only where its objects are the state at exactly that token count.
     For ShortConv layers that is not known of decode steps: on vLLM CPU their decode-computed
     KV blocks and states differ from the prefill-computed ones of the same tokens by far more
-    than rounding (``tests/test_vllm_conversation.py`` measured it; the cause is not
-    established), so a consumer could resume from objects no prefill would compute."""
+    than rounding (``tests/test_vllm_conversation.py`` measured it; ``bench/decode_vs_prefill.py``
+    places it inside vLLM CPU's LFM2 layers), so a consumer could resume from objects no prefill
+    would compute."""
     if any(g.family is StateFamily.SHORTCONV for g in layout.groups):
         return ("capture_outputs is off for this model: decode-computed KV blocks and states of "
                 "its ShortConv layers differ from prefill-computed ones of the same tokens by far "
                 "more than rounding (measured on vLLM CPU), so only prompt boundaries are published")
+    if hold_bytes is not None:
+        need = max(sum(g.nbytes(r) for g in layout.groups if g.is_state) for r in range(layout.world_size))
+        if need and hold_bytes < need:
+            return (f"capture_outputs is off: output_boundaries 'last' keeps one boundary's states "
+                    f"({need} bytes per worker) for each decoding request in save_hold_mib "
+                    f"({hold_bytes >> 20} MiB), which cannot hold one; raise save_hold_mib or set "
+                    "output_boundaries to 'every'")
     return None

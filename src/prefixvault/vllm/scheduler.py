@@ -50,9 +50,12 @@ MAX_LOADS_PER_REQUEST = 2
 LOOKUP_WAIT_S = 0.005
 #: A save no worker reported settled (a report lost) stops holding lookups after this long.
 SAVE_FORGET_S = 60.0
-#: How a request ended for its held output boundary to be stored (vLLM's ``RequestStatus``
-#: names): a stop token or string, or its length limit. Aborted, ignored or failed: dropped.
-FINISHED_NORMALLY = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED"})
+#: How a request may end for its held output boundary to be stored (vLLM's ``RequestStatus``
+#: names): a stop token, its length limit, a repetition stop, or an abort — which is also how
+#: vLLM ends a request at a stop *string* (the frontend finds it and aborts the request); the
+#: boundary held is complete and exact whatever came after it. Failed: dropped.
+STORED_AT_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION",
+                              "FINISHED_ABORTED"})
 
 
 def lora_key(lora: Any) -> str:
@@ -541,14 +544,14 @@ class SchedulerSide:
         st.hold = None
 
     def _release_hold(self, st: _Request, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:
-        """Store a finished request's held output boundary, if it finished normally and every
-        KV block its plans read is still the request's, at the same place (blocks a sliding
+        """Store a finished request's held output boundary, unless it failed, if every KV block
+        its plans read is still the request's, at the same place (blocks a sliding
         window let go of, or a preemption replaced, are not); whether vLLM must keep the
         blocks until the workers read them."""
         spec = st.hold
         assert spec is not None
-        if getattr(getattr(request, "status", None), "name", "") not in FINISHED_NORMALLY:
-            self._drop_hold(st, "not_finished")
+        if getattr(getattr(request, "status", None), "name", "") not in STORED_AT_FINISH:
+            self._drop_hold(st, "request_failed")
             return False
 
         def kept(g: int, i: int, b: int) -> bool:

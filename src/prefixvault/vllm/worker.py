@@ -148,6 +148,19 @@ class WorkerSide:
         """Copy one object's payload out of the engine's blocks into ``dest``."""
         self._io[ref.group].gather([block_id], _host(dest, 1)).wait()
 
+    def step(self, saves: Sequence[SaveSpec], releases: Sequence[Release], step: int) -> None:
+        """One step's work: first the finished requests' held saves (a request preempted and
+        computed again may drop its old hold and hold anew in the same step), then the saves."""
+        if releases:
+            try:
+                self.release(releases, step)
+            except Exception as e:  # every stored one is still reported sent
+                log.warning("prefixvault: releasing held saves failed: %s", e)
+                self.counters.save_errors += 1
+                self.fail_releases(releases, step)
+        if saves:
+            self.save(saves, step)
+
     def save(self, specs: Sequence[SaveSpec], step: int = 0) -> None:
         """Copy this step's saves out of the engine's blocks; store them on the save thread
         (or here, without a staging budget). Every save is settled, whatever happens to it."""
@@ -277,8 +290,17 @@ class WorkerSide:
             self._give(slot)
             self._settle(sid, False)
             return
-        for c in staged[2]:
-            c.wait()  # the blocks are freed once this request is reported sent
+        try:
+            for c in staged[2]:
+                c.wait()  # the blocks are freed once this request is reported sent
+        except BaseException:
+            for c in staged[2]:
+                with contextlib.suppress(Exception):
+                    c.wait()  # never hand back memory a copy may still write
+            assert self._staging is not None
+            self._staging.release(staged[0])
+            self._give(slot)
+            raise
         self._enqueue(sid, spec, staged, slot)
 
     def fail_releases(self, releases: Sequence[Release], step: int) -> None:
