@@ -1,6 +1,7 @@
 """Publishing queued saves over a slow store: one by one against one batch, in one run.
 
-    PYTHONPATH=src python bench/publish.py [--delay-ms 20] [--saves 1,4,16] [--repeat 3]
+    PYTHONPATH=src python bench/publish.py [--store redis|mooncake] [--delay-ms 20] [--saves 1,4,16]
+        [--repeat 3]
 
 Why: a producer's save thread publishes the records of every save it stored. Over a store a
 network away each publish costs round trips (an existence check, a conditional put), so under
@@ -15,7 +16,10 @@ rank 1's objects are checked in the store, as a tensor-parallel worker does). Pe
 seconds to publish them one by one (``Vault.publish`` each) and together (``publish_many``),
 best of ``--repeat`` on fresh keys; the ratio together / one by one. Every boundary must be
 published. Run on an older prefixvault (``PYTHONPATH=older/src``) without ``publish_many``, it
-times one by one only. The last line is one JSON object.
+times one by one only. ``--store mooncake``: a ``mooncake_master`` and a holder on 127.0.0.1
+instead (no added delay: what is measured is the store's own calls, three per record one by
+one against three per batch; older versions put a batch's records one by one). The last line
+is one JSON object.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores import open_store
+from prefixvault.testing.mooncake import MooncakeCluster
 from prefixvault.testing.netfault import SlowLink
 from prefixvault.testing.valkey import Valkey
 from prefixvault.vault import ObjectRef, RankAck, Vault
@@ -65,7 +70,8 @@ def saves(vault: Vault, n: int, salt: int) -> list[tuple[list[bytes], list[RankA
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--delay-ms", type=float, default=20.0)
+    ap.add_argument("--store", choices=["redis", "mooncake"], default="redis")
+    ap.add_argument("--delay-ms", type=float, default=20.0, help="added per round trip (redis only)")
     ap.add_argument("--saves", default="1,4,16")
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args(argv)
@@ -75,11 +81,20 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--saves: whole numbers, not {args.saves!r}")
     if args.repeat < 1 or any(n < 1 for n in counts) or args.delay_ms < 0:
         ap.error("--repeat and --saves must be positive, --delay-ms not negative")
-    valkey = Valkey()
-    link = SlowLink(valkey.port, args.delay_ms / 1000)
+    stops: list[Any] = []
     cases: list[dict[str, Any]] = []
     try:
-        store = open_store(f"redis://127.0.0.1:{link.port}/0?prefix=bench:&timeout=30")
+        if args.store == "mooncake":
+            cluster = MooncakeCluster(segment="256MiB")
+            stops.append(cluster.stop)
+            uri = cluster.uri(prefix="bench/", timeout="30")
+        else:
+            valkey = Valkey()
+            stops.append(valkey.stop)
+            link = SlowLink(valkey.port, args.delay_ms / 1000)
+            stops.append(link.close)
+            uri = f"redis://127.0.0.1:{link.port}/0?prefix=bench:&timeout=30"
+        store = open_store(uri)
         vault = Vault(store, layout())
         vault.keep_layout()  # once, outside the timing
         salt = 0
@@ -109,9 +124,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{n:>6} {best['alone']:>13.4f} {together}", flush=True)
         store.close()
     finally:
-        link.close()
-        valkey.stop()
-    print(json.dumps({"bench": "publish", "delay_ms": args.delay_ms, "cases": cases}))
+        for stop in reversed(stops):
+            stop()
+    delay = args.delay_ms if args.store == "redis" else 0.0
+    print(json.dumps({"bench": "publish", "store": args.store, "delay_ms": delay, "cases": cases}))
     return 0
 
 

@@ -208,3 +208,24 @@ def test_object_evicted_under_a_record_gives_a_shorter_hit(cluster: MooncakeClus
         assert store.delete_many(state_40) == 1  # as the master's eviction would
         assert vault.lookup(hashes, len(tokens)) == 16
         assert vault.load(vault.needed(hashes, 16)).ok
+
+
+def test_a_batch_of_conditional_puts_takes_three_calls(cluster: MooncakeCluster) -> None:
+    """Records published together cost three calls to Mooncake, not three per record: one put
+    session reserves every key (a key already there is refused), one ranged put, one end."""
+    with open_store(cluster.uri(prefix="ifabsent/", timeout=str(TIMEOUT))) as store:
+        assert store.put_if_absent("k0", b"old")
+        client = store._api()  # type: ignore[attr-defined]
+        real, calls = client.call, []
+
+        def counting(what: str, nbytes: int, fn: object, *args: object, **kwargs: object) -> object:
+            calls.append(getattr(fn, "__name__", str(fn)))
+            return real(what, nbytes, fn, *args, **kwargs)
+
+        client.call = counting
+        items = [(f"k{i}", blob(i, 1000 + i)) for i in range(6)]
+        assert store.put_if_absent_many(items) == [False] + [True] * 5
+        assert calls == ["batch_put_session_start", "batch_put_from_multi_buffer_ranges",
+                         "batch_put_session_end"], calls
+        client.call = real
+        assert store.get_many([k for k, _ in items]) == [b"old"] + [d for _, d in items[1:]]

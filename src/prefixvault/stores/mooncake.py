@@ -45,7 +45,16 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
-from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable, check_key, redact
+from prefixvault.stores.base import (
+    Buffer,
+    Store,
+    StoreError,
+    StoreStats,
+    StoreUnavailable,
+    check_distinct,
+    check_key,
+    redact,
+)
 from prefixvault.units import parse_size
 
 log = logging.getLogger("prefixvault.stores.mooncake")
@@ -540,6 +549,52 @@ class MooncakeStore(Store):
                     with contextlib.suppress(StoreError):
                         client.call("put", 0, client.api.batch_put_session_revoke, [name])
             return ended == 0
+
+    def put_if_absent_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
+        """``put_if_absent`` for a batch in three calls, whatever its size: one put session
+        reserves every key (one winner per key among racing callers), one ranged put writes
+        the reserved ones from the arena, one end makes them readable; a key reserved and not
+        ended is revoked."""
+        check_distinct([k for k, _ in items])
+        out = [False] * len(items)
+        names = [self._key(k) for k, _ in items]
+        views = [np.frombuffer(d, np.uint8) if memoryview(d).nbytes else np.empty(0, np.uint8)
+                 for _, d in items]
+        want = [i for i, v in enumerate(views) if self._fits(v.nbytes)]
+        if not want:
+            return out
+        client = self._api()
+        with client.lock:
+            self._usable(client)
+            codes = client.call("put", 0, client.api.batch_put_session_start, [names[i] for i in want],
+                                [views[i].nbytes for i in want])
+            won = [i for i, code in zip(want, codes, strict=True) if code == 0]
+            ended: dict[int, int] = {}
+            try:
+                if won:
+                    offsets, total = [], 0
+                    for i in won:
+                        offsets.append(total)
+                        total += views[i].nbytes
+                    client.arena.grow(total)
+                    for i, off in zip(won, offsets, strict=True):
+                        client.arena.mem[off : off + views[i].nbytes] = views[i]
+                    written = client.call("put", total, client.api.batch_put_from_multi_buffer_ranges,
+                                          [names[i] for i in won], [[client.arena.base + o] for o in offsets],
+                                          [[views[i].nbytes] for i in won], [[0] for _ in won])
+                    done = [i for i, w in zip(won, written, strict=True) if w >= 0]
+                    if done:
+                        ends = client.call("put", 0, client.api.batch_put_session_end,
+                                           [names[i] for i in done])
+                        ended = dict(zip(done, ends, strict=True))
+            finally:
+                stale = [names[i] for i in won if ended.get(i, -1) != 0]
+                if stale:  # never leave a key reserved by a session nobody will end
+                    with contextlib.suppress(StoreError):
+                        client.call("put", 0, client.api.batch_put_session_revoke, stale)
+            for i in won:
+                out[i] = ended.get(i, -1) == 0
+        return out
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         if len(keys) != len(buffers):
