@@ -14,7 +14,7 @@ from prefixvault.keys import chain_hashes
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
-from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
+from prefixvault.vllm.config import CapturePolicy, ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.scheduler import SchedulerSide
 
 BS = 4
@@ -26,10 +26,11 @@ LAYOUT = CacheLayout(
 PROMPT = list(range(1, 7))  # 6 tokens: the prompt's last block boundary is 4
 
 
-def side(capture_outputs: bool, boundaries: OutputBoundaries = OutputBoundaries.EVERY
-         ) -> tuple[SchedulerSide, Any]:
+def side(capture_outputs: bool, boundaries: OutputBoundaries = OutputBoundaries.EVERY,
+         capture: CapturePolicy = CapturePolicy.STEPS) -> tuple[SchedulerSide, Any]:
     vault = Vault(MemoryStore(), LAYOUT)
-    settings = ConnectorSettings(capture_outputs=capture_outputs, output_boundaries=boundaries)
+    settings = ConnectorSettings(capture=capture, capture_outputs=capture_outputs,
+                                 output_boundaries=boundaries)
     s = SchedulerSide(settings, LAYOUT, vault, load=True, save=True)
     req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, num_tokens=6, cache_salt=None,
                           lora_request=None, mm_features=None, all_token_ids=list(PROMPT),
@@ -170,3 +171,25 @@ def test_last_stores_the_hold_of_a_request_stopped_by_a_stop_string() -> None:
     releases: list[Any] = []
     step(s, 0, 0, releases=releases)
     assert [(r.req_id, r.store) for r in releases] == [("r", True)]
+
+
+def test_marconi_holds_the_prompt_end_until_it_knows_it_is_the_sequence_end() -> None:
+    """marconi stores a request's sequence end only: with output boundaries held, the prompt's
+    last block boundary is held too, and an output boundary replaces it."""
+    for outputs_to in (7, 9):  # no output boundary before finishing; one at 8
+        s, req = side(True, OutputBoundaries.LAST, CapturePolicy.MARCONI)
+        prompt_end, = step(s, 0, 4)
+        assert prompt_end.hold and [p.tokens for p in prompt_end.plans] == [4]
+        step(s, 4, 2)
+        held = decode_to(s, req, outputs_to)
+        if outputs_to > 8:
+            assert [p.tokens for spec in held for p in spec.plans] == [8] and held[0].parent == 0
+            assert [(g, i) for g, i, _ in held[0].plans[0].blocks] == [(0, 0), (0, 1)]
+        else:
+            assert held == []
+        req.status = SimpleNamespace(name="FINISHED_STOPPED")
+        assert s.request_finished(req, TABLES) is True
+        releases: list[Any] = []
+        step(s, 0, 0, releases=releases)
+        assert [(r.req_id, r.store) for r in releases] == [("r", True)]
+        assert s.counters.plans == 1  # one sequence end, nothing else

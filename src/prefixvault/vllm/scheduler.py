@@ -430,25 +430,24 @@ class SchedulerSide:
         offers: dict[str, list[tuple[int, int, int]]] = state.boundary_state_offloads or {}
         starts = self._starts(out)
         drafts = getattr(out, "scheduled_spec_decode_tokens", None) or {}
-        saves = []
+        saves: list[SaveSpec] = []
         for req_id, n_new in out.num_scheduled_tokens.items():
             st = self._reqs.get(req_id)
             if st is None or req_id not in starts:
                 continue
             start = starts[req_id]
             # One request's error skips its own saves only.
-            spec = self.guard.call("build_connector_meta",
-                                   partial(self._plan_request, req_id, st, start, n_new, state, offers,
-                                           bool(drafts.get(req_id))),
-                                   lambda: None)
-            if spec is not None:
-                saves.append(spec)
+            saves += self.guard.call("build_connector_meta",
+                                     partial(self._plan_request, req_id, st, start, n_new, state, offers,
+                                             bool(drafts.get(req_id))),
+                                     list)
         return saves
 
     def _plan_request(self, req_id: str, st: _Request, start: int, n_new: int, state: Any,
                       offers: dict[str, list[tuple[int, int, int]]], speculative: bool = False
-                      ) -> SaveSpec | None:
-        """What one request's step lets it publish, as the boundary rule decides."""
+                      ) -> list[SaveSpec]:
+        """What one request's step lets it publish, as the boundary rule decides: a save, a
+        hold, or both (a save of its other boundaries, and its prompt's end held)."""
         bs = self.block_size
         chunk = StepChunk(start, start + n_new)
         prompt_len = len(st.prompt)
@@ -457,10 +456,10 @@ class SchedulerSide:
         # would leave a state past what the request keeps).
         outputs = self.settings.capture_outputs and not speculative
         if start >= prompt_len and (not outputs or chunk.end % bs):
-            return None
+            return []
         known = self._known(st, chunk.end) if outputs and chunk.end > prompt_len else prompt_len
         if start >= known:
-            return None  # the tokens this step computes are not known yet (async scheduling)
+            return []  # the tokens this step computes are not known yet (async scheduling)
         end = min(chunk.end, known)
         # output_boundaries "last": a step ending on an output boundary is held until the
         # request finishes (replacing its earlier hold); a chunk that also computes prompt
@@ -469,7 +468,7 @@ class SchedulerSide:
         limit = end if start >= prompt_len or not self._hold_last else min(end, prompt_len)
         tables = state.get_block_ids(req_id)
         if tables is None:
-            return None
+            return []
         offered = [StateCapture(g, t, b, self._step) for g, b, t in offers.get(req_id, []) if t <= end]
         at_end = step_end_captures(self.layout, chunk, known,
                                    {g: tables[g] for g in self.state_groups}, self._step)
@@ -490,31 +489,54 @@ class SchedulerSide:
         candidates = {t for t in candidates if t > st.saved and t % bs == 0 and t <= limit}
         if hold:
             candidates &= {end}
-        if not candidates:
-            return None
+        # With output boundaries held, the prompt's last block boundary is a sequence end only
+        # if no output boundary follows: a boundary the policy admits for that alone (marconi,
+        # reuse) is held too, and an output boundary replaces it.
+        held_end = 0
+        seq_end = prompt_len // bs * bs
+        if self._hold_last and not hold and self.state_groups and seq_end in candidates:
+            kinds, admits = self._kinds(st, prompt_len), self.admission.admits
+            why = Kind.CHECKPOINT if any(c.tokens == seq_end for c in offered) else Kind(0)
+            if at_end and end == seq_end:
+                why |= Kind.STEP_END
+            if not admits((kinds(seq_end) & ~Kind.SEQUENCE_END) | why, seq_end, st.last_capture):
+                candidates.discard(seq_end)
+                held_end = seq_end
+        specs = []
+        if candidates:
+            specs += self._plan(req_id, st, end, tables, captures, chunk, candidates, hold)
+        if held_end:
+            specs += self._plan(req_id, st, end, tables, captures, chunk, {held_end}, True)
+        return specs
+
+    def _plan(self, req_id: str, st: _Request, end: int, tables: Any, captures: list[StateCapture],
+              chunk: StepChunk, candidates: set[int], hold: bool) -> list[SaveSpec]:
+        """Plan the saves of ``candidates`` since the request's last save: a save now, or its
+        hold (``hold``: published, if at all, when the request finishes, ``_release_hold``)."""
+        bs = self.block_size
         decision = plan_saves(self.layout, end, {g: tables[g] for g in self.attn_groups}, captures,
                               self._step, candidates, chunk, since=st.saved)
         for _, why in decision.refused:
             self.counters.refused[why.value] = self.counters.refused.get(why.value, 0) + 1
         if not decision.publishable:
-            return None
+            return []
         top = max(p.tokens for p in decision.publishable)
-        if hold:  # published, if at all, when the request finishes (``_release_hold``)
+        if hold:
             st.hold = SaveSpec(req_id, self._hashes(st, top), list(decision.publishable), st.saved, hold=True)
-            return st.hold
+            return [st.hold]
         self.counters.plans += len(decision.publishable)
         spec = SaveSpec(req_id, self._hashes(st, top), list(decision.publishable), st.saved)
         st.saved = max(st.saved, top)
         boundaries = [spec.hashes[p.tokens // bs - 1] for p in spec.plans]
         if self.state_groups:
-            kinds = self._kinds(st, prompt_len)
+            kinds = self._kinds(st, len(st.prompt))
             for p, h in zip(spec.plans, boundaries, strict=True):
                 self.admission.admitted(h, kinds(p.tokens))
         sid = save_id(self._step, req_id)
         self._saving[sid] = (boundaries, self.layout.world_size, time.monotonic())
         self._save_parent[sid] = (req_id, spec.parent)
         self._saving_hashes.update(boundaries)
-        return spec
+        return [spec]
 
     def _kinds(self, st: _Request, prompt_len: int) -> Callable[[int], Kind]:
         """What a boundary of this request is: vLLM's prompt checkpoint (the last block
@@ -561,7 +583,7 @@ class SchedulerSide:
             return False
         boundaries = [spec.hashes[p.tokens // self.block_size - 1] for p in spec.plans]
         for h in boundaries:
-            self.admission.admitted(h, Kind.OUTPUT | Kind.SEQUENCE_END)
+            self.admission.admitted(h, Kind.SEQUENCE_END)
         self.counters.plans += len(spec.plans)
         self._releases.append((Release(spec.req_id, True), boundaries))
         st.hold = None
