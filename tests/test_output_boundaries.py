@@ -193,3 +193,21 @@ def test_marconi_holds_the_prompt_end_until_it_knows_it_is_the_sequence_end() ->
         step(s, 0, 0, releases=releases)
         assert [(r.req_id, r.store) for r in releases] == [("r", True)]
         assert s.counters.plans == 1  # one sequence end, nothing else
+
+
+def test_other_policies_save_the_prompt_end_at_once_with_held_outputs() -> None:
+    """Only a boundary admitted for being a sequence end alone is held: steps and interval admit
+    the prompt's end as a step end, and save it now; the output hold continues from it."""
+    for capture in (CapturePolicy.STEPS, CapturePolicy.INTERVAL):
+        vault = Vault(MemoryStore(), LAYOUT)
+        settings = ConnectorSettings(capture=capture, capture_interval=4, capture_outputs=True)
+        s = SchedulerSide(settings, LAYOUT, vault, load=True, save=True)
+        req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, num_tokens=6, cache_salt=None,
+                              lora_request=None, mm_features=None, all_token_ids=list(PROMPT),
+                              status=SimpleNamespace(name="RUNNING"))
+        ask(s, req, 0)
+        saved, = step(s, 0, 4)
+        assert not saved.hold and [p.tokens for p in saved.plans] == [4], capture
+        step(s, 4, 2)
+        held, = decode_to(s, req, 9)
+        assert held.hold and held.parent == 4, capture

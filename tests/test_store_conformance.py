@@ -284,22 +284,26 @@ def test_put_if_absent_many_edges(any_store: Store) -> None:
         any_store.put_if_absent_many([("bad key!", b"a")])
 
 
-def _absent_worker(uri: str, i: int, size: int, barrier: Any, out: Any) -> None:
+def _absent_worker(uri: str, i: int, size: int, barrier: Any, out: Any, batched: bool) -> None:
     with open_store(uri) as store:
         barrier.wait()
-        won = [store.put_if_absent(f"race/{r}", version(i, r, size)) for r in range(5)]
+        if batched:  # all five keys in one put_if_absent_many, racing the others' batches
+            won = store.put_if_absent_many([(f"race/{r}", version(i, r, size)) for r in range(5)])
+        else:
+            won = [store.put_if_absent(f"race/{r}", version(i, r, size)) for r in range(5)]
     out.put((i, won))
 
 
-@pytest.mark.parametrize("size", [64, 300_000])
+@pytest.mark.parametrize("size,batched", [(64, False), (300_000, False), (64, True)])
 def test_put_if_absent_processes_exactly_one_wins(
-    shared_store_kind: str, store_uri_factory: UriFactory, size: int
+    shared_store_kind: str, store_uri_factory: UriFactory, size: int, batched: bool
 ) -> None:
     uri = store_uri_factory(shared_store_kind)  # the store is first opened by the racers
     n = 4
     barrier = SPAWN.Barrier(n)
     out = SPAWN.Queue()
-    procs = [SPAWN.Process(target=_absent_worker, args=(uri, i, size, barrier, out)) for i in range(n)]
+    procs = [SPAWN.Process(target=_absent_worker, args=(uri, i, size, barrier, out, batched))
+             for i in range(n)]
     for p in procs:
         p.start()
     results = dict(out.get(timeout=60) for _ in procs)

@@ -573,9 +573,9 @@ class MooncakeStore(Store):
             try:
                 if won:
                     offsets, total = [], 0
-                    for i in won:
+                    for i in won:  # each object starts aligned, as put_many places them
                         offsets.append(total)
-                        total += views[i].nbytes
+                        total += _aligned(views[i].nbytes)
                     client.arena.grow(total)
                     for i, off in zip(won, offsets, strict=True):
                         client.arena.mem[off : off + views[i].nbytes] = views[i]

@@ -470,6 +470,7 @@ class SchedulerSide:
         if tables is None:
             return []
         offered = [StateCapture(g, t, b, self._step) for g, b, t in offers.get(req_id, []) if t <= end]
+        before = st.last_capture  # the request's last boundary admitted before this step
         at_end = step_end_captures(self.layout, chunk, known,
                                    {g: tables[g] for g in self.state_groups}, self._step)
         if self.state_groups:
@@ -499,7 +500,7 @@ class SchedulerSide:
             why = Kind.CHECKPOINT if any(c.tokens == seq_end for c in offered) else Kind(0)
             if at_end and end == seq_end:
                 why |= Kind.STEP_END
-            if not admits((kinds(seq_end) & ~Kind.SEQUENCE_END) | why, seq_end, st.last_capture):
+            if not admits((kinds(seq_end) & ~Kind.SEQUENCE_END) | why, seq_end, before):
                 candidates.discard(seq_end)
                 held_end = seq_end
         specs = []
