@@ -81,6 +81,7 @@ def test_any_uri_opens_or_is_a_store_error(
     ["serve", "/models/m", "--store", "bogus://x", "--dry-run"],
     ["serve", "/models/m", "--store", "local://relative", "--dry-run"],
     ["serve", "/models/m", "--store", "redis://[::1", "--dry-run"],
+    ["serve", "/models/m", "--capture-outputs", "first", "--dry-run"],
     ["verify", "--cold", "http://127.0.0.1:9", "--restored", "http://127.0.0.1:9", "--timeout", "-1"],
     ["verify", "--cold", "http://127.0.0.1:9", "--restored", "http://127.0.0.1:9", "--timeout", "inf"],
     ["verify", "--cold", "http://127.0.0.1:9", "--restored", "http://127.0.0.1:9",

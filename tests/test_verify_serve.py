@@ -122,3 +122,8 @@ def test_serve_prints_the_vllm_command() -> None:
     assert "some/model --enable-prefix-caching --mamba-cache-mode align --kv-transfer-config " in line
     assert '"kv_connector_module_path": "prefixvault.vllm"' in line and line.endswith("--port 8011")
     assert "--shutdown-timeout 45" in line  # a saving server stores its queued saves on SIGTERM
+    assert "capture_outputs" not in line
+    res = subprocess.run([sys.executable, "-m", "prefixvault.cli", "serve", "some/model", "--capture-outputs",
+                          "last", "--dry-run"], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert '"capture_outputs": true, "output_boundaries": "last"' in res.stdout

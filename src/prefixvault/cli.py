@@ -354,6 +354,9 @@ def serve(
         help="Capture policy: steps, checkpoints, interval:N, marconi, reuse")] = "steps",
     secret_file: SecretFileOpt = "",
     secret_env: SecretEnvOpt = "",
+    capture_outputs: Annotated[str, typer.Option(
+        "--capture-outputs", help="Also publish boundaries over generated tokens (not bit-exact): "
+        "last (each answer's last block boundary) or every")] = "",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command, do not run it")] = False,
 ) -> None:
     """Start `vllm serve` with the connector configured; extra arguments after `--` go to vLLM."""
@@ -364,10 +367,12 @@ def serve(
     from prefixvault.vllm.config import ConnectorSettings
 
     try:
+        outputs = {"output_boundaries": capture_outputs} if capture_outputs else {}
         ConnectorSettings.from_extra({"store": store, "namespace": namespace, "capture": capture,
                                       "namespace_secret_file": secret_file,
-                                      "namespace_secret_env": secret_env})
-        cmd = serve_command(model, store, role, namespace, capture, ctx.args, secret_file, secret_env)
+                                      "namespace_secret_env": secret_env, **outputs})
+        cmd = serve_command(model, store, role, namespace, capture, ctx.args, secret_file, secret_env,
+                            capture_outputs)
         for arg in cmd:
             os.fsencode(arg)  # what exec needs: text the file system encoding can carry
     except UnicodeError:

@@ -41,9 +41,10 @@ def vllm_command(model: str) -> list[str]:
 
 
 def kv_transfer_config(store: str, role: str, namespace: str, capture: str,
-                       secret_file: str = "", secret_env: str = "") -> dict[str, Any]:
+                       secret_file: str = "", secret_env: str = "", outputs: str = "") -> dict[str, Any]:
     """The connector's config. A namespace secret is named (file or variable), never inlined:
-    vLLM logs its whole config at start."""
+    vLLM logs its whole config at start. ``outputs``: ``last`` or ``every`` turns
+    ``capture_outputs`` on with those ``output_boundaries``; empty leaves it off."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role[:100]!r}")
     check_namespace(namespace)
@@ -52,6 +53,8 @@ def kv_transfer_config(store: str, role: str, namespace: str, capture: str,
         extra["namespace_secret_file"] = secret_file
     if secret_env:
         extra["namespace_secret_env"] = secret_env
+    if outputs:
+        extra.update(capture_outputs=True, output_boundaries=outputs)
     return {
         "kv_connector": "PrefixVaultConnector",
         "kv_connector_module_path": "prefixvault.vllm",
@@ -90,6 +93,7 @@ def serve_command(
     extra: Sequence[str] = (),
     secret_file: str = "",
     secret_env: str = "",
+    outputs: str = "",
 ) -> list[str]:
     """The full command. Flags the user passes in ``extra`` win over the defaults added here.
 
@@ -104,7 +108,7 @@ def serve_command(
         cmd += ["--mamba-cache-mode", "align"]
     if _has(extra, "--kv-transfer-config"):
         raise ValueError("--kv-transfer-config is set by prefixvault serve; use --store/--role instead")
-    ktc = kv_transfer_config(store, role, namespace, capture, secret_file, secret_env)
+    ktc = kv_transfer_config(store, role, namespace, capture, secret_file, secret_env, outputs)
     cmd += ["--kv-transfer-config", json.dumps(ktc)]
     if role in ("kv_producer", "kv_both") and not _has(extra, "--shutdown-timeout"):
         # vLLM's default (0) kills the engine at once on SIGTERM: saves still queued are lost.
