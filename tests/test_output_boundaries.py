@@ -27,9 +27,9 @@ PROMPT = list(range(1, 7))  # 6 tokens: the prompt's last block boundary is 4
 
 
 def side(capture_outputs: bool, boundaries: OutputBoundaries = OutputBoundaries.EVERY,
-         capture: CapturePolicy = CapturePolicy.STEPS) -> tuple[SchedulerSide, Any]:
+         capture: CapturePolicy = CapturePolicy.STEPS, interval: int = 0) -> tuple[SchedulerSide, Any]:
     vault = Vault(MemoryStore(), LAYOUT)
-    settings = ConnectorSettings(capture=capture, capture_outputs=capture_outputs,
+    settings = ConnectorSettings(capture=capture, capture_interval=interval, capture_outputs=capture_outputs,
                                  output_boundaries=boundaries)
     s = SchedulerSide(settings, LAYOUT, vault, load=True, save=True)
     req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, num_tokens=6, cache_salt=None,
@@ -88,6 +88,17 @@ def test_no_capture_where_the_tokens_or_the_state_are_not_certain() -> None:
 
 # -- output_boundaries "last": hold each output boundary, store the last one at finish -----------
 
+def finish(s: SchedulerSide, req: Any, status: str, tables: Any = TABLES
+           ) -> tuple[bool, list[tuple[str, bool]]]:
+    """The request finishes with ``status``: whether vLLM must keep its blocks, and the held
+    saves the next step tells the workers to store or drop."""
+    req.status = SimpleNamespace(name=status)
+    delay = s.request_finished(req, tables)
+    releases: list[Any] = []
+    step(s, 0, 0, releases=releases)
+    return delay, [(r.req_id, r.store) for r in releases]
+
+
 def decode_to(s: SchedulerSide, req: Any, end: int) -> list[Any]:
     """Generate tokens until ``end`` are computed (one decode step per token); the saves."""
     saves = []
@@ -112,11 +123,7 @@ def test_last_holds_each_output_boundary_and_stores_the_last_at_finish() -> None
     assert s.counters.plans == 1  # held saves count once stored
     decode_to(s, req, 13)
 
-    req.status = SimpleNamespace(name="FINISHED_STOPPED")
-    assert s.request_finished(req, TABLES) is True  # vLLM keeps the blocks until sent
-    releases: list[Any] = []
-    assert step(s, 0, 0, releases=releases) == []
-    assert [(r.req_id, r.store) for r in releases] == [("r", True)]
+    assert finish(s, req, "FINISHED_STOPPED") == (True, [("r", True)])  # blocks kept until sent
     assert s.counters.plans == 2
     # Lookups of the finished prefix wait for the save, as for any save in flight.
     assert s._saving_any([second.hashes[2]])
@@ -131,18 +138,12 @@ def test_last_drops_the_hold_of_a_failed_preempted_or_moved_request() -> None:
         tables = TABLES
         if how == "preempted":  # vLLM asks for a hit again: it is computed again from the start
             ask(s, req, 0)
-        if how == "failed":
-            req.status = SimpleNamespace(name="FINISHED_ERROR")
-        else:
-            req.status = SimpleNamespace(name="FINISHED_LENGTH_CAPPED")
+        status = "FINISHED_ERROR" if how == "failed" else "FINISHED_LENGTH_CAPPED"
         if how == "moved":  # a block the hold reads is no longer this request's
             tables = ([11, 99, 13, 14], TABLES[1])
         if how == "window":  # a sliding window let it go (vLLM's null block)
             tables = ([11, 0, 13, 14], TABLES[1])
-        assert s.request_finished(req, tables) is False, how
-        releases: list[Any] = []
-        step(s, 0, 0, releases=releases)
-        assert [(r.req_id, r.store) for r in releases] == [("r", False)], how
+        assert finish(s, req, status, tables) == (False, [("r", False)]), how
         assert not s._saving_any([held.hashes[1]]), how  # no save of 8 is in flight
         reason = {"failed": "request_failed", "preempted": "preempted"}.get(how, "blocks_moved")
         assert s.counters.refused.get(reason) == 1, (how, s.counters.refused)
@@ -153,11 +154,7 @@ def test_a_request_without_an_output_boundary_frees_its_blocks_at_once() -> None
     step(s, 0, 4)
     step(s, 4, 2)
     decode_to(s, req, 7)
-    req.status = SimpleNamespace(name="FINISHED_STOPPED")
-    assert s.request_finished(req, TABLES) is False
-    releases: list[Any] = []
-    step(s, 0, 0, releases=releases)
-    assert releases == []
+    assert finish(s, req, "FINISHED_STOPPED") == (False, [])
 
 
 def test_last_stores_the_hold_of_a_request_stopped_by_a_stop_string() -> None:
@@ -166,11 +163,7 @@ def test_last_stores_the_hold_of_a_request_stopped_by_a_stop_string() -> None:
     step(s, 0, 4)
     step(s, 4, 2)
     decode_to(s, req, 9)
-    req.status = SimpleNamespace(name="FINISHED_ABORTED")
-    assert s.request_finished(req, TABLES) is True
-    releases: list[Any] = []
-    step(s, 0, 0, releases=releases)
-    assert [(r.req_id, r.store) for r in releases] == [("r", True)]
+    assert finish(s, req, "FINISHED_ABORTED") == (True, [("r", True)])
 
 
 def test_marconi_holds_the_prompt_end_until_it_knows_it_is_the_sequence_end() -> None:
@@ -187,11 +180,7 @@ def test_marconi_holds_the_prompt_end_until_it_knows_it_is_the_sequence_end() ->
             assert [(g, i) for g, i, _ in held[0].plans[0].blocks] == [(0, 0), (0, 1)]
         else:
             assert held == []
-        req.status = SimpleNamespace(name="FINISHED_STOPPED")
-        assert s.request_finished(req, TABLES) is True
-        releases: list[Any] = []
-        step(s, 0, 0, releases=releases)
-        assert [(r.req_id, r.store) for r in releases] == [("r", True)]
+        assert finish(s, req, "FINISHED_STOPPED") == (True, [("r", True)])
         assert s.counters.plans == 1  # one sequence end, nothing else
 
 
@@ -199,13 +188,7 @@ def test_other_policies_save_the_prompt_end_at_once_with_held_outputs() -> None:
     """Only a boundary admitted for being a sequence end alone is held: steps and interval admit
     the prompt's end as a step end, and save it now; the output hold continues from it."""
     for capture in (CapturePolicy.STEPS, CapturePolicy.INTERVAL):
-        vault = Vault(MemoryStore(), LAYOUT)
-        settings = ConnectorSettings(capture=capture, capture_interval=4, capture_outputs=True)
-        s = SchedulerSide(settings, LAYOUT, vault, load=True, save=True)
-        req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, num_tokens=6, cache_salt=None,
-                              lora_request=None, mm_features=None, all_token_ids=list(PROMPT),
-                              status=SimpleNamespace(name="RUNNING"))
-        ask(s, req, 0)
+        s, req = side(True, OutputBoundaries.LAST, capture, interval=4)
         saved, = step(s, 0, 4)
         assert not saved.hold and [p.tokens for p in saved.plans] == [4], capture
         step(s, 4, 2)
