@@ -96,11 +96,14 @@ def test_hung_server_times_out_instead_of_waiting_forever(server: Valkey) -> Non
     store.put_many([("a", [b"x"])])
     os.kill(server.proc.pid, signal.SIGSTOP)
     try:
-        start = time.monotonic()
-        with pytest.raises(StoreError) as exc:
-            store.get_many(["a"])
-        assert time.monotonic() - start < 2
-        assert "timed out" in _one_line_naming(exc, f"127.0.0.1:{server.port}")
+        # get_into first: its pooled connection is live, so the wait is in its own reader
+        for call in (lambda: store.get_into(["a"], [memoryview(bytearray(1))]),
+                     lambda: store.get_many(["a"])):
+            start = time.monotonic()
+            with pytest.raises(StoreError) as exc:
+                call()
+            assert time.monotonic() - start < 2
+            assert "timed out" in _one_line_naming(exc, f"127.0.0.1:{server.port}")
     finally:
         os.kill(server.proc.pid, signal.SIGCONT)
     store.close()
@@ -360,6 +363,8 @@ def test_tls_round_trip_with_a_verified_server_certificate(tls_server: tuple[int
         data = np.random.default_rng(0).integers(0, 256, 300_000, dtype=np.uint8).tobytes()
         assert store.put_many([("tls/a", [data])]) == [True]
         assert store.get_many(["tls/a"]) == [data]
+        out = bytearray(len(data))
+        assert store.get_into(["tls/a"], [memoryview(out)]) == [len(data)] and out == data
         assert store.put_if_absent("tls/r", b"rec") is True
 
 
@@ -383,6 +388,27 @@ def test_plain_client_against_a_tls_port_fails_in_seconds(tls_server: tuple[int,
     assert time.monotonic() - start < 4
 
 
+def test_an_error_reply_mid_load_leaves_no_half_read_connection_behind(server: Valkey) -> None:
+    """Loads read replies straight from the socket: a reply that is not a value (a key of
+    another type, here) fails the call in one line, and the next calls on the same pool read
+    their own replies, not the rest of the failed one's."""
+    store = open_store(server.url())
+    assert isinstance(store, RedisStore)
+    rng = np.random.default_rng(3)
+    blobs = {k: rng.integers(0, 256, n, dtype=np.uint8).tobytes() for k, n in (("a", 300_000), ("b", 70_000))}
+    assert store.put_many([(k, [v]) for k, v in blobs.items()]) == [True, True]
+    redis.Redis(host="127.0.0.1", port=server.port).rpush(store.prefix + "listy", b"x")
+    for _ in range(3):
+        bufs = [bytearray(300_000), bytearray(1), bytearray(70_000)]
+        with pytest.raises(StoreError, match="WRONGTYPE") as exc:
+            store.get_into(["a", "listy", "b"], [memoryview(b) for b in bufs])
+        _one_line_naming(exc, f"127.0.0.1:{server.port}")
+        out = [bytearray(70_000), bytearray(300_000)]
+        assert store.get_into(["b", "a"], [memoryview(b) for b in out]) == [70_000, 300_000]
+        assert out == [blobs["b"], blobs["a"]]
+    store.close()
+
+
 def test_network_stall_mid_session_costs_one_timeout_per_call(server: Valkey) -> None:
     """The wire stops delivering after the store is open (not the server): each call fails
     within the timeout; nothing waits longer."""
@@ -400,6 +426,34 @@ def test_network_stall_mid_session_costs_one_timeout_per_call(server: Valkey) ->
         assert link.tripped.is_set()
     finally:
         link.close()
+
+
+def test_a_load_over_a_stalled_wire_times_out_in_its_own_reader(server: Valkey) -> None:
+    """A load reads its replies off the socket itself: on a live pooled connection whose wire
+    stops delivering, it fails within the timeout, in one line; over a healthy wire the same
+    keys read whole."""
+    from prefixvault.testing.netfault import FaultyLink
+
+    data = np.random.default_rng(4).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
+    redis.Redis(host="127.0.0.1", port=server.port).set("stall:stall-here", b"x")  # not through the link
+    link = FaultyLink(server.port, b"stall-here", "stall")
+    try:
+        with open_store(f"redis://127.0.0.1:{link.port}/0?prefix=stall:&timeout=0.5") as store:
+            assert store.put_many([("big", [data])]) == [True]
+            out = bytearray(len(data))
+            assert store.get_into(["big"], [memoryview(out)]) == [len(data)] and out == data
+            start = time.monotonic()
+            with pytest.raises(StoreError, match="timed out"):  # the GET of "stall-here" trips it
+                store.get_into(["stall-here"], [memoryview(bytearray(1))])
+            assert time.monotonic() - start < 1.5
+        assert link.tripped.is_set()
+    finally:
+        link.close()
+    with open_store(f"redis://127.0.0.1:{server.port}/0?prefix=stall:") as store:
+        out = bytearray(len(data))
+        sizes = store.get_into(["big", "stall-here"], [memoryview(out), memoryview(bytearray(1))])
+        assert sizes == [len(data), 1]
+        assert out == data
 
 
 def test_touch_resets_the_servers_idle_clock_and_exists_does_not(server: Valkey) -> None:
@@ -477,6 +531,7 @@ def test_acl_users_limited_to_their_key_pattern_cannot_read_each_other(server: V
     assert a.get_many(["ns/r/1"]) == [b"A's record"] and a.touch_many(["ns/r/1"]) == [True]
     b_as_a = store("b", "pv-a:")  # tenant B pointing at A's prefix
     for call in (lambda: b_as_a.get_many(["ns/r/1"]), lambda: b_as_a.exists_many(["ns/r/1"]),
+                 lambda: b_as_a.get_into(["ns/r/1"], [memoryview(bytearray(20))]),
                  lambda: b_as_a.touch_many(["ns/r/1"]), lambda: b_as_a.delete_many(["ns/r/1"])):
         with pytest.raises(StoreError, match=r"(?i)permission"):
             call()

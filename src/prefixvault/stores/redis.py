@@ -1,9 +1,12 @@
 """A store on a Redis or Valkey server (or cluster), through redis-py with hiredis.
 
 Each object is one string value written by a single SET, so readers see it whole or not at
-all. Every batch call is one pipelined round trip. The server, not this store, bounds memory:
-under ``maxmemory`` with an LRU policy it evicts (approximately LRU, server-wide), and with
-``noeviction`` a full server refuses writes, which put_many reports as False.
+all. Every batch call is one pipelined round trip. Loads (``get_into``) on one server read the
+GET replies off a pooled connection's socket straight into their buffers (``_resp.py``: the
+load thread then holds the engine's GIL far less); a cluster goes through redis-py's parser.
+The server, not this store, bounds memory: under ``maxmemory`` with an LRU policy it evicts
+(approximately LRU, server-wide), and with ``noeviction`` a full server refuses writes, which
+put_many reports as False.
 
 With ``ttl`` every object expires after that long without use, and keys put or touched
 together get expiry times in the order given, one millisecond apart (the first the latest).
@@ -24,6 +27,7 @@ server; both are checked at open.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import ssl
 import time
@@ -36,6 +40,7 @@ import redis.cluster
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from prefixvault.stores._resp import BulkReader, ProtocolError, ReplyError
 from prefixvault.stores.base import (
     Buffer,
     Store,
@@ -224,7 +229,10 @@ class RedisStore(Store):
                 db = parts.path.strip("/") or "0"
                 if not db.isdigit():
                     raise StoreError(f"bad redis store URI {shown!r}: database must be a number, got {db!r}")
-                client = redis.Redis(db=int(db), **kwargs)
+                # RESP2, as redis-py before 8 spoke by default: loads read GET replies off the
+                # socket themselves (``_get_direct``), and only RESP3 connections carry pushed
+                # messages (maintenance notifications) between replies.
+                client = redis.Redis(db=int(db), protocol=2, **kwargs)
         except redis.AuthenticationError as exc:  # the cluster client connects while it is built
             raise StoreError(f"redis store {where}: authentication failed: {_one_line(exc)}") from None
         except redis.exceptions.RedisClusterException as exc:  # no node answered, or not a cluster
@@ -356,6 +364,10 @@ class RedisStore(Store):
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         if len(keys) != len(buffers):
             raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        if not keys:
+            return []
+        if isinstance(self._client, redis.Redis):
+            return self._get_direct(self._client.connection_pool, [self._key(k) for k in keys], buffers)
         out: list[int | None] = []
         for data, buf in zip(self._get(keys), buffers, strict=True):
             if data is None:
@@ -366,6 +378,36 @@ class RedisStore(Store):
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._get(keys)
+
+    def _get_direct(self, pool: Any, names: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        """One pipelined round trip of GETs on one server, each value read from the socket
+        into its buffer (``_resp``: redis-py's parser would hold the GIL in 64 KiB bursts
+        while the engine's thread waits). A connection left mid-reply is closed, never pooled."""
+        with self._errors("get"):
+            conn = _checkout(pool)
+            clean = False
+            try:
+                conn.send_packed_command(conn.pack_commands([("GET", name) for name in names]))
+                sock = conn._sock
+                if sock is None:  # closed by another thread meanwhile (close())
+                    raise redis.ConnectionError("connection closed")
+                reader = BulkReader(sock)
+                out = [reader.read_into(buf) for buf in buffers]
+                reader.done()
+                clean = True
+                return out
+            except ReplyError as exc:  # the error class redis-py gives it (LOADING: unavailable)
+                raise conn._parser.parse_error(str(exc)) from None
+            except ProtocolError as exc:
+                raise redis.ConnectionError(str(exc)) from None
+            except TimeoutError as exc:
+                raise redis.TimeoutError(str(exc) or "read timed out") from None
+            except OSError as exc:
+                raise redis.ConnectionError(str(exc)) from None
+            finally:
+                if not clean:
+                    conn.disconnect()
+                pool.release(conn)
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         return [bool(n) for n in self._each("exists", "exists", keys)]
@@ -469,3 +511,14 @@ class RedisStore(Store):
     def close(self) -> None:
         with contextlib.suppress(redis.RedisError):
             self._client.close()
+
+
+def _checkout(pool: Any) -> Any:
+    """A connected connection from the pool (redis-py before 5.3 wants a command name, later
+    versions warn about one)."""
+    return pool.get_connection("GET") if _POOL_WANTS_NAME else pool.get_connection()
+
+
+_POOL_WANTS_NAME = inspect.signature(redis.ConnectionPool.get_connection).parameters.get(
+    "command_name", inspect.Parameter("x", inspect.Parameter.POSITIONAL_ONLY, default=None)
+).default is inspect.Parameter.empty
