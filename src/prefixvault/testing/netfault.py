@@ -13,6 +13,8 @@ import contextlib
 import select
 import socket
 import threading
+import time
+from collections import deque
 from typing import Literal
 
 Fault = Literal["stall", "drop"]
@@ -105,9 +107,12 @@ class FaultyLink:
 
 
 class SlowLink:
-    """Forwards 127.0.0.1:``port`` to 127.0.0.1:``target``, holding every chunk the client sends
-    for ``delay`` seconds: each request/response round trip costs ``delay`` more, like a store
-    across a network. ``delay`` may be changed while connections are open (a store that stalls)."""
+    """Forwards 127.0.0.1:``port`` to 127.0.0.1:``target``, delivering every chunk the client
+    sends ``delay`` seconds after it arrived: each request/response round trip costs ``delay``
+    more, like a store across a network, while bytes keep flowing at loopback speed (a chunk
+    waits for its own time only, not behind the chunks before it). ``delay`` may be changed
+    while connections are open (a store that stalls): chunks arriving from then on wait the new
+    delay, and none overtakes an earlier one."""
 
     def __init__(self, target: int, delay: float) -> None:
         self.target = target
@@ -126,17 +131,58 @@ class SlowLink:
                 if self._closed:
                     return
                 continue
-            for src, dst, slow in ((client, server, True), (server, client, False)):
-                threading.Thread(target=self._pump, args=(src, dst, slow), daemon=True).start()
+            queue: deque[tuple[float, bytes]] = deque()
+            ready = threading.Condition()
+            threading.Thread(target=self._take, args=(client, server, queue, ready), daemon=True).start()
+            threading.Thread(target=self._deliver, args=(server, client, queue, ready), daemon=True).start()
+            threading.Thread(target=self._pump, args=(server, client), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket, slow: bool) -> None:
+    def _take(self, src: socket.socket, dst: socket.socket, queue: deque[tuple[float, bytes]],
+              ready: threading.Condition) -> None:
+        """Client to server: stamp each chunk with the time it is due (b"" marks the end)."""
+        try:
+            while not self._closed:
+                data = src.recv(1 << 20)
+                with ready:
+                    queue.append((time.monotonic() + self.delay, data))
+                    ready.notify()
+                if not data:
+                    return
+        except OSError:
+            with ready:
+                queue.append((0.0, b""))
+                ready.notify()
+
+    def _deliver(self, dst: socket.socket, src: socket.socket, queue: deque[tuple[float, bytes]],
+                 ready: threading.Condition) -> None:
+        try:
+            while not self._closed:
+                with ready:
+                    while not queue:
+                        ready.wait(0.1)
+                        if self._closed:
+                            return
+                    due, data = queue.popleft()
+                if not data:
+                    break
+                wait = due - time.monotonic()
+                if wait > 0:
+                    threading.Event().wait(wait)
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        """Server to client, as it comes."""
         try:
             while not self._closed:
                 data = src.recv(1 << 20)
                 if not data:
                     break
-                if slow and self.delay:
-                    threading.Event().wait(self.delay)
                 dst.sendall(data)
         except OSError:
             pass

@@ -1,0 +1,49 @@
+"""The slow link the benchmarks and stall tests put in front of a store: it adds latency to
+every round trip and nothing else (bytes still flow at loopback speed)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import redis
+
+from prefixvault.testing.netfault import SlowLink
+from prefixvault.testing.valkey import Valkey
+
+
+@pytest.fixture
+def server() -> Iterator[Valkey]:
+    valkey = Valkey()
+    yield valkey
+    valkey.stop()
+
+
+def test_each_round_trip_costs_the_delay_and_bandwidth_is_not_capped(server: Valkey) -> None:
+    link = SlowLink(server.port, 0.05)
+    try:
+        client = redis.Redis(host="127.0.0.1", port=link.port, socket_timeout=10)
+        client.ping()  # connected (the handshake's round trips are not timed)
+        start = time.monotonic()
+        for _ in range(3):
+            client.ping()
+        assert time.monotonic() - start >= 3 * 0.05
+        big = bytes(range(256)) * (32 << 12)  # 32 MiB: 32 reads of 1 MiB at least on the way in
+        start = time.monotonic()
+        assert client.set("big", big)
+        took = time.monotonic() - start
+        # One round trip's delay, not one per chunk (which would be >= 32 x 0.05 s).
+        assert 0.05 <= took < 1.0, took
+        assert client.get("big") == big
+        link.delay = 0.3  # a stall that starts while the connection is open
+        start = time.monotonic()
+        client.ping()
+        assert time.monotonic() - start >= 0.3
+        link.delay = 0.0
+        start = time.monotonic()
+        client.ping()
+        assert time.monotonic() - start < 0.2
+        client.close()
+    finally:
+        link.close()
