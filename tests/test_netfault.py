@@ -3,6 +3,8 @@ every round trip and nothing else (bytes still flow at loopback speed)."""
 
 from __future__ import annotations
 
+import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -47,3 +49,31 @@ def test_each_round_trip_costs_the_delay_and_bandwidth_is_not_capped(server: Val
         client.close()
     finally:
         link.close()
+
+
+def test_a_client_that_half_closes_still_gets_the_whole_reply() -> None:
+    """A client that sends its request, then shuts its sending side, reads the reply to the end
+    (a server that answers only once it has read everything)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer() -> None:
+        conn, _ = listener.accept()
+        got = b""
+        while chunk := conn.recv(1 << 16):
+            got += chunk
+        conn.sendall(got[::-1] * 1000)
+        conn.close()
+
+    threading.Thread(target=answer, daemon=True).start()
+    link = SlowLink(listener.getsockname()[1], 0.05)
+    try:
+        with socket.create_connection(("127.0.0.1", link.port), timeout=10) as c:
+            c.sendall(b"hello")
+            c.shutdown(socket.SHUT_WR)
+            reply = b""
+            while chunk := c.recv(1 << 16):
+                reply += chunk
+        assert reply == b"olleh" * 1000
+    finally:
+        link.close()
+        listener.close()

@@ -109,10 +109,12 @@ class FaultyLink:
 class SlowLink:
     """Forwards 127.0.0.1:``port`` to 127.0.0.1:``target``, delivering every chunk the client
     sends ``delay`` seconds after it arrived: each request/response round trip costs ``delay``
-    more, like a store across a network, while bytes keep flowing at loopback speed (a chunk
-    waits for its own time only, not behind the chunks before it). ``delay`` may be changed
-    while connections are open (a store that stalls): chunks arriving from then on wait the new
-    delay, and none overtakes an earlier one."""
+    more, like a store across a network, while bytes keep flowing at loopback speed (chunks are
+    not held one after another, so a large write costs one delay, not one per chunk).
+    ``delay`` may be changed while connections are open (a store that stalls): chunks arriving
+    from then on are due after the new delay, and none overtakes an earlier one (after a long
+    delay drops, new chunks still wait for those stamped before). ``close()`` stops accepting
+    and cuts the open connections."""
 
     def __init__(self, target: int, delay: float) -> None:
         self.target = target
@@ -155,6 +157,7 @@ class SlowLink:
 
     def _deliver(self, dst: socket.socket, src: socket.socket, queue: deque[tuple[float, bytes]],
                  ready: threading.Condition) -> None:
+        ended = False  # the client finished sending: the server's reply still comes back
         try:
             while not self._closed:
                 with ready:
@@ -164,6 +167,7 @@ class SlowLink:
                             return
                     due, data = queue.popleft()
                 if not data:
+                    ended = True
                     break
                 wait = due - time.monotonic()
                 if wait > 0:
@@ -172,9 +176,13 @@ class SlowLink:
         except OSError:
             pass
         finally:
-            for s in (src, dst):
+            if ended:  # half-close: the server sees the end; its reply still flows back (_pump)
                 with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
+                    dst.shutdown(socket.SHUT_WR)
+            else:
+                for s in (src, dst):
+                    with contextlib.suppress(OSError):
+                        s.shutdown(socket.SHUT_RDWR)
 
     def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         """Server to client, as it comes."""
