@@ -519,6 +519,6 @@ def _checkout(pool: Any) -> Any:
     return pool.get_connection("GET") if _POOL_WANTS_NAME else pool.get_connection()
 
 
-_POOL_WANTS_NAME = inspect.signature(redis.ConnectionPool.get_connection).parameters.get(
-    "command_name", inspect.Parameter("x", inspect.Parameter.POSITIONAL_ONLY, default=None)
-).default is inspect.Parameter.empty
+_POOL_PARAMS = inspect.signature(redis.ConnectionPool.get_connection).parameters
+_POOL_WANTS_NAME = "command_name" in _POOL_PARAMS and \
+    _POOL_PARAMS["command_name"].default is inspect.Parameter.empty

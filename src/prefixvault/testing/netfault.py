@@ -135,11 +135,11 @@ class SlowLink:
                 continue
             queue: deque[tuple[float, bytes]] = deque()
             ready = threading.Condition()
-            threading.Thread(target=self._take, args=(client, server, queue, ready), daemon=True).start()
+            threading.Thread(target=self._take, args=(client, queue, ready), daemon=True).start()
             threading.Thread(target=self._deliver, args=(server, client, queue, ready), daemon=True).start()
             threading.Thread(target=self._pump, args=(server, client), daemon=True).start()
 
-    def _take(self, src: socket.socket, dst: socket.socket, queue: deque[tuple[float, bytes]],
+    def _take(self, src: socket.socket, queue: deque[tuple[float, bytes]],
               ready: threading.Condition) -> None:
         """Client to server: stamp each chunk with the time it is due (b"" marks the end)."""
         try:
