@@ -592,22 +592,31 @@ def test_ttl_on_a_replica_is_refused_at_open() -> None:
 
 
 def test_volatile_ttl_evicts_a_chain_from_its_tail() -> None:
-    """With ``ttl`` and ``maxmemory-policy volatile-ttl``, Redis evicts the key nearest to
-    expiry: of keys put together, the last. (Every key is sampled here: fewer keys than
-    ``maxmemory-samples``, so the order is exact; a large server evicts approximately.)"""
-    server = Valkey("--maxmemory", "4mb", "--maxmemory-policy", "volatile-ttl", "--maxmemory-samples", "64")
-    try:
-        with open_store(server.url(ttl="3600")) as store:
-            head = [f"old/{i}" for i in range(12)]
-            assert all(store.put_many([(k, [bytes(OBJ)]) for k in head]))
-            assert all(store.touch_many(head[:4]))  # a hit on the chain's first four
-            for i in range(20):  # later chains push the old one out
-                store.put_many([(f"new/{i}", [bytes(OBJ)])])
-            alive = store.exists_many(head)
-            assert 0 < sum(alive) < len(head)
-            assert alive == sorted(alive, reverse=True), alive  # what is left is the head
-    finally:
-        server.stop()
+    """With ``ttl`` and ``maxmemory-policy volatile-ttl``, Redis evicts the sampled key nearest
+    to expiry: of keys put together, the last. Its sampling returns only some of the keys, even
+    of fewer than ``maxmemory-samples`` (measured: most runs evict in exact order, about one in
+    ten puts a key or several out of place), so the order is judged over three runs: a key kept
+    after an evicted one of its chain is out of place, and random eviction (``volatile-random``)
+    leaves about half of those pairs out of place."""
+    misplaced = pairs = 0
+    for _ in range(3):
+        server = Valkey("--maxmemory", "4mb", "--maxmemory-policy", "volatile-ttl",
+                        "--maxmemory-samples", "64")
+        try:
+            with open_store(server.url(ttl="3600")) as store:
+                head = [f"old/{i}" for i in range(12)]
+                assert all(store.put_many([(k, [bytes(OBJ)]) for k in head]))
+                assert all(store.touch_many(head[:4]))  # a hit on the chain's first four
+                for i in range(20):  # later chains push the old one out
+                    store.put_many([(f"new/{i}", [bytes(OBJ)])])
+                alive = store.exists_many(head)
+        finally:
+            server.stop()
+        assert 0 < sum(alive) < len(head)
+        n = len(head)
+        misplaced += sum(alive[j] and not alive[i] for i in range(n) for j in range(i + 1, n))
+        pairs += sum(alive) * (n - sum(alive))
+    assert misplaced <= 0.25 * pairs, (misplaced, pairs)
 
 
 @pytest.mark.parametrize(
