@@ -93,11 +93,14 @@ def run_store(uri: str, args: argparse.Namespace) -> dict[str, Any]:
 
     stop = threading.Event()
     loads = [0]
+    failed: list[str] = []  # a load that failed: its figures would be of less work
 
     def loader() -> None:
         while not stop.is_set():
-            if not vault.load(refs, borrow=False).ok:
-                raise RuntimeError("a load failed")
+            got = vault.load(refs, borrow=False)
+            if not got.ok:
+                failed.append(str(got.failed))
+                return
             loads[0] += 1
             time.sleep(args.gap_ms / 1000)  # requests arrive apart
 
@@ -110,6 +113,8 @@ def run_store(uri: str, args: argparse.Namespace) -> dict[str, Any]:
     thread.join()
     elapsed = time.perf_counter() - t0
     store.close()
+    if failed:
+        raise SystemExit(f"{uri}: a load beside the steps failed: {failed[0]}")
     a, b = figures(alone), figures(beside)
     return {"alone": a, "beside_loads": b, "p99_ratio": round(b["p99_ms"] / a["p99_ms"], 3),
             "p50_ratio": round(b["p50_ms"] / a["p50_ms"], 3), "loads_per_s": round(loads[0] / elapsed, 1),
