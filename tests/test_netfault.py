@@ -77,3 +77,25 @@ def test_a_client_that_half_closes_still_gets_the_whole_reply() -> None:
     finally:
         link.close()
         listener.close()
+
+
+def test_a_pipeline_sent_in_pieces_is_not_held_for_a_delayed_ack(server: Valkey) -> None:
+    """A request written in several pieces (a pipeline of many commands) reaches the server as
+    soon as it is due: the link holds no piece back for the previous one's ack (Nagle against
+    a delayed ack would add ~40 ms to a round trip the network it stands for does not have)."""
+    link = SlowLink(server.port, 0.02)
+    try:
+        client = redis.Redis(host="127.0.0.1", port=link.port, socket_timeout=10)
+        client.ping()
+        took = []
+        for _ in range(15):
+            pipe = client.pipeline(transaction=False)
+            for i in range(600):
+                pipe.exists(f"key-{i:05d}")
+            start = time.monotonic()
+            pipe.execute()
+            took.append(time.monotonic() - start)
+        assert sorted(took)[len(took) // 2] < 0.02 + 0.015, took  # the delay, and not 40 ms more
+        client.close()
+    finally:
+        link.close()

@@ -20,6 +20,13 @@ from typing import Literal
 Fault = Literal["stall", "drop"]
 
 
+def no_delay(*socks: socket.socket) -> None:
+    """Forward each chunk as it is handed over (no Nagle): a proxy that held a small chunk for
+    the peer's delayed ack would add tens of milliseconds the network it stands for has not."""
+    for s in socks:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class FaultyLink:
     """Forwards 127.0.0.1:``port`` to 127.0.0.1:``target`` until ``trigger`` is seen."""
 
@@ -46,6 +53,7 @@ class FaultyLink:
                 continue
             try:
                 server = socket.create_connection(("127.0.0.1", self.target))
+                no_delay(client, server)
             except OSError:
                 client.close()
                 continue
@@ -129,6 +137,7 @@ class SlowLink:
             try:
                 client, _ = self._listener.accept()
                 server = socket.create_connection(("127.0.0.1", self.target))
+                no_delay(client, server)
             except OSError:
                 if self._closed:
                     return
