@@ -113,6 +113,8 @@ def test_an_open_breaker_is_its_own_reason_and_logs_nothing_per_request(
 class SlowStore(MemoryStore):
     """A store whose every existence check takes ``delay`` seconds (a stalled network store)."""
 
+    remote = True
+
     def __init__(self, delay: float) -> None:
         super().__init__()
         self.delay = delay
@@ -139,6 +141,37 @@ def test_a_slow_lookup_never_holds_the_scheduler_and_answers_later() -> None:
     assert side.get_num_new_matched_tokens(req, 0) == (None, False)
     assert time.monotonic() - t0 < 0.1, "the scheduler waited for the store"
     assert ask_side(side, req) == (40, True)
+
+
+def test_a_hit_over_a_slow_store_is_answered_after_one_round_trip() -> None:
+    """The lookup thread hands the answer over after the first round trip, and touches what
+    the hit uses after it (before its next batch)."""
+    import time
+
+    slow = SlowStore(0.0)
+    vault = Vault(slow, layout())
+    fill(vault, TOKENS, [16, 40])
+    calls: list[float] = []
+    touch = slow.touch_many
+
+    def timed(keys: Sequence[str], marks: Sequence[bool] | None = None) -> list[bool]:
+        found = touch(keys, marks)
+        calls.append(time.monotonic())
+        return found
+
+    slow.touch_many = timed  # type: ignore[method-assign]
+    slow.delay = 0.3
+    side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=False)
+    req = SimpleNamespace(request_id="o1", prompt_token_ids=TOKENS[:41], num_tokens=41, cache_salt=None,
+                          lora_request=None, mm_features=None)
+    t0 = time.monotonic()
+    assert ask_side(side, req) == (40, True)
+    assert time.monotonic() - t0 < 0.5, "the answer waited for a second round trip"
+    deadline = time.monotonic() + 5
+    while len(calls) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(calls) == 2  # then the touch
+    side.close()
 
 
 def test_a_lookup_past_its_timeout_is_a_miss() -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
+from unittest.mock import patch
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -39,6 +40,12 @@ class FlakyStore(MemoryStore):
     def __init__(self, failing_rank: int | None) -> None:
         super().__init__()
         self.failing_rank = failing_rank
+        self.touched: list[str] = []  # every key a call marked as used, in the order given
+
+    def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
+        marks = touch if touch is not None else [True] * len(keys)
+        self.touched += [k for k, t in zip(keys, marks, strict=True) if t]
+        return super().touch_many(keys, touch)
 
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         ok = super().put_many([it for it in items if not self._fails(it[0])])
@@ -179,9 +186,23 @@ def test_lookup_returns_exactly_the_longest_resumable_boundary(
     expected = max([b for b in range(BS, limit + 1, BS) if resumable(b)] or [0])
 
     c_hashes = vault.hashes(consumer)
+    store.touched.clear()
     hit = vault.lookup(c_hashes, len(consumer))
     assert hit == expected
     assert hit < len(consumer)
+    # Checking every candidate's objects beside the records (one round trip, as on a network
+    # store) answers, explains and touches exactly as the two round trips do.
+    touched = list(store.touched)
+    for min_tokens in (0, data.draw(st.integers(0, limit))):
+        answers = []
+        for remote in (True, False):
+            with patch.object(store, "remote", remote):
+                store.touched.clear()
+                found = vault.lookup_explained(c_hashes, len(consumer), min_tokens)
+                answers.append((found, store.touched[:]))
+        assert answers[0] == answers[1]
+        if min_tokens == 0:
+            assert answers[0][0].hit == hit and answers[0][1] == touched
     if hit:
         loaded = vault.load(vault.needed(c_hashes, hit))
         assert loaded.ok

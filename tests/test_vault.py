@@ -3,17 +3,19 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 
+from prefixvault import vault as vault_module
 from prefixvault.boundary import Refusal, StateCapture, plan_saves
 from prefixvault.codec import HEADER_SIZE
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.records import BoundaryRecord
 from prefixvault.stores.base import Buffer, Store, StoreStats
 from prefixvault.stores.memory import MemoryStore
-from prefixvault.vault import ObjectRef, RankAck, Vault
+from prefixvault.vault import LookupResult, Miss, ObjectRef, RankAck, Vault
 
 BS = 8
 
@@ -66,7 +68,8 @@ def test_publish_lookup_load_round_trip() -> None:
     store.calls.clear()
     hashes = vault.hashes([*tokens[:50], 999])
     assert vault.lookup(hashes, 51) == 40
-    assert store.calls == ["touch", "touch"]  # records, then objects: two round trips
+    # records and every candidate's objects, then a touch of what the hit uses
+    assert store.calls == ["touch", "touch"]
     loaded = vault.load(vault.needed(hashes, 40))
     assert loaded.ok
     # full attention needs all 5 blocks, an 8-token window only the last, the state one object
@@ -354,3 +357,39 @@ def test_a_request_s_steps_published_together_chain_as_published_one_by_one() ->
     assert outcomes[:2] == [{8: None, 16: None}, {24: None, 32: None}]
     assert outcomes[2][16] is Refusal.STORE_ERROR and outcomes[2][8] is None
     assert records[(24, 1)] == 16  # the second step's first record names the first step's top
+
+
+NOT_LONGEST = LookupResult(40, 48, Miss.NO_RECORD)
+
+
+def test_a_hit_is_answered_after_one_round_trip_and_touched_after() -> None:
+    """On a network store, where every candidate's objects are few, they are checked beside
+    the records: the answer needs one round trip, and what the hit uses is touched in a call
+    the caller makes once it has the answer. Above the bound, the lookup takes its two round
+    trips, as it does on a local store (a round trip there costs less than the keys)."""
+    store = CountingStore()
+    store.remote = True
+    vault = Vault(store, layout())
+    tokens = list(range(64))
+    fill(vault, tokens, [16, 40])
+    hashes = vault.hashes([*tokens[:50], 999])
+    store.calls.clear()
+    later: list[tuple[list[str], list[bool]]] = []
+    assert vault.lookup_many([(hashes, 51, 0)], touch_later=later) == [NOT_LONGEST]
+    assert store.calls == ["touch"]
+    # In chain order, block by block: the full-attention blocks, the window's blocks from what
+    # the shortest published boundary needs on, and the state at 40 only (the state at 16,
+    # passed over, is left to age).
+    assert [k.split("/")[2] + k.split("/")[3] for k in later[0][0]] == [
+        "b0", "b0", "b1", "b0", "b1", "b0", "b1", "b0", "b1", "s2"]
+    vault.touch(later)
+    assert store.calls == ["touch", "touch"]
+    store.calls.clear()
+    with patch.object(vault_module, "SPECULATIVE_KEYS", 4):
+        later = []
+        assert vault.lookup_many([(hashes, 51, 0)], touch_later=later) == [NOT_LONGEST]
+    assert store.calls == ["touch", "touch"] and later == []
+    store.calls.clear()
+    store.remote = False
+    assert vault.lookup_many([(hashes, 51, 0)], touch_later=later) == [NOT_LONGEST]
+    assert store.calls == ["touch", "touch"] and later == []

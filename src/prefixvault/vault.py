@@ -6,7 +6,9 @@ the hash chain and points at the earlier record it extends, so record bytes and 
 grow with what a step computed, not with the prompt.
 Lookup: records first, then an existence check of every object the published candidates
 need, in two batched round trips whatever the prompt length, in time linear in the prompt
-(invariant 2).
+(invariant 2); on a network store, where the objects of every candidate are few, they are
+checked beside the records, and a hit is answered after one round trip (its objects are
+touched afterwards).
 Load: every object is checked against the header the reader expects and its checksum
 (its MAC, in a namespace with a secret) before its payload is handed out; bad objects are
 counted and removed (invariant 3).
@@ -35,6 +37,13 @@ from prefixvault.tenancy import NamespaceKey
 
 #: How often a publishing vault reads its stored layout back to check it (seconds).
 LAYOUT_VERIFY_S = 300.0
+#: On a network store (``Store.remote``) a lookup checks the objects of every candidate
+#: boundary beside the records (one round trip instead of two) when they are at most this many
+#: keys: the extra keys a miss then checks cost less than a second round trip.
+SPECULATIVE_KEYS = 512
+
+#: Keys to touch after a lookup answered, and which of them (``Store.touch_many``'s arguments).
+_Touch = tuple[list[str], list[bool]]
 
 
 def _is_layout(blob: bytes, expected: bytes, key: NamespaceKey | None) -> bool:
@@ -465,21 +474,28 @@ class Vault:
     ) -> LookupResult:
         """The hit, and why it is shorter than the longest prefix when it is (counted by reason).
 
-        Two round trips whatever the prompt length (records, then objects), and work linear
-        in the prompt: the objects of every published candidate are checked in one batch, and
-        prefix counts of missing blocks answer each candidate in constant time. For layouts
+        Two round trips whatever the prompt length (records, then objects; one on a network
+        store where the objects are few, ``_lookup_steps``), and work linear in the prompt:
+        the objects of every published candidate are checked in one batch, and prefix counts
+        of missing blocks answer each candidate in constant time. For layouts
         with state, each round trip also asks for the KV block and the state just past the
         longest published boundary (two keys), so that a miss says whether the prefix's KV
         was stored further while no exact state was kept there.
         """
         return self.lookup_many([(hashes, prompt_tokens, min_tokens)])[0]
 
-    def lookup_many(self, asks: Sequence[tuple[Sequence[bytes], int, int]]) -> list[LookupResult]:
+    def lookup_many(self, asks: Sequence[tuple[Sequence[bytes], int, int]],
+                    touch_later: list[_Touch] | None = None) -> list[LookupResult]:
         """``lookup_explained`` for several prompts, (hashes, prompt tokens, min tokens) each,
         in the round trips of one: each round trip touches the keys of every lookup still
         going, so lookups that arrive together over a slow store cost two round trips, not two
-        each."""
-        steps = [self._lookup_steps(h, n, m) for h, n, m in asks]
+        each (one, where the objects of every candidate were checked beside the records).
+
+        A lookup answered from that first round trip still touches what its hit uses, in a
+        further call: made before this returns, or, with ``touch_later``, appended to it for
+        the caller to make after it has used the answers (``touch``)."""
+        later: list[_Touch] = []
+        steps = [self._lookup_steps(h, n, m, later) for h, n, m in asks]
         results: list[LookupResult | None] = [None] * len(steps)
         pending: dict[int, tuple[list[str], list[bool]]] = {}
         for i, step in enumerate(steps):
@@ -500,10 +516,20 @@ class Vault:
                 except StopIteration as done:
                     results[i] = done.value
         assert all(r is not None for r in results)
+        if touch_later is not None:
+            touch_later += later
+        else:
+            self.touch(later)
         return [r for r in results if r is not None]
 
+    def touch(self, touches: Sequence[_Touch]) -> None:
+        """Touch what lookups answered early use, all in one call (order kept)."""
+        keys = [k for ks, _ in touches for k in ks]
+        if keys:
+            self.store.touch_many(keys, [t for _, ts in touches for t in ts])
+
     def _lookup_steps(
-        self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int
+        self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int, later: list[_Touch]
     ) -> Generator[tuple[list[str], list[bool]], list[bool], LookupResult]:
         """One lookup as the keys it checks, round trip by round trip (``lookup_many`` sends
         each answer back); returns its result.
@@ -513,11 +539,15 @@ class Vault:
         tail. Of the states, only the one at the longest published boundary (the hit, unless
         an object of it is gone) is touched: a state the hit passes over ages (a
         conversation's earlier turns, once a later one is stored). Probes past the hit are
-        only checked."""
+        only checked.
+
+        On a network store, where every candidate's objects are at most ``SPECULATIVE_KEYS``
+        keys, they are checked (not touched) in the first round trip, the answer comes from it,
+        and the second round trip's touches go to ``later`` instead."""
         self.counters.lookups += 1
         bs = self.layout.block_size
         limit = min(max_resume_tokens(prompt_tokens, bs), len(hashes) * bs)
-        candidates = list(range(limit, min_tokens, -bs))
+        candidates = range(limit, min_tokens, -bs)
         if not candidates:
             return self._result(0, limit, Miss.LOCAL_HIT if limit else Miss.SHORT_PROMPT)
         hexes = [h.hex() for h in hashes[: limit // bs]]
@@ -525,25 +555,27 @@ class Vault:
         # Records from the shortest boundary on (the tail of a chain ages first).
         record_keys = [rprefix + hexes[b // bs - 1] for b in reversed(candidates)]
         probes = self._probes(hexes[0])  # past boundary 0: the first block
-        exists = yield ([self.keys.layout(), *record_keys, *probes],
-                        [True] * (1 + len(record_keys)) + [False] * len(probes))
+        # Every object of every candidate, when they are few (a superset of what the second
+        # round trip would check: its probes included).
+        every = self._wanted(candidates)
+        speculative = [k for k in dict.fromkeys(prefix + hexes[i] for _, _, prefix, idx in every for i in idx)
+                       if k not in probes] \
+            if self.store.remote and sum(len(idx) for *_, idx in every) <= SPECULATIVE_KEYS else []
+        first = [self.keys.layout(), *record_keys, *probes]
+        exists = yield ([*first, *speculative], [True] * (1 + len(record_keys)) + [False] * (
+            len(probes) + len(speculative)))
+        known = dict(zip([*probes, *speculative], exists[len(first) - len(probes):], strict=True)) \
+            if speculative else {}
+        exists = exists[: len(first)]
         published = [b for b, e in zip(reversed(candidates), exists[1 : 1 + len(candidates)], strict=True)
                      if e][::-1]
         if published and not exists[0]:
             self.keep_layout(present=False)  # evicted or removed: write it again (rare)
         if not published:
             return self._result(0, limit, self._past_hit(probes, exists[len(exists) - len(probes):]))
-        top, low = published[0] // bs, published[-1] // bs
+        top = published[0] // bs
         # Per (group, rank): the block (or state) indices to check.
-        wanted: list[tuple[int, int, str, range | list[int]]] = []
-        for rank in range(self.layout.world_size):
-            for gi, group in enumerate(self.layout.groups):
-                if group.is_state:
-                    wanted.append((gi, rank, self.keys.state_prefix(gi, rank),
-                                   [b // bs - 1 for b in published]))
-                else:
-                    first = needed_blocks(group, low * bs, bs).start
-                    wanted.append((gi, rank, self.keys.block_prefix(gi, rank), range(first, top)))
+        wanted = self._wanted(published)
         keys = [prefix + hexes[i] for _, _, prefix, idx in wanted for i in idx]
         # Sent in chain order (each index's blocks, then the state at its end), blocks touched.
         chain = np.concatenate([2 * np.asarray(idx, dtype=np.int64) + self.layout.groups[gi].is_state
@@ -551,8 +583,13 @@ class Vault:
         order = np.argsort(chain, kind="stable")
         ranked = chain[order]
         probes = self._probes(hexes[top]) if top * bs < limit else []  # past the top published
-        sent = yield ([keys[j] for j in order.tolist()] + probes,
-                      ((ranked % 2 == 0) | (ranked == 2 * top - 1)).tolist() + [False] * len(probes))
+        asked = [keys[j] for j in order.tolist()] + probes
+        touched = ((ranked % 2 == 0) | (ranked == 2 * top - 1)).tolist() + [False] * len(probes)
+        if known and all(k in known for k in asked):
+            sent = [known[k] for k in asked]
+            later.append(([k for k, t in zip(asked, touched, strict=True) if t], [True] * sum(touched)))
+        else:
+            sent = yield (asked, touched)
         unsorted = np.empty(len(keys), dtype=bool)
         unsorted[order] = sent[: len(keys)]
         flags = unsorted.tolist()
@@ -591,6 +628,23 @@ class Vault:
         if hit < published[0]:  # the longest published boundary cannot resume any more
             return self._result(hit, limit, Miss.EVICTED)
         return self._result(hit, limit, self._past_hit(probes, probed))
+
+    def _wanted(self, boundaries: Sequence[int]) -> list[tuple[int, int, str, range | list[int]]]:
+        """Per (group, rank): its key prefix and the block (or state) indices that restoring
+        any of ``boundaries`` (tokens, longest first) needs."""
+        bs = self.layout.block_size
+        top, low = boundaries[0] // bs, boundaries[-1] // bs
+        wanted: list[tuple[int, int, str, range | list[int]]] = []
+        for rank in range(self.layout.world_size):
+            for gi, group in enumerate(self.layout.groups):
+                if group.is_state:  # (a range of boundaries gives a range: counted for free)
+                    states = range(top - 1, low - 2, -1) if isinstance(boundaries, range) and \
+                        boundaries.step == -bs else [b // bs - 1 for b in boundaries]
+                    wanted.append((gi, rank, self.keys.state_prefix(gi, rank), states))
+                else:
+                    first = needed_blocks(group, low * bs, bs).start
+                    wanted.append((gi, rank, self.keys.block_prefix(gi, rank), range(first, top)))
+        return wanted
 
     def _probes(self, block_hex: str) -> list[str]:
         """For layouts with state: a KV block of a full-attention group, and the state at the

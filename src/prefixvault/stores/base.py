@@ -117,6 +117,9 @@ class Store(abc.ABC):
     """
 
     uri: str
+    #: Whether each batch call crosses a network (Redis, Mooncake): a round trip then costs
+    #: more than checking more keys in it, and the vault trades the one for the other.
+    remote: bool = False
 
     @abc.abstractmethod
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:

@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeVar
+from urllib.parse import urlsplit
 
 from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable, redact
 
@@ -151,6 +152,9 @@ class BreakerStore(Store):
         self._opener = opener
         self._store = store
         self.breaker = CircuitBreaker(policy, clock, f"store {self.uri}")
+        # Known before the store opens: whatever the URI names, other than a local directory
+        # or process memory, is across a network.
+        self.remote = store.remote if store is not None else urlsplit(uri).scheme not in ("local", "memory")
         if store is None:
             self.breaker.trip(str(first_error or "not opened"))
 

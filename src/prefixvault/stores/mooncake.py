@@ -322,6 +322,8 @@ def _chunks(sizes: Sequence[int], limit: int) -> Iterator[list[int]]:
 class MooncakeStore(Store):
     """Objects under ``prefix + key`` in a Mooncake Store cluster."""
 
+    remote = True
+
     def __init__(self, client: _Client, *, uri: str, admin: str, prefix: str, capacity: int | None,
                  timeout: float) -> None:  # fmt: skip
         self.uri = uri

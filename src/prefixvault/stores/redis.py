@@ -105,6 +105,8 @@ def _one_line(exc: BaseException) -> str:
 class RedisStore(Store):
     """Objects as plain string values under ``prefix + key`` on one server or cluster."""
 
+    remote = True
+
     def __init__(
         self,
         client: redis.Redis | redis.cluster.RedisCluster,

@@ -1,7 +1,7 @@
 """Scheduler side of the connector: look up hits, and turn engine reports into save plans.
 
 Everything here runs in vLLM's engine-core process, inside the scheduler's step. Lookups
-(hashing the prompt, then two store round trips) run on a background thread: the scheduler
+(hashing the prompt, then one or two store round trips) run on a background thread: the scheduler
 waits for a new one at most ``LOOKUP_WAIT_S`` (a local store answers within it), and not at
 all for one already in flight; until it answers the request is reported undetermined
 (``None``: vLLM keeps it waiting and asks again next step)
@@ -252,7 +252,7 @@ class SchedulerSide:
     def _submit_lookup(self, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
                        min_tokens: int, saving: Counter[bytes] | None) -> Future[_Answer]:
         """Queue a lookup for the lookup thread, which takes every lookup queued by then as one
-        batch (``Vault.lookup_many``: two round trips for all of them)."""
+        batch (``Vault.lookup_many``: one or two round trips for all of them)."""
         future: Future[_Answer] = Future()
         with self._queue_lock:
             self._queue.append((future, prompt, extra, known, num_tokens, min_tokens, saving))
@@ -283,15 +283,20 @@ class SchedulerSide:
             waiting.append((future, hashes))
         if not asks:
             return
+        touches: list[tuple[list[str], list[bool]]] = []
         try:
             assert self.vault is not None
-            found = self.vault.lookup_many(asks)
+            found = self.vault.lookup_many(asks, touch_later=touches)
         except Exception as e:
             for future, _ in waiting:
                 future.set_exception(e)
             return
         for (future, hashes), result in zip(waiting, found, strict=True):
             future.set_result((hashes, result))
+        try:  # answered: now keep what the hits use fresh for the store's eviction
+            self.vault.touch(touches)
+        except Exception as e:  # the answers stand; a store error here costs freshness only
+            log.debug("prefixvault: touching what a lookup found failed: %s", e)
 
     def _saving_any(self, hashes: list[bytes]) -> bool:
         saving = self._saving_hashes
