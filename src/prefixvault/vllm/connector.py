@@ -238,9 +238,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         return PrefixVaultPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.close()
+        drained = self.scheduler.close() if self.scheduler is not None else True
         if self.worker is not None:
             self.worker.close()
-        if self.vault is not None:
+        if self.vault is not None and drained:  # (a write still running keeps its store open)
             self.vault.store.close()

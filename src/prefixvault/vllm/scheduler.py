@@ -44,6 +44,11 @@ from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, Release, Sa
 
 log = logging.getLogger("vllm.prefixvault")
 
+#: Verification samples queued or being written at most; past it a sample is dropped (counted
+#: in ``verify_sample_errors``).
+MAX_PENDING_SAMPLES = 64
+#: How long closing the connector waits for samples still being written.
+SAMPLE_DRAIN_S = 5.0
 #: After this many loads for one request, it is computed without the store.
 MAX_LOADS_PER_REQUEST = 2
 #: How long the scheduler waits for a lookup before it lets the step go on without it.
@@ -139,6 +144,10 @@ class SchedulerSide:
         self.admission = Admission(Policy(settings.capture.value), settings.capture_interval, observes=load)
         # One thread: the scheduler's store calls stay in order, and never run in its step.
         self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-lookup")
+        # Verification samples are written on a thread of their own: a put never delays a lookup.
+        self._sampler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-sample")
+        self._samples_lock = threading.Lock()
+        self._samples_pending: set[Future[None]] = set()  # written or queued; under _samples_lock
         self._queue_lock = threading.Lock()
         # Lookups waiting for the lookup thread: (future, prompt, extra keys, known hashes,
         # prompt tokens, tokens the engine has, saves in flight); under _queue_lock.
@@ -155,8 +164,18 @@ class SchedulerSide:
         self._releases: list[tuple[Release, list[bytes]]] = []
         self._hold_last = settings.capture_outputs and settings.output_boundaries is OutputBoundaries.LAST
 
-    def close(self) -> None:
+    def close(self) -> bool:
+        """Drop lookups still queued; give samples being written ``SAMPLE_DRAIN_S`` to land.
+        Whether every one did (if not, one may still be in the store's hands: do not close it)."""
         self._lookups.shutdown(wait=False, cancel_futures=True)
+        with self._samples_lock:
+            pending = set(self._samples_pending)
+        left = futures_wait(pending, timeout=SAMPLE_DRAIN_S).not_done
+        self._sampler.shutdown(wait=False, cancel_futures=True)
+        if left:
+            log.warning("prefixvault: %d verification samples still being written at shutdown; "
+                        "the store is left open for them", len(left))
+        return not left
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -613,7 +632,9 @@ class SchedulerSide:
         return delay
 
     def _sample(self, request: Any, st: _Request) -> None:
-        """Maybe write a verification sample of a restored greedy request (``verify_sample``)."""
+        """Maybe take a verification sample of a restored greedy request (``verify_sample``):
+        read here, written to the store on the sample thread (a store round trip never runs
+        in the engine's step)."""
         rate = self.settings.verify_sample
         if not st.loaded or rate <= 0 or self.vault is None or random.random() >= rate:
             return
@@ -621,14 +642,31 @@ class SchedulerSide:
         output = list(getattr(request, "output_token_ids", None) or [])[:SAMPLE_TOKENS]
         if params is None or getattr(params, "temperature", 1.0) != 0 or not output:
             return  # only greedy requests can be checked against a cold run
+        self.counters.samples += 1
+        with self._samples_lock:
+            self._samples_pending = {f for f in self._samples_pending if not f.done()}
+            try:
+                if len(self._samples_pending) >= MAX_PENDING_SAMPLES:
+                    raise RuntimeError(f"{len(self._samples_pending)} samples still being written")
+                record = self.vault.keys.record(self._hashes(st, st.loaded)[-1])
+                sample = VerifySample(st.prompt, st.loaded, record, output, time.time(),
+                                      f"{socket.gethostname()}:{os.getpid()}")
+                rid = request.request_id
+                self._samples_pending.add(self._sampler.submit(self._write_sample, sample, rid))
+            except Exception as e:  # a sample is best effort, never an error in the engine
+                # (the store not keeping up, or the connector closing)
+                self.counters.sample_errors += 1
+                log.debug("prefixvault: verification sample for request %s dropped: %s",
+                          request.request_id, e)
+
+    def _write_sample(self, sample: VerifySample, req_id: str) -> None:
+        """On the sample thread: a sample is best effort, never an error in the engine."""
+        assert self.vault is not None
         try:
-            record = self.vault.keys.record(self._hashes(st, st.loaded)[-1])
-            sample = VerifySample(st.prompt, st.loaded, record, output, time.time(),
-                                  f"{socket.gethostname()}:{os.getpid()}")
             if write_sample(self.vault.store, sample, self.vault.key):
-                self.counters.samples += 1
                 return
-        except Exception as e:  # a sample is best effort; never an error in the engine
-            log.warning("prefixvault: verification sample for request %s not written: %s",
-                        request.request_id, e)
-        self.counters.sample_errors += 1
+            log.warning("prefixvault: verification sample for request %s not written", req_id)
+        except Exception as e:
+            log.warning("prefixvault: verification sample for request %s not written: %s", req_id, e)
+        with self._samples_lock:  # the scheduler's thread counts drops under it too
+            self.counters.sample_errors += 1
