@@ -79,7 +79,8 @@ def test_samples_in_flight_are_bounded(monkeypatch: Any) -> None:
         side.request_finished(r)
     # two in flight; the next two dropped and counted
     assert (side.counters.samples, side.counters.sample_errors) == (4, 2)
-    # gives up waiting after SAMPLE_DRAIN_S (the engine's shutdown is not held), and says the
-    # store must stay open for what is still being written
+    # gives up waiting after SAMPLE_DRAIN_S (the engine's shutdown is not held), drops the one
+    # queued (counted), and says the store must stay open for the one being written
     assert side.close() is False
+    assert side.counters.sample_errors == 3
     store.release.set()

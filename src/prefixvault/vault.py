@@ -558,14 +558,14 @@ class Vault:
         # Every object of every candidate, when they are few (a superset of what the second
         # round trip would check: its probes included).
         every = self._wanted(candidates)
+        checked = self.store.remote and sum(len(idx) for *_, idx in every) <= SPECULATIVE_KEYS
         speculative = [k for k in dict.fromkeys(prefix + hexes[i] for _, _, prefix, idx in every for i in idx)
-                       if k not in probes] \
-            if self.store.remote and sum(len(idx) for *_, idx in every) <= SPECULATIVE_KEYS else []
+                       if k not in probes] if checked else []
         first = [self.keys.layout(), *record_keys, *probes]
         exists = yield ([*first, *speculative], [True] * (1 + len(record_keys)) + [False] * (
             len(probes) + len(speculative)))
         known = dict(zip([*probes, *speculative], exists[len(first) - len(probes):], strict=True)) \
-            if speculative else {}
+            if checked else {}
         exists = exists[: len(first)]
         published = [b for b, e in zip(reversed(candidates), exists[1 : 1 + len(candidates)], strict=True)
                      if e][::-1]
@@ -585,7 +585,7 @@ class Vault:
         probes = self._probes(hexes[top]) if top * bs < limit else []  # past the top published
         asked = [keys[j] for j in order.tolist()] + probes
         touched = ((ranked % 2 == 0) | (ranked == 2 * top - 1)).tolist() + [False] * len(probes)
-        if known and all(k in known for k in asked):
+        if checked and all(k in known for k in asked):
             sent = [known[k] for k in asked]
             later.append(([k for k, t in zip(asked, touched, strict=True) if t], [True] * sum(touched)))
         else:

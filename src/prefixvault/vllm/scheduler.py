@@ -166,16 +166,21 @@ class SchedulerSide:
 
     def close(self) -> bool:
         """Drop lookups still queued; give samples being written ``SAMPLE_DRAIN_S`` to land.
-        Whether every one did (if not, one may still be in the store's hands: do not close it)."""
+        Whether no write is still running (if one is, it is in the store's hands: do not close
+        the store under it)."""
         self._lookups.shutdown(wait=False, cancel_futures=True)
         with self._samples_lock:
             pending = set(self._samples_pending)
         left = futures_wait(pending, timeout=SAMPLE_DRAIN_S).not_done
+        dropped = sum(f.cancel() for f in left)  # queued behind a stalled write: never written
+        with self._samples_lock:
+            self.counters.sample_errors += dropped
         self._sampler.shutdown(wait=False, cancel_futures=True)
         if left:
-            log.warning("prefixvault: %d verification samples still being written at shutdown; "
-                        "the store is left open for them", len(left))
-        return not left
+            log.warning("prefixvault: %d verification samples not written at shutdown (the store did "
+                        "not answer within %.0f s)%s", len(left), SAMPLE_DRAIN_S,
+                        "; the store is left open for the one being written" if len(left) > dropped else "")
+        return len(left) == dropped
 
     # -- requests -------------------------------------------------------------------------------
 
