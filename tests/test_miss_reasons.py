@@ -111,19 +111,23 @@ def test_an_open_breaker_is_its_own_reason_and_logs_nothing_per_request(
 
 
 class SlowStore(MemoryStore):
-    """A store whose every existence check takes ``delay`` seconds (a stalled network store)."""
+    """A store whose every existence check takes ``delay`` seconds (a stalled network store);
+    ``calls`` logs each check: when it returned, and how many keys it asked."""
 
     remote = True
 
     def __init__(self, delay: float) -> None:
         super().__init__()
         self.delay = delay
+        self.calls: list[tuple[float, int]] = []
 
     def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
         import time
 
         time.sleep(self.delay)
-        return super().touch_many(keys, touch)
+        found = super().touch_many(keys, touch)
+        self.calls.append((time.monotonic(), len(keys)))
+        return found
 
 
 def test_a_slow_lookup_never_holds_the_scheduler_and_answers_later() -> None:
@@ -151,15 +155,7 @@ def test_a_hit_over_a_slow_store_is_answered_after_one_round_trip() -> None:
     slow = SlowStore(0.0)
     vault = Vault(slow, layout())
     fill(vault, TOKENS, [16, 40])
-    calls: list[float] = []
-    touch = slow.touch_many
-
-    def timed(keys: Sequence[str], marks: Sequence[bool] | None = None) -> list[bool]:
-        found = touch(keys, marks)
-        calls.append(time.monotonic())
-        return found
-
-    slow.touch_many = timed  # type: ignore[method-assign]
+    slow.calls.clear()
     slow.delay = 0.3
     side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=False)
     req = SimpleNamespace(request_id="o1", prompt_token_ids=TOKENS[:41], num_tokens=41, cache_salt=None,
@@ -168,9 +164,9 @@ def test_a_hit_over_a_slow_store_is_answered_after_one_round_trip() -> None:
     assert ask_side(side, req) == (40, True)
     assert time.monotonic() - t0 < 0.5, "the answer waited for a second round trip"
     deadline = time.monotonic() + 5
-    while len(calls) < 2 and time.monotonic() < deadline:
+    while len(slow.calls) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(calls) == 2  # then the touch
+    assert len(slow.calls) == 2  # then the touch
     side.close()
 
 
@@ -195,14 +191,7 @@ def test_lookups_that_arrive_together_share_round_trips() -> None:
     slow = SlowStore(0.0)
     vault = Vault(slow, layout())
     fill(vault, TOKENS, [16, 40])
-    calls: list[int] = []
-    touch = slow.touch_many
-
-    def counted(keys: Sequence[str], marks: Sequence[bool] | None = None) -> list[bool]:
-        calls.append(len(keys))
-        return touch(keys, marks)
-
-    slow.touch_many = counted  # type: ignore[method-assign]
+    slow.calls.clear()
     slow.delay = 0.1
     side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=False)
     reqs = [SimpleNamespace(request_id=f"b{i}", prompt_token_ids=[*TOKENS[: 41 + i], 900 + i],
@@ -211,6 +200,6 @@ def test_lookups_that_arrive_together_share_round_trips() -> None:
     for r in reqs:  # one step: the first lookup starts, the other four queue behind it
         assert side.get_num_new_matched_tokens(r, 0) == (None, False)
     assert [ask_side(side, r) for r in reqs] == [(40, True)] * 5
-    assert len(calls) <= 4, calls  # the first alone (or not), then the queued ones together: not 10
+    assert len(slow.calls) <= 4, slow.calls  # the first alone (or not), then the queued ones together: not 10
     assert vault.counters.lookups == 5
     side.close()
