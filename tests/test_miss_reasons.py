@@ -130,13 +130,21 @@ class SlowStore(MemoryStore):
         return found
 
 
+def slow_and_filled(delay: float) -> Vault:
+    """A vault over a ``SlowStore`` holding boundaries 16 and 40 of ``TOKENS``, written fast;
+    from then on every round trip takes ``delay`` (``calls`` logs only those)."""
+    slow = SlowStore(0.0)
+    vault = Vault(slow, layout())
+    fill(vault, TOKENS, [16, 40])
+    slow.calls.clear()
+    slow.delay = delay
+    return vault
+
+
 def test_a_slow_lookup_never_holds_the_scheduler_and_answers_later() -> None:
     import time
 
-    slow = SlowStore(0.0)
-    slow_vault = Vault(slow, layout())
-    fill(slow_vault, TOKENS, [16, 40])
-    slow.delay = 0.2  # from now on, every round trip takes 0.2 s
+    slow_vault = slow_and_filled(0.2)  # from now on, every round trip takes 0.2 s
     side = SchedulerSide(ConnectorSettings(), slow_vault.layout, slow_vault, load=True, save=False)
     req = SimpleNamespace(request_id="s1", prompt_token_ids=TOKENS[:41], num_tokens=41, cache_salt=None,
                           lora_request=None, mm_features=None)
@@ -152,11 +160,9 @@ def test_a_hit_over_a_slow_store_is_answered_after_one_round_trip() -> None:
     the hit uses after it (before its next batch)."""
     import time
 
-    slow = SlowStore(0.0)
-    vault = Vault(slow, layout())
-    fill(vault, TOKENS, [16, 40])
-    slow.calls.clear()
-    slow.delay = 0.3
+    vault = slow_and_filled(0.3)
+    slow = vault.store
+    assert isinstance(slow, SlowStore)
     side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=False)
     req = SimpleNamespace(request_id="o1", prompt_token_ids=TOKENS[:41], num_tokens=41, cache_salt=None,
                           lora_request=None, mm_features=None)
@@ -188,11 +194,9 @@ def test_a_lookup_past_its_timeout_is_a_miss() -> None:
 def test_lookups_that_arrive_together_share_round_trips() -> None:
     """Over a slow store, requests that arrive while a lookup runs are looked up together:
     two round trips for all of them, not two each."""
-    slow = SlowStore(0.0)
-    vault = Vault(slow, layout())
-    fill(vault, TOKENS, [16, 40])
-    slow.calls.clear()
-    slow.delay = 0.1
+    vault = slow_and_filled(0.1)
+    slow = vault.store
+    assert isinstance(slow, SlowStore)
     side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=False)
     reqs = [SimpleNamespace(request_id=f"b{i}", prompt_token_ids=[*TOKENS[: 41 + i], 900 + i],
                             num_tokens=42 + i, cache_salt=None, lora_request=None, mm_features=None)
