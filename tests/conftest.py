@@ -117,6 +117,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if kind in STORE_KINDS and name in EXACT_LRU_TESTS and STORE_KINDS[kind].inexact_lru:
             item.add_marker(pytest.mark.skip(reason=f"{kind}: {STORE_KINDS[kind].inexact_lru}"))
 
+
+@pytest.fixture(scope="session", autouse=True)
+def _engine_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Engines run as forks of a warm process that imported vLLM once (testing.enginehost);
+    it starts with the session's first engine, so a session without engines never starts one."""
+    from prefixvault.testing import engine
+
+    engine.use_engine_hosts(tmp_path_factory.mktemp("engine-hosts"))
+    yield
+    engine.stop_engine_hosts()
+
+
 UriFactory = Callable[..., str]
 _counter = itertools.count()
 

@@ -2,7 +2,8 @@
 
 Cold, producer and consumer engines of the seed scenario must be separate processes (the
 report's protocol), and vLLM needs a ``__main__`` guard, so every engine runs as
-``python -m prefixvault.testing.engine SPEC.json OUT.json``.
+``python -m prefixvault.testing.engine SPEC.json OUT.json``: a fresh process, or, after
+``use_engine_hosts``, a fork of a warm host that imported vLLM once (testing.enginehost).
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+
+from prefixvault.testing.enginehost import EngineHost, HostGone
 
 CONNECTOR = "PrefixVaultConnector"
 CONNECTOR_MODULE = "prefixvault.vllm"
@@ -152,6 +155,51 @@ def connector_metrics(llm: Any) -> dict[str, float]:
     return out
 
 
+#: Engine hosts started (see testing.enginehost); None: every run starts a fresh process.
+_hosts: list[EngineHost] | None = None
+_hosts_dir: Path | None = None
+#: Hosts alive at once (each holds its own copy of torch and vLLM); the least recently used
+#: one makes way for a new environment.
+MAX_HOSTS = 2
+
+
+def use_engine_hosts(workdir: Path) -> None:
+    """From now on, run engines as forks of warm hosts (one per distinct environment)."""
+    global _hosts, _hosts_dir
+    _hosts, _hosts_dir = [], workdir
+
+
+def stop_engine_hosts() -> None:
+    global _hosts
+    for host in _hosts or []:
+        host.stop()
+    _hosts = None
+
+
+def _run_in_host(env: dict[str, str], module: str, argv: list[str], log_path: Path, timeout: float
+                 ) -> int | None:
+    """The run's exit code from a host with exactly ``env``; None where no host can take it."""
+    if _hosts is None or _hosts_dir is None:
+        return None
+    host = next((h for h in _hosts if h.accepts(env)), None)
+    if host is None:
+        if len(_hosts) >= MAX_HOSTS:
+            _hosts.pop(0).stop()  # the least recently used
+        try:
+            host = EngineHost(env, _hosts_dir)
+        except HostGone:
+            return None
+    else:
+        _hosts.remove(host)
+    _hosts.append(host)  # most recently used last
+    try:
+        return host.run(module, argv, log_path, timeout, env)
+    except HostGone:
+        _hosts.remove(host)
+        host.stop()
+        return None
+
+
 def run_engine(
     spec: EngineSpec, workdir: Path, env: Mapping[str, str] | None = None, timeout: float = 900,
     module: str = "prefixvault.testing.engine", extra: Mapping[str, Any] | None = None,
@@ -173,18 +221,20 @@ def run_engine(
         "TOKENIZERS_PARALLELISM": "false",
         **(env or {}),
     }
-    with open(log_path, "w") as log:
-        proc = subprocess.run(
-            [sys.executable, "-m", module, str(spec_path), str(out_path)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            timeout=timeout,
-            check=False,
-        )
-    if proc.returncode != 0 or not out_path.exists():
+    rc = _run_in_host(full_env, module, [str(spec_path), str(out_path)], log_path, timeout)
+    if rc is None:
+        with open(log_path, "w") as log:
+            rc = subprocess.run(
+                [sys.executable, "-m", module, str(spec_path), str(out_path)],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=full_env,
+                timeout=timeout,
+                check=False,
+            ).returncode
+    if rc != 0 or not out_path.exists():
         tail = log_path.read_text()[-4000:]
-        raise RuntimeError(f"engine ({spec.role}) exited with {proc.returncode}; log {log_path}:\n{tail}")
+        raise RuntimeError(f"engine ({spec.role}) exited with {rc}; log {log_path}:\n{tail}")
     result: dict[str, Any] = json.loads(out_path.read_text())
     result["log"] = str(log_path)
     return result
