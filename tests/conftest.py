@@ -10,6 +10,7 @@ import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -17,6 +18,9 @@ from prefixvault.stores import Store, open_store
 from prefixvault.testing.mooncake import MooncakeCluster
 from prefixvault.testing.valkey import Valkey, stop_all_valkeys
 from prefixvault.units import parse_size
+
+if TYPE_CHECKING:
+    from vllm_support.seedlib import SeedRuns
 
 
 @dataclass(frozen=True)
@@ -127,6 +131,14 @@ def _engine_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     engine.use_engine_hosts(tmp_path_factory.mktemp("engine-hosts"))
     yield
     engine.stop_engine_hosts()
+
+
+@pytest.fixture(scope="session")
+def seed_runs(tmp_path_factory: pytest.TempPathFactory) -> SeedRuns:
+    """The seed scenario's models and cold runs, shared by every engine test of the session."""
+    from vllm_support.seedlib import SeedRuns
+
+    return SeedRuns(tmp_path_factory.mktemp("seed-runs"))
 
 
 UriFactory = Callable[..., str]

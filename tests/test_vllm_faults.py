@@ -16,7 +16,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import pytest
-from vllm_support.seedlib import IN_PROCESS, SUPPORT, Seed, make_seed, run, run_with_metrics, spec
+from vllm_support.seedlib import IN_PROCESS, SUPPORT, Seed, SeedRuns, run, run_with_metrics, spec
 
 from prefixvault.codec import HEADER_SIZE, _parse, decode, encode
 from prefixvault.inventory import audit
@@ -30,8 +30,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def seed(tmp_path_factory: pytest.TempPathFactory) -> Seed:
-    return make_seed("gdn-hybrid", tmp_path_factory.mktemp("models"))
+def seed(seed_runs: SeedRuns) -> Seed:
+    return seed_runs.seed("gdn-hybrid")
 
 
 @pytest.fixture(scope="module")
@@ -40,8 +40,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cold(seed: Seed, workdir: Path) -> list[Completion]:
-    return run(seed, spec(seed, "cold", [c.tokens for c in seed.cases], [""] * len(seed.cases)), workdir)
+def cold(seed: Seed, seed_runs: SeedRuns) -> list[Completion]:
+    return seed_runs.cold(seed, [c.tokens for c in seed.cases])
 
 
 def test_corrupt_state_object_is_rejected_and_the_request_recomputes(

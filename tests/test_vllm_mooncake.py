@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from vllm_support.seedlib import Seed, check, make_seed, run, run_with_metrics, spec
+from vllm_support.seedlib import Seed, SeedRuns, check, run, run_with_metrics, spec
 
 from prefixvault.stores import open_store
 from prefixvault.testing.engine import Completion, identical
@@ -31,8 +31,8 @@ CLIENT_TTL = "--client_ttl=600"
 
 
 @pytest.fixture(scope="module")
-def seed(tmp_path_factory: pytest.TempPathFactory) -> Seed:
-    seed = make_seed("gdn-hybrid", tmp_path_factory.mktemp("models"))
+def seed(seed_runs: SeedRuns) -> Seed:
+    seed = seed_runs.seed("gdn-hybrid")
     seed.cases = seed.cases[:2]
     return seed
 
@@ -43,8 +43,8 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def cold(seed: Seed, workdir: Path) -> list[Completion]:
-    return run(seed, spec(seed, "cold", [c.tokens for c in seed.cases], [""] * len(seed.cases)), workdir)
+def cold(seed: Seed, seed_runs: SeedRuns) -> list[Completion]:
+    return seed_runs.cold(seed, [c.tokens for c in seed.cases])
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_support.seedlib import Seed, check, make_seed, run, spec
+from vllm_support.seedlib import Seed, SeedRuns, check, run, spec
 
 from prefixvault.testing.engine import Completion, identical
 from prefixvault.testing.valkey import Valkey
@@ -16,13 +16,13 @@ from prefixvault.testing.valkey import Valkey
 pytestmark = pytest.mark.slow
 
 
-def test_seed_scenario_over_redis(tmp_path: Path) -> None:
+def test_seed_scenario_over_redis(tmp_path: Path, seed_runs: SeedRuns) -> None:
     server = Valkey()
-    seed = make_seed("gdn-hybrid", tmp_path / "models")
+    seed = seed_runs.seed("gdn-hybrid")
     seed.cases = seed.cases[:2]
     salts = [f"redis-{c.name}" for c in seed.cases]
     store = server.url(prefix="pv-seed:")
-    cold = run(seed, spec(seed, "cold", [c.tokens for c in seed.cases], salts), tmp_path)
+    cold = seed_runs.cold(seed, [c.tokens for c in seed.cases])
     run(seed, spec(seed, "kv_producer", [seed.producer] * len(salts), salts, store), tmp_path)
     got = run(seed, spec(seed, "kv_consumer", [c.tokens for c in seed.cases], salts, store), tmp_path)
     check(seed, cold, got)
@@ -38,14 +38,15 @@ WIRE_FAULTS = {
 
 
 @pytest.fixture(scope="module")
-def wire(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Seed, Valkey, list[Completion], Path]]:
+def wire(tmp_path_factory: pytest.TempPathFactory, seed_runs: SeedRuns
+         ) -> Iterator[tuple[Seed, Valkey, list[Completion], Path]]:
     """One server, the seed's crossing case run cold, and a producer that filled the server."""
     tmp = tmp_path_factory.mktemp("wire")
     server = Valkey()
     try:
-        seed = make_seed("gdn-hybrid", tmp / "models")
+        seed = seed_runs.seed("gdn-hybrid")
         case = seed.cases[1]
-        cold = run(seed, spec(seed, "cold", [case.tokens], [""]), tmp)
+        cold = seed_runs.cold(seed, [case.tokens])
         run(seed, spec(seed, "kv_producer", [seed.producer], [""], server.url(prefix="pv-wire:")), tmp)
         yield seed, server, cold, tmp
     finally:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_support.seedlib import BATCHED, check, make_seed, run, spec
+from vllm_support.seedlib import BATCHED, SeedRuns, check, run, spec
 
 from prefixvault.stores import open_store
 from prefixvault.testing import scenario
@@ -26,11 +26,11 @@ def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("profile", list(BATCHED))
-def test_seed_scenario_restores_exactly(profile: str, workdir: Path) -> None:
-    seed = make_seed(profile, workdir / "models")
+def test_seed_scenario_restores_exactly(profile: str, workdir: Path, seed_runs: SeedRuns) -> None:
+    seed = seed_runs.seed(profile)
     salts = [f"case-{c.name}" for c in seed.cases]
     store = f"local://{workdir}/{profile}-store?capacity=1GiB"
-    cold = run(seed, spec(seed, "cold", [c.tokens for c in seed.cases], salts), workdir)
+    cold = seed_runs.cold(seed, [c.tokens for c in seed.cases])
     assert all(c.cached_tokens == 0 for c in cold)
     # The producer runs its own prompt once per case salt (a salt isolates each case).
     run(seed, spec(seed, "kv_producer", [seed.producer] * len(salts), salts, store), workdir)
@@ -39,13 +39,13 @@ def test_seed_scenario_restores_exactly(profile: str, workdir: Path) -> None:
     assert any(c.expected_hit > 0 for c in seed.cases)
 
 
-@pytest.mark.parametrize("profile", ["gdn-hybrid", "shortconv-hybrid"])
-def test_negative_control_publishing_uncaptured_states_diverges(profile: str, workdir: Path) -> None:
-    """The same scenario with the seed bug's publisher: the consumer restores a null state."""
-    seed = make_seed(profile, workdir / "models")
+def test_negative_control_publishing_uncaptured_states_diverges(workdir: Path, seed_runs: SeedRuns) -> None:
+    """The same scenario with the seed bug's publisher: the consumer restores a null state.
+    (The GDN hybrid's negative control opens tests/test_vllm_verify_sample.py.)"""
+    seed = seed_runs.seed("shortconv-hybrid")
     case = seed.cases[0]  # crosses a boundary (1280) where the producer kept no state
-    store = f"local://{workdir}/{profile}-unsafe?capacity=1GiB"
-    cold = run(seed, spec(seed, "cold", [case.tokens], [""]), workdir)
+    store = f"local://{workdir}/{seed.profile}-unsafe?capacity=1GiB"
+    cold = seed_runs.cold(seed, [case.tokens])
     run(seed, spec(seed, "kv_producer", [seed.producer], [""], store, connector="UnsafeConnector",
                      connector_module="unsafe_connector"), workdir)
     got = run(seed, spec(seed, "kv_consumer", [case.tokens], [""], store), workdir)
@@ -53,9 +53,9 @@ def test_negative_control_publishing_uncaptured_states_diverges(profile: str, wo
     assert not identical(cold[0], got[0]), "a null state restored at 1280 went unnoticed"
 
 
-def test_step_end_states_equal_the_engines_own_dense_checkpoints(workdir: Path) -> None:
+def test_step_end_states_equal_the_engines_own_dense_checkpoints(workdir: Path, seed_runs: SeedRuns) -> None:
     """Each state captured at a step end equals, byte for byte, the state vLLM keeps there."""
-    seed = make_seed("gdn-hybrid", workdir / "models")
+    seed = seed_runs.seed("gdn-hybrid")
     store = f"local://{workdir}/dense-store?capacity=1GiB"
     run(seed, spec(seed, "kv_producer", [seed.producer], [""], store), workdir)
     dense = spec(seed, "kv_producer", [seed.producer], [""], store,

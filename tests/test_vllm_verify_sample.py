@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from vllm_support.seedlib import make_seed, run, run_with_metrics, spec
+from vllm_support.seedlib import SeedRuns, run, run_with_metrics, spec
 
 from prefixvault.samples import VerifySample, pending_samples
 from prefixvault.serve import engine_flags, vllm_command
@@ -24,11 +24,11 @@ from prefixvault.watch import watch_once
 pytestmark = pytest.mark.slow
 
 
-def test_watch_quarantines_a_wrong_restore_and_keeps_a_right_one(tmp_path: Path) -> None:
-    seed = make_seed("gdn-hybrid", tmp_path / "models")
+def test_watch_quarantines_a_wrong_restore_and_keeps_a_right_one(tmp_path: Path, seed_runs: SeedRuns) -> None:
+    seed = seed_runs.seed("gdn-hybrid")
     case = seed.cases[0]  # crosses 1280, where the producer kept no state; 1024 restores exactly
     store = f"local://{tmp_path}/store?capacity=1GiB"
-    cold = run(seed, spec(seed, "cold", [case.tokens], [""]), tmp_path)[0]
+    cold = seed_runs.cold(seed, [case.tokens])[0]
     run(seed, spec(seed, "kv_producer", [seed.producer], [""], store, connector="UnsafeConnector",
                    connector_module="unsafe_connector"), tmp_path)
     run(seed, spec(seed, "kv_producer", [seed.producer], [""], store, extra_config={"namespace": "safe"}),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,3 +116,42 @@ def check(seed: Seed, cold: list[Completion], got: list[Completion]) -> None:
             problems.append(f"{case.name}: differs from cold (ids {c.token_ids} vs {g.token_ids}, "
                             f"max |dlogprob| {max_logprob_diff(c, g):.3g})")
     assert not problems, f"{seed.profile}: " + "; ".join(problems)
+
+
+class SeedRuns:
+    """The seed scenario's models, built once, and their cold runs, computed once, for the
+    whole test session: many modules compare against the same cold completions, and each cold
+    engine costs 20-40 s to start.
+
+    A cold run takes its requests one at a time, each with a cache salt of its own, so nothing
+    one request computed is reused by another: a request's completion does not depend on which
+    others ran beside it. One cold run of every case therefore serves each test that asks for
+    any of them. The key is the model, the engine arguments and the prompt.
+    """
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._seeds: dict[str, Seed] = {}
+        self._cold: dict[tuple[str, tuple[int, ...]], Completion] = {}
+
+    def seed(self, profile: str) -> Seed:
+        """A copy of ``profile``'s seed (tests may trim or change theirs)."""
+        if profile not in self._seeds:
+            self._seeds[profile] = make_seed(profile, self.root / "models")
+        return copy.deepcopy(self._seeds[profile])
+
+    def cold(self, seed: Seed, prompts: list[list[int]]) -> list[Completion]:
+        """``prompts``' cold completions on ``seed``'s model and engine arguments."""
+        engine = json.dumps([seed.model, seed.engine], sort_keys=True)
+        known = self._seeds.get(seed.profile, seed)
+        todo: list[list[int]] = []
+        for p in [*prompts, *(c.tokens for c in known.cases)]:  # every case at once: others ask later
+            if (engine, tuple(p)) not in self._cold and p not in todo:
+                todo.append(p)
+        if todo and any((engine, tuple(p)) not in self._cold for p in prompts):
+            salts = [f"cold-{i}" for i in range(len(todo))]
+            ran = run(seed, spec(seed, "cold", todo, salts), self.root / "cold")
+            for p, got in zip(todo, ran, strict=True):
+                assert got.cached_tokens == 0, "a cold request reused another's blocks"
+                self._cold[(engine, tuple(p))] = got
+        return [copy.deepcopy(self._cold[(engine, tuple(p))]) for p in prompts]
