@@ -464,7 +464,8 @@ def test_touch_resets_the_servers_idle_clock_and_exists_does_not(server: Valkey)
     r = redis.Redis(host="127.0.0.1", port=server.port)
     assert store.exists_many(["a", "b"]) == [True, True]
     assert store.touch_many(["a", "missing"]) == [True, False]
-    assert r.object("idletime", "touch:a") == 0
+    # The server's LRU clock ticks in whole seconds: a touch just before a tick reads 1.
+    assert r.object("idletime", "touch:a") <= 1
     assert r.object("idletime", "touch:b") >= 2
     store.close()
 
