@@ -30,7 +30,18 @@ if mode == "exit3":
     sys.exit(3)
 if mode == "raise":
     raise ValueError("boom")
+print("cwd", os.getcwd(), flush=True)
+def link(fd):
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:  # the listing's own descriptor, closed by now
+        return ""
+sockets = [fd for fd in os.listdir("/proc/self/fd") if link(fd).startswith("socket:")]
+print("sockets", len(sockets), flush=True)
 if mode == "sleep":
+    import subprocess
+    child = subprocess.Popen(["sleep", "60"])
+    print("child", child.pid, flush=True)
     time.sleep(60)
 if mode == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
@@ -70,12 +81,34 @@ def test_a_run_killed_by_a_signal_reports_it(host: EngineHost, tmp_path: Path) -
     assert rc == -9 and not marker
 
 
-def test_a_run_past_its_timeout_is_killed(host: EngineHost, tmp_path: Path) -> None:
+def test_a_run_past_its_timeout_is_killed_with_what_it_started(host: EngineHost, tmp_path: Path) -> None:
     t0 = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
-        _run(host, tmp_path, "sleep", timeout=1.5)
-    assert time.monotonic() - t0 < 10
+        _run(host, tmp_path, "sleep", timeout=3)
+    assert time.monotonic() - t0 < 15
+    child = int((tmp_path / "sleep.log").read_text().split("child ")[1].split()[0])
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{child}").exists() and "Z" not in _state(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not Path(f"/proc/{child}").exists() or "Z" in _state(child)
     assert _run(host, tmp_path, "ok")[0] == 0  # the host goes on
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_a_run_has_the_callers_directory_and_none_of_the_hosts_sockets(
+    host: EngineHost, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    here = tmp_path / "elsewhere"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    _, log, _ = _run(host, tmp_path, "ok")
+    assert f"cwd {here}" in log and "sockets 0" in log, log
 
 
 def test_runs_at_once_each_complete(host: EngineHost, tmp_path: Path) -> None:

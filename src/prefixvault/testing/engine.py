@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
@@ -155,9 +156,13 @@ def connector_metrics(llm: Any) -> dict[str, float]:
     return out
 
 
-#: Engine hosts started (see testing.enginehost); None: every run starts a fresh process.
+#: Engine hosts started (see testing.enginehost), least recently used first; None: every run
+#: starts a fresh process. Guarded by _hosts_lock: engines are started from several threads.
 _hosts: list[EngineHost] | None = None
 _hosts_dir: Path | None = None
+_hosts_lock = threading.Lock()
+#: Environments whose host could not start: they run fresh processes, without trying again.
+_hosts_failed: set[str] = set()
 #: Hosts alive at once (each holds its own copy of torch and vLLM); the least recently used
 #: one makes way for a new environment.
 MAX_HOSTS = 2
@@ -166,36 +171,58 @@ MAX_HOSTS = 2
 def use_engine_hosts(workdir: Path) -> None:
     """From now on, run engines as forks of warm hosts (one per distinct environment)."""
     global _hosts, _hosts_dir
-    _hosts, _hosts_dir = [], workdir
+    with _hosts_lock:
+        _hosts, _hosts_dir = [], workdir
 
 
 def stop_engine_hosts() -> None:
     global _hosts
-    for host in _hosts or []:
+    with _hosts_lock:
+        hosts, _hosts = _hosts or [], None
+    for host in hosts:
         host.stop()
-    _hosts = None
+
+
+def _host_for(env: dict[str, str]) -> EngineHost | None:
+    """A running host that accepts ``env`` (started if need be), or None."""
+    global _hosts
+    with _hosts_lock:
+        if _hosts is None or _hosts_dir is None:
+            return None
+        host = next((h for h in _hosts if h.accepts(env)), None)
+        if host is not None:
+            _hosts.remove(host)
+            _hosts.append(host)  # most recently used last
+            return host
+        key = json.dumps(sorted(env.items()))
+        if key in _hosts_failed:
+            return None
+        try:
+            host = EngineHost(env, _hosts_dir)
+        except HostGone as e:
+            _hosts_failed.add(key)
+            print(f"prefixvault: engines run as fresh processes for this environment: {e}", file=sys.stderr)
+            return None
+        _hosts.append(host)
+        old = _hosts[:-MAX_HOSTS]
+        _hosts = _hosts[-MAX_HOSTS:]
+    for h in old:
+        h.stop()  # a run it still serves goes on: its waiter does not need the host
+    return host
 
 
 def _run_in_host(env: dict[str, str], module: str, argv: list[str], log_path: Path, timeout: float
                  ) -> int | None:
-    """The run's exit code from a host with exactly ``env``; None where no host can take it."""
-    if _hosts is None or _hosts_dir is None:
-        return None
-    host = next((h for h in _hosts if h.accepts(env)), None)
+    """The run's exit code from a host that accepts ``env``; None where no host can take it."""
+    host = _host_for(env)
     if host is None:
-        if len(_hosts) >= MAX_HOSTS:
-            _hosts.pop(0).stop()  # the least recently used
-        try:
-            host = EngineHost(env, _hosts_dir)
-        except HostGone:
-            return None
-    else:
-        _hosts.remove(host)
-    _hosts.append(host)  # most recently used last
+        return None
     try:
         return host.run(module, argv, log_path, timeout, env)
     except HostGone:
-        _hosts.remove(host)
+        with _hosts_lock:
+            if _hosts is not None and host in _hosts:
+                _hosts.remove(host)
         host.stop()
         return None
 
@@ -233,7 +260,7 @@ def run_engine(
                 check=False,
             ).returncode
     if rc != 0 or not out_path.exists():
-        tail = log_path.read_text()[-4000:]
+        tail = log_path.read_text()[-4000:] if log_path.exists() else "(no log)"
         raise RuntimeError(f"engine ({spec.role}) exited with {rc}; log {log_path}:\n{tail}")
     result: dict[str, Any] = json.loads(out_path.read_text())
     result["log"] = str(log_path)

@@ -65,7 +65,9 @@ class EngineHost:
                 self.stop()
                 raise HostGone(f"engine host did not start; log {self.log}:\n{self.log.read_text()[-2000:]}")
             time.sleep(0.05)
-        self.env_after: dict[str, str] = json.loads(Path(self.socket_path + ".env").read_text())
+        changed: dict[str, str | None] = json.loads(Path(self.socket_path + ".env").read_text())
+        after = {**self.env, **changed}
+        self.env_after = {k: v for k, v in after.items() if v is not None}
 
     def accepts(self, env: Mapping[str, str]) -> bool:
         """Whether a run with ``env`` would import what this host imported."""
@@ -74,35 +76,35 @@ class EngineHost:
 
     def run(self, module: str, argv: list[str], log_path: Path, timeout: float, env: Mapping[str, str]
             ) -> int:
-        """Run ``python -m module *argv`` as a fork of the host, output to ``log_path``;
-        its exit code (negative: the signal that killed it). Kills it after ``timeout``.
-        ``env`` must be one the host ``accepts``."""
+        """Run ``python -m module *argv`` as a fork of the host, in this process's working
+        directory, output to ``log_path``; its exit code (negative: the signal that killed it).
+        After ``timeout``, or when the caller is interrupted, the run and everything it started
+        are killed before this returns. ``env`` must be one the host ``accepts``."""
         if self.proc.poll() is not None:
             raise HostGone(f"engine host exited with {self.proc.returncode}")
+        request = {"module": module, "argv": argv, "log": str(log_path), "cwd": os.getcwd(),
+                   "env": {k: env.get(k) for k in PER_RUN}}
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:
             try:
                 conn.connect(self.socket_path)
-                request = {"module": module, "argv": argv, "log": str(log_path),
-                           "env": {k: env.get(k) for k in PER_RUN}}
                 conn.sendall(json.dumps(request).encode() + b"\n")
-                reader = conn.makefile("rb")
-                conn.settimeout(60)
-                first = reader.readline()
-            except OSError as e:
-                raise HostGone(f"engine host unreachable: {e}") from e
-            if not first:
-                raise HostGone("engine host closed the connection before the run started")
+                first = _read_line(conn, 60)
+            except (OSError, EOFError) as e:  # nothing was forked: a fresh process may run instead
+                raise HostGone(f"engine host did not take the run: {e!r}") from e
+            if first is None:
+                raise RuntimeError(f"engine host took the run but named no process in 60 s; log {log_path}")
             pid = int(json.loads(first)["pid"])
-            conn.settimeout(timeout)
             try:
-                last = reader.readline()
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-                raise subprocess.TimeoutExpired(f"{module} {argv}", timeout) from None
-            if not last:
-                raise RuntimeError(f"the waiter of run {pid} vanished; log {log_path}")
+                last = _read_line(conn, timeout)
+                if last is None:
+                    raise subprocess.TimeoutExpired(f"{module} {argv}", timeout)
+            except BaseException:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(pid, signal.SIGKILL)  # the run leads its own process group
+                with contextlib.suppress(Exception):
+                    _read_line(conn, 30)  # its waiter reports once it is gone
+                raise
             return int(json.loads(last)["rc"])
         finally:
             conn.close()
@@ -121,6 +123,25 @@ class EngineHost:
             os.unlink(self.socket_path + ".env")
 
 
+def _read_line(conn: socket.socket, timeout: float) -> bytes | None:
+    """One line from ``conn`` within ``timeout`` s (None past it); EOFError if it closes first."""
+    deadline = time.monotonic() + timeout
+    data = b""
+    while not data.endswith(b"\n"):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            return None
+        conn.settimeout(left)
+        try:
+            chunk = conn.recv(4096)
+        except TimeoutError:
+            return None
+        if not chunk:
+            raise EOFError("connection closed")
+        data += chunk
+    return data
+
+
 # --------------------------------------------------------------------------- host side
 
 
@@ -131,18 +152,19 @@ def _run_forked(listener: socket.socket, conn: socket.socket, request: dict[str,
     os.setsid()  # the client's kill reaches this run and whatever it starts, not the host
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    for name, value in request["env"].items():
-        if value is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = value
-    sys.argv = [request["module"], *request["argv"]]
     code: int = 0
     try:
+        fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        os.chdir(request["cwd"])
+        for name, value in request["env"].items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        sys.argv = [request["module"], *request["argv"]]
         runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -178,6 +200,8 @@ def serve(socket_path: str, preload: Sequence[str]) -> None:
     """Import ``preload``, then fork a waiter per connection until terminated."""
     import importlib
 
+    parent = os.getppid()
+    before = dict(os.environ)
     for name in preload:
         importlib.import_module(name)
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # waiters are reaped by the kernel
@@ -185,10 +209,20 @@ def serve(socket_path: str, preload: Sequence[str]) -> None:
     tmp = socket_path + ".tmp"
     listener.bind(tmp)
     listener.listen(16)
-    Path(socket_path + ".env").write_text(json.dumps(dict(os.environ)))
+    listener.settimeout(1.0)
+    # What the imports changed, and only that: the environment itself may hold secrets.
+    changed = {k: os.environ.get(k) for k in {*before, *os.environ} if before.get(k) != os.environ.get(k)}
+    Path(socket_path + ".env").write_text(json.dumps(changed))
+    sys.stdout.flush()  # nothing buffered here may reach a run's log
+    sys.stderr.flush()
     os.rename(tmp, socket_path)  # the path appears only once the host accepts
     while True:
-        conn, _ = listener.accept()
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            if os.getppid() != parent:  # whoever started the host is gone: so is the host
+                return
+            continue
         try:
             request = json.loads(conn.makefile("rb").readline())
         except (OSError, ValueError):
