@@ -121,9 +121,10 @@ def check(seed: Seed, cold: list[Completion], got: list[Completion]) -> None:
 class SeedRuns:
     """The seed scenario's models, built once, and their cold runs, computed once, for the
     whole test session: many modules compare against the same cold completions, and each cold
-    engine costs 20-40 s to start.
+    engine costs 10-15 s here.
 
-    A cold run takes its requests one at a time, each with a cache salt of its own, so nothing
+    A cold run takes its requests one at a time (``EngineSpec.sequential``), each with a cache
+    salt of its own, so nothing
     one request computed is reused by another: a request's completion does not depend on which
     others ran beside it. One cold run of every case therefore serves each test that asks for
     any of them. The key is the model, the engine arguments and the prompt.
@@ -144,11 +145,11 @@ class SeedRuns:
         """``prompts``' cold completions on ``seed``'s model and engine arguments."""
         engine = json.dumps([seed.model, seed.engine], sort_keys=True)
         known = self._seeds.get(seed.profile, seed)
-        todo: list[list[int]] = []
-        for p in [*prompts, *(c.tokens for c in known.cases)]:  # every case at once: others ask later
-            if (engine, tuple(p)) not in self._cold and p not in todo:
-                todo.append(p)
-        if todo and any((engine, tuple(p)) not in self._cold for p in prompts):
+        if any((engine, tuple(p)) not in self._cold for p in prompts):
+            todo: list[list[int]] = []
+            for p in [*prompts, *(c.tokens for c in known.cases)]:  # every case at once: others ask later
+                if (engine, tuple(p)) not in self._cold and p not in todo:
+                    todo.append(p)
             salts = [f"cold-{i}" for i in range(len(todo))]
             ran = run(seed, spec(seed, "cold", todo, salts), self.root / "cold")
             for p, got in zip(todo, ran, strict=True):

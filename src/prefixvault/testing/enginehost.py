@@ -11,6 +11,10 @@ imported under or the one its imports left (they set a few, e.g. ``TORCHINDUCTOR
 nothing read from the environment at import time can differ from a fresh process's
 (``EngineHost.accepts``).
 
+Runs forked from one host share what a process draws once at start: the ``str`` hash seed,
+for one. Nothing prefixvault keys or stores depends on it; ``prefixvault repro`` (its test
+included) and the OpenAI-server tests still start every engine as a fresh process.
+
 Protocol, one Unix-socket connection per run: the client sends one JSON line (module, argv,
 log path, the run's ``PER_RUN`` variables); the host forks a waiter, which forks the run, sends
 ``{"pid": N}``, waits for the run to exit, and sends ``{"rc": N}`` (negative: killed by
