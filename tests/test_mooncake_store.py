@@ -229,3 +229,59 @@ def test_a_batch_of_conditional_puts_takes_three_calls(cluster: MooncakeCluster)
                          "batch_put_session_end"], calls
         client.call = real
         assert store.get_many([k for k, _ in items]) == [b"old"] + [d for _, d in items[1:]]
+
+
+def test_a_batch_larger_than_the_arena_is_written_an_arena_at_a_time(cluster: MooncakeCluster) -> None:
+    """Conditional puts of more bytes than the staging arena holds: ranged puts of an arena's
+    worth each, one end for all, and the arena keeps its size."""
+    with open_store(cluster.uri(prefix="arena/", timeout=str(TIMEOUT), staging="1MiB")) as store:
+        client = store._api()  # type: ignore[attr-defined]
+        size = client.arena.mem.nbytes
+        real, calls = client.call, []
+
+        def counting(what: str, nbytes: int, fn: object, *args: object, **kwargs: object) -> object:
+            calls.append(getattr(fn, "__name__", str(fn)))
+            return real(what, nbytes, fn, *args, **kwargs)
+
+        client.call = counting
+        items = [(f"k{i}", blob(i, 400_000)) for i in range(5)]  # two fit the arena at a time
+        assert store.put_if_absent_many(items) == [True] * 5
+        client.call = real
+        assert calls == ["batch_put_session_start", *["batch_put_from_multi_buffer_ranges"] * 3,
+                         "batch_put_session_end"], calls
+        assert client.arena.mem.nbytes == size == 1 << 20
+        assert store.get_many([k for k, _ in items]) == [d for _, d in items]
+
+
+def test_a_session_start_that_raises_revokes_only_this_clients_keys(cluster: MooncakeCluster) -> None:
+    """The reply of a session start is lost after the master reserved the keys: they are
+    revoked, so a retry stores them; a key another client reserved is not revoked by it (the
+    master checks the owner), and that client's put completes."""
+    uri = cluster.uri(prefix="lost/", timeout=str(TIMEOUT))
+    other = cluster.uri(prefix="lost/", timeout=str(TIMEOUT + 1))  # another config: another client
+    with open_store(uri) as store, open_store(other) as rival:
+        client, rival_client = store._api(), rival._api()  # type: ignore[attr-defined]
+        assert client is not rival_client
+        theirs = rival._key("shared")  # type: ignore[attr-defined]
+        assert rival_client.api.batch_put_session_start([theirs], [1000]) == [0]
+        real = client.call
+
+        def losing(what: str, nbytes: int, fn: object, *args: object, **kwargs: object) -> object:
+            result = real(what, nbytes, fn, *args, **kwargs)
+            if getattr(fn, "__name__", "") == "batch_put_session_start":
+                raise StoreError("reply lost")
+            return result
+
+        client.call = losing
+        items = [("a", blob(1, 1000)), ("b", blob(2, 1000)), ("shared", blob(3, 1000))]
+        with pytest.raises(StoreError, match="reply lost"):
+            store.put_if_absent_many(items)
+        client.call = real
+        assert store.put_if_absent_many(items[:2]) == [True, True]
+        # The rival's session survived the revoke: it writes and ends its own bytes.
+        mine = np.frombuffer(blob(4, 1000), np.uint8)
+        rival_client.arena.mem[:1000] = mine
+        assert rival_client.api.batch_put_from_multi_buffer_ranges(
+            [theirs], [[rival_client.arena.base]], [[1000]], [[0]]) == [1000]
+        assert rival_client.api.batch_put_session_end([theirs]) == [0]
+        assert store.get_many(["a", "b", "shared"]) == [items[0][1], items[1][1], mine.tobytes()]

@@ -553,10 +553,11 @@ class MooncakeStore(Store):
             return ended == 0
 
     def put_if_absent_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
-        """``put_if_absent`` for a batch in three calls, whatever its size: one put session
-        reserves every key (one winner per key among racing callers), one ranged put writes
-        the reserved ones from the arena, one end makes them readable; a key reserved and not
-        ended is revoked."""
+        """``put_if_absent`` for a batch: one put session reserves every key (one winner per key
+        among racing callers), ranged puts write the reserved ones from the arena (one per
+        arena's worth, so the arena never grows past its size for a batch), one end makes them
+        readable; a key reserved and not ended is revoked. A revoke only ever ends this client's
+        own session (the master refuses another's), so a start that raised is revoked whole."""
         check_distinct([k for k, _ in items])
         out = [False] * len(items)
         names = [self._key(k) for k, _ in items]
@@ -568,27 +569,33 @@ class MooncakeStore(Store):
         client = self._api()
         with client.lock:
             self._usable(client)
-            codes = client.call("put", 0, client.api.batch_put_session_start, [names[i] for i in want],
-                                [views[i].nbytes for i in want])
-            won = [i for i, code in zip(want, codes, strict=True) if code == 0]
+            won: list[int] = []
             ended: dict[int, int] = {}
             try:
-                if won:
+                try:
+                    codes = client.call("put", 0, client.api.batch_put_session_start,
+                                        [names[i] for i in want], [views[i].nbytes for i in want])
+                except BaseException:
+                    won = want  # which keys it reserved is unknown: revoke them all
+                    raise
+                won = [i for i, code in zip(want, codes, strict=True) if code == 0]
+                done: list[int] = []
+                for group in _chunks([views[i].nbytes for i in won], client.arena.mem.nbytes):
+                    idx = [won[g] for g in group]
                     offsets, total = [], 0
-                    for i in won:  # each object starts aligned, as put_many places them
+                    for i in idx:  # each object starts aligned, as put_many places them
                         offsets.append(total)
                         total += _aligned(views[i].nbytes)
-                    client.arena.grow(total)
-                    for i, off in zip(won, offsets, strict=True):
+                    client.arena.grow(total)  # past the arena's size only for one object alone
+                    for i, off in zip(idx, offsets, strict=True):
                         client.arena.mem[off : off + views[i].nbytes] = views[i]
                     written = client.call("put", total, client.api.batch_put_from_multi_buffer_ranges,
-                                          [names[i] for i in won], [[client.arena.base + o] for o in offsets],
-                                          [[views[i].nbytes] for i in won], [[0] for _ in won])
-                    done = [i for i, w in zip(won, written, strict=True) if w >= 0]
-                    if done:
-                        ends = client.call("put", 0, client.api.batch_put_session_end,
-                                           [names[i] for i in done])
-                        ended = dict(zip(done, ends, strict=True))
+                                          [names[i] for i in idx], [[client.arena.base + o] for o in offsets],
+                                          [[views[i].nbytes] for i in idx], [[0] for _ in idx])
+                    done += [i for i, w in zip(idx, written, strict=True) if w >= 0]
+                if done:
+                    ends = client.call("put", 0, client.api.batch_put_session_end, [names[i] for i in done])
+                    ended = dict(zip(done, ends, strict=True))
             finally:
                 stale = [names[i] for i in won if ended.get(i, -1) != 0]
                 if stale:  # never leave a key reserved by a session nobody will end
