@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from prefixvault.stores import StoreError, open_store
+from prefixvault.testing.freeze import freeze
 from prefixvault.testing.mooncake import MooncakeCluster, _free_port
 
 SPAWN = mp.get_context("spawn")
@@ -122,7 +123,7 @@ def test_stalled_holder_costs_a_timeout_not_a_hang(cluster: MooncakeCluster) -> 
     with open_store(cluster.uri(prefix="stall/", timeout=str(TIMEOUT))) as store:
         assert store.put_many([("a", [blob(0)])]) == [True]
         assert cluster.holder is not None
-        os.kill(cluster.holder.pid, signal.SIGSTOP)
+        freeze(cluster.holder.pid)
         try:
             t0 = time.monotonic()
             with pytest.raises(StoreError):

@@ -19,6 +19,7 @@ from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores import StoreError, open_store
 from prefixvault.stores.redis import RedisStore
+from prefixvault.testing.freeze import freeze
 from prefixvault.testing.valkey import Valkey
 from prefixvault.vault import ObjectRef, RankAck, Vault
 
@@ -94,7 +95,7 @@ def test_killed_server_turns_calls_into_store_errors(server: Valkey) -> None:
 def test_hung_server_times_out_instead_of_waiting_forever(server: Valkey) -> None:
     store = open_store(server.url(timeout="0.5"))
     store.put_many([("a", [b"x"])])
-    os.kill(server.proc.pid, signal.SIGSTOP)
+    freeze(server.proc.pid)
     try:
         # get_into first: its pooled connection is live, so the wait is in its own reader
         for call in (lambda: store.get_into(["a"], [memoryview(bytearray(1))]),

@@ -19,6 +19,7 @@ from vllm_support.seedlib import Seed, SeedRuns, check, run, run_with_metrics, s
 
 from prefixvault.stores import open_store
 from prefixvault.testing.engine import Completion, identical
+from prefixvault.testing.freeze import freeze
 from prefixvault.testing.mooncake import MooncakeCluster
 
 pytestmark = pytest.mark.slow
@@ -73,7 +74,7 @@ def test_seed_scenario_over_mooncake(seed: Seed, cold: list[Completion], cluster
 
 
 def _stop(pid: int) -> None:
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
 
 
 def _holder_pid(c: MooncakeCluster) -> int:
