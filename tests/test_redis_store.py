@@ -95,8 +95,8 @@ def test_killed_server_turns_calls_into_store_errors(server: Valkey) -> None:
 def test_hung_server_times_out_instead_of_waiting_forever(server: Valkey) -> None:
     store = open_store(server.url(timeout="0.5"))
     store.put_many([("a", [b"x"])])
-    freeze(server.proc.pid)
     try:
+        freeze(server.proc.pid)
         # get_into first: its pooled connection is live, so the wait is in its own reader
         for call in (lambda: store.get_into(["a"], [memoryview(bytearray(1))]),
                      lambda: store.get_many(["a"])):

@@ -212,6 +212,10 @@ class _Client:
             raise StoreUnavailable(f"mooncake store {config.master}: client setup failed (code {rc})")
         self.lock = threading.Lock()
         self.users = 0
+        #: keys whose put session this client may still hold: their revoke could not be sent
+        #: (a call was stuck) or failed. The client refuses a new session on such a key, so
+        #: each conditional put revokes them first. Under ``lock``.
+        self.unrevoked: set[str] = set()
         #: where this store copies objects it was handed in ordinary memory
         self.arena = _Region(self, "staging")
         #: what ``staging_buffer`` lends to callers, who fill it (or read it) in place
@@ -525,6 +529,24 @@ class MooncakeStore(Store):
             end = ptr + n
         return start if start is not None and client.lent.holds(start, size) else None
 
+    @staticmethod
+    def _revoke(client: _Client, names: Sequence[str]) -> None:
+        """End this client's put sessions on ``names`` (under ``client.lock``); a revoke that
+        cannot be sent now is sent before the next conditional put. The client refuses to
+        revoke another's session, so revoking more than this call reserved is safe."""
+        if not names:
+            return
+        try:
+            client.call("put", 0, client.api.batch_put_session_revoke, list(names))
+        except StoreError:
+            client.unrevoked.update(names)
+        else:
+            client.unrevoked.difference_update(names)
+
+    def _revoke_leftovers(self, client: _Client) -> None:
+        if client.unrevoked:
+            self._revoke(client, sorted(client.unrevoked))
+
     def put_if_absent(self, key: str, data: Buffer) -> bool:
         name = self._key(key)
         view = np.frombuffer(data, np.uint8) if memoryview(data).nbytes else np.empty(0, np.uint8)
@@ -535,10 +557,15 @@ class MooncakeStore(Store):
             # A put session reserves the key at the master: of racing callers one gets it,
             # the others hear OBJECT_ALREADY_EXISTS; the object is readable only after end.
             self._usable(client)
-            (code,) = client.call("put", 0, client.api.batch_put_session_start, [name], [view.nbytes])
+            self._revoke_leftovers(client)
+            ended = -1
+            try:
+                (code,) = client.call("put", 0, client.api.batch_put_session_start, [name], [view.nbytes])
+            except BaseException:
+                self._revoke(client, [name])  # whether it reserved the key is unknown
+                raise
             if code != 0:
                 return False
-            ended = -1
             try:
                 client.arena.grow(view.nbytes)
                 client.arena.mem[: view.nbytes] = view
@@ -548,16 +575,15 @@ class MooncakeStore(Store):
                     (ended,) = client.call("put", 0, client.api.batch_put_session_end, [name])
             finally:
                 if ended != 0:  # never leave the key reserved by a session nobody will end
-                    with contextlib.suppress(StoreError):
-                        client.call("put", 0, client.api.batch_put_session_revoke, [name])
+                    self._revoke(client, [name])
             return ended == 0
 
     def put_if_absent_many(self, items: Sequence[tuple[str, Buffer]]) -> list[bool]:
         """``put_if_absent`` for a batch: one put session reserves every key (one winner per key
         among racing callers), ranged puts write the reserved ones from the arena (one per
         arena's worth, so the arena never grows past its size for a batch), one end makes them
-        readable; a key reserved and not ended is revoked. A revoke only ever ends this client's
-        own session (the master refuses another's), so a start that raised is revoked whole."""
+        readable; a key reserved and not ended is revoked (``_revoke``), every key asked for if
+        the start raised."""
         check_distinct([k for k, _ in items])
         out = [False] * len(items)
         names = [self._key(k) for k, _ in items]
@@ -569,16 +595,17 @@ class MooncakeStore(Store):
         client = self._api()
         with client.lock:
             self._usable(client)
+            self._revoke_leftovers(client)
             won: list[int] = []
             ended: dict[int, int] = {}
             try:
                 try:
                     codes = client.call("put", 0, client.api.batch_put_session_start,
                                         [names[i] for i in want], [views[i].nbytes for i in want])
+                    won = [i for i, code in zip(want, codes, strict=True) if code == 0]
                 except BaseException:
                     won = want  # which keys it reserved is unknown: revoke them all
                     raise
-                won = [i for i, code in zip(want, codes, strict=True) if code == 0]
                 done: list[int] = []
                 for group in _chunks([views[i].nbytes for i in won], client.arena.mem.nbytes):
                     idx = [won[g] for g in group]
@@ -596,11 +623,8 @@ class MooncakeStore(Store):
                 if done:
                     ends = client.call("put", 0, client.api.batch_put_session_end, [names[i] for i in done])
                     ended = dict(zip(done, ends, strict=True))
-            finally:
-                stale = [names[i] for i in won if ended.get(i, -1) != 0]
-                if stale:  # never leave a key reserved by a session nobody will end
-                    with contextlib.suppress(StoreError):
-                        client.call("put", 0, client.api.batch_put_session_revoke, stale)
+            finally:  # never leave a key reserved by a session nobody will end
+                self._revoke(client, [names[i] for i in won if ended.get(i, -1) != 0])
             for i in won:
                 out[i] = ended.get(i, -1) == 0
         return out

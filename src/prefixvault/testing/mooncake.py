@@ -59,9 +59,13 @@ class MooncakeCluster:
         self.master: subprocess.Popen[bytes] | None = None
         self.holder: subprocess.Popen[bytes] | None = None
         _RUNNING.append(self)
-        self.start_master()
-        if holder:
-            self.start_holder()
+        try:
+            self.start_master()
+            if holder:
+                self.start_holder()
+        except BaseException:  # a master without its holder is no cluster: leave nothing running
+            self.stop()
+            raise
 
     @property
     def address(self) -> str:
