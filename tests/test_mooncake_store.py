@@ -14,6 +14,7 @@ import signal
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -211,19 +212,25 @@ def test_object_evicted_under_a_record_gives_a_shorter_hit(cluster: MooncakeClus
         assert vault.load(vault.needed(hashes, 16)).ok
 
 
+def _count_calls(client: Any) -> list[str]:
+    """Record the name of every Mooncake API call ``client`` makes from now on."""
+    real, calls = client.call, []
+
+    def counting(what: str, nbytes: int, fn: object, *args: object, **kwargs: object) -> object:
+        calls.append(getattr(fn, "__name__", str(fn)))
+        return real(what, nbytes, fn, *args, **kwargs)
+
+    client.call = counting
+    return calls
+
+
 def test_a_batch_of_conditional_puts_takes_three_calls(cluster: MooncakeCluster) -> None:
     """Records published together cost three calls to Mooncake, not three per record: one put
     session reserves every key (a key already there is refused), one ranged put, one end."""
     with open_store(cluster.uri(prefix="ifabsent/", timeout=str(TIMEOUT))) as store:
         assert store.put_if_absent("k0", b"old")
         client = store._api()  # type: ignore[attr-defined]
-        real, calls = client.call, []
-
-        def counting(what: str, nbytes: int, fn: object, *args: object, **kwargs: object) -> object:
-            calls.append(getattr(fn, "__name__", str(fn)))
-            return real(what, nbytes, fn, *args, **kwargs)
-
-        client.call = counting
+        real, calls = client.call, _count_calls(client)
         items = [(f"k{i}", blob(i, 1000 + i)) for i in range(6)]
         assert store.put_if_absent_many(items) == [False] + [True] * 5
         assert calls == ["batch_put_session_start", "batch_put_from_multi_buffer_ranges",
@@ -238,13 +245,7 @@ def test_a_batch_larger_than_the_arena_is_written_an_arena_at_a_time(cluster: Mo
     with open_store(cluster.uri(prefix="arena/", timeout=str(TIMEOUT), staging="1MiB")) as store:
         client = store._api()  # type: ignore[attr-defined]
         size = client.arena.mem.nbytes
-        real, calls = client.call, []
-
-        def counting(what: str, nbytes: int, fn: object, *args: object, **kwargs: object) -> object:
-            calls.append(getattr(fn, "__name__", str(fn)))
-            return real(what, nbytes, fn, *args, **kwargs)
-
-        client.call = counting
+        real, calls = client.call, _count_calls(client)
         items = [(f"k{i}", blob(i, 400_000)) for i in range(5)]  # two fit the arena at a time
         assert store.put_if_absent_many(items) == [True] * 5
         client.call = real
