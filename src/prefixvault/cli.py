@@ -286,7 +286,8 @@ def repro(
     capture: Annotated[str, typer.Option(
         help="Capture policy: steps, checkpoints, interval:N, marconi, reuse")] = "steps",
     turns: Annotated[int, typer.Option(
-        help="A conversation of N turns: each adds the previous output and a message")] = 1,
+        help="A conversation of N turns: each adds the previous output "
+             "(--max-tokens long, EOS ignored) and a message")] = 1,
     capture_outputs: Annotated[bool, typer.Option(
         "--capture-outputs", help="Publish boundaries over generated tokens too (not bit-exact)")] = False,
     workdir: Annotated[

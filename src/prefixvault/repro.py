@@ -154,6 +154,9 @@ def run_repro(cfg: ReproConfig, progress: Any = None) -> ReproResult:
             max_tokens=cfg.max_tokens,
             logprobs=cfg.logprobs,
             conversation=bool(more),
+            # A turn's answer is --max-tokens long, whatever the model says: whether a boundary
+            # falls inside it must not hang on where a (random test) model happens to stop.
+            ignore_eos=bool(more),
         )
         what = f"{1 + len(more)} turns" if more else f"{len(prompt)} prompt tokens"
         say(f"{role} engine: starting (tens of seconds) and running {what}")
