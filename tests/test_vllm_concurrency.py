@@ -29,13 +29,15 @@ from vllm_support.seedlib import IN_PROCESS, SUPPORT
 
 from prefixvault.stores import open_store
 from prefixvault.testing.compare import SAME_VALUES, compare_namespaces, published_state_boundaries
-from prefixvault.testing.engine import EngineSpec
+from prefixvault.testing.engine import EngineSpec, divergence
 from prefixvault.testing.models import build_model, engine_kwargs
 from prefixvault.testing.staggered import Arrivals, StaggeredRun, run_staggered
 
 pytestmark = pytest.mark.slow
 
 PREFIX, SUFFIX, PREFIXES, REQUESTS = 2048, 512, 4, 16
+#: The least drift the text check allows (|Δlogprob|), should cold happen not to move at all.
+NOISE_FLOOR = 0.02
 
 
 @dataclass(frozen=True)
@@ -165,12 +167,24 @@ def test_the_connector_realigns_chunks_and_publishes_reference_states(runs: Runs
     assert _check_published(runs, "default", runs.producer) >= REQUESTS
 
 
-def test_consumer_under_load_gives_cold_texts_where_cold_is_invariant(runs: Runs) -> None:
+def test_consumer_under_load_departs_from_cold_no_more_than_cold_does(runs: Runs) -> None:
+    """Where cold is invariant to load, the consumer (under load and alone) gives cold's texts,
+    except where a near tie flips: vLLM CPU is not batch-invariant, so the states the producer
+    published under load differ from cold's in the last bits, and a random test model's flat
+    logits put near ties everywhere (cold under load drifts by up to ~0.2 in a logprob here).
+    The bound is cold's own drift under load, measured in the same run: a restored state from a
+    wrong position moves logprobs by O(1)."""
     invariant = runs.invariant
     # Cold itself moves under load (vLLM CPU is not batch-invariant); most requests must not.
     assert len(invariant) >= REQUESTS // 2, f"cold is invariant on only {invariant}"
+    cold = runs.cold1.completions
+    noise = max(divergence(cold[i], runs.cold_load.completions[i]).drift for i in range(REQUESTS))
+    bound = 2 * max(noise, NOISE_FLOOR)
     for name in ("consumer_load", "consumer1"):
         got: StaggeredRun = getattr(runs, name)
         assert sum(c.cached_tokens for c in got.completions) >= REQUESTS * PREFIX, name
-        differ = [i for i in invariant if got.completions[i].token_ids != runs.cold1.completions[i].token_ids]
-        assert not differ, f"{name}: requests {differ} differ from cold"
+        parted = {i: divergence(cold[i], got.completions[i]) for i in invariant}
+        far = {i: d for i, d in parted.items() if d.drift > bound or d.margin > bound}
+        assert not far, f"{name}: requests depart from cold beyond {bound:.3g} (cold's own drift x2): {far}"
+        flips = [i for i, d in parted.items() if d.at < len(cold[i].token_ids)]
+        assert len(flips) <= len(invariant) // 4, f"{name}: near ties flipped in {flips} of {invariant}"

@@ -288,6 +288,28 @@ def max_logprob_diff(a: Completion, b: Completion) -> float:
     return worst
 
 
+@dataclass(frozen=True)
+class Divergence:
+    """Where two greedy completions of one prompt part, and how close ``a`` was to ``b``'s pick."""
+
+    at: int  # first generated position whose ids differ (len of the shorter if none does)
+    drift: float  # largest |Δlogprob| over the top-k tokens both report before ``at``
+    margin: float  # at ``at``: a's logprob of its own pick minus a's logprob of b's (inf if unseen)
+
+
+def divergence(a: Completion, b: Completion) -> Divergence:
+    """How ``b`` departs from ``a``: a last-bit difference shows as a small drift and, where the
+    ids part, a small margin (a near tie in ``a``); a wrong state shows as a large drift or margin."""
+    at = common_prefix(a.token_ids, b.token_ids)
+    drift = max_logprob_diff(Completion(a.token_ids[:at], a.logprobs[:at], 0),
+                             Completion(b.token_ids[:at], b.logprobs[:at], 0))
+    margin = 0.0
+    if at < min(len(a.token_ids), len(b.token_ids)):
+        mine, theirs = a.logprobs[at].get(a.token_ids[at]), a.logprobs[at].get(b.token_ids[at])
+        margin = mine - theirs if mine is not None and theirs is not None else float("inf")
+    return Divergence(at, drift, margin)
+
+
 def identical(a: Completion, b: Completion) -> bool:
     """Same token ids and the same top-k logprobs, bit for bit."""
     return a.token_ids == b.token_ids and a.logprobs == b.logprobs
