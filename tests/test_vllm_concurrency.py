@@ -36,8 +36,9 @@ from prefixvault.testing.staggered import Arrivals, StaggeredRun, run_staggered
 pytestmark = pytest.mark.slow
 
 PREFIX, SUFFIX, PREFIXES, REQUESTS = 2048, 512, 4, 16
-#: The least drift the text check allows (|Δlogprob|), should cold happen not to move at all.
-NOISE_FLOOR = 0.02
+#: The least and the most drift of cold under load (|Δlogprob|) the text check works with: a
+#: floor should cold happen not to move at all, a ceiling past which the check means nothing.
+NOISE_FLOOR, NOISE_CEILING = 0.02, 0.5
 
 
 @dataclass(frozen=True)
@@ -170,21 +171,27 @@ def test_the_connector_realigns_chunks_and_publishes_reference_states(runs: Runs
 def test_consumer_under_load_departs_from_cold_no_more_than_cold_does(runs: Runs) -> None:
     """Where cold is invariant to load, the consumer (under load and alone) gives cold's texts,
     except where a near tie flips: vLLM CPU is not batch-invariant, so the states the producer
-    published under load differ from cold's in the last bits, and a random test model's flat
-    logits put near ties everywhere (cold under load drifts by up to ~0.2 in a logprob here).
-    The bound is cold's own drift under load, measured in the same run: a restored state from a
-    wrong position moves logprobs by O(1)."""
+    published under load differ from cold's in the last bits, and the random test models have
+    close runner-ups at many positions (cold's own logprobs move by up to ~0.2 with load here).
+    So each request's logprobs must stay within twice cold's own drift under load, measured in
+    the same run; ids may part only where cold ranked the consumer's pick within twice that (the
+    most two tokens each moved by the bound can swap); at most a quarter of the requests part.
+    This bounds what reaches users; it is not what finds a wrong state. A null ShortConv state
+    restored at 1280 moves logprobs by 0.46 before the ids part (the seed negative control,
+    measured), about what load does to cold: the state-by-state comparison with the reference
+    producer (``_check_published``) is the check that catches one."""
     invariant = runs.invariant
     # Cold itself moves under load (vLLM CPU is not batch-invariant); most requests must not.
     assert len(invariant) >= REQUESTS // 2, f"cold is invariant on only {invariant}"
     cold = runs.cold1.completions
     noise = max(divergence(cold[i], runs.cold_load.completions[i]).drift for i in range(REQUESTS))
+    assert noise <= NOISE_CEILING, f"cold drifts by {noise:.3g} with load: the bound would mean nothing"
     bound = 2 * max(noise, NOISE_FLOOR)
     for name in ("consumer_load", "consumer1"):
         got: StaggeredRun = getattr(runs, name)
         assert sum(c.cached_tokens for c in got.completions) >= REQUESTS * PREFIX, name
         parted = {i: divergence(cold[i], got.completions[i]) for i in invariant}
-        far = {i: d for i, d in parted.items() if d.drift > bound or d.margin > bound}
-        assert not far, f"{name}: requests depart from cold beyond {bound:.3g} (cold's own drift x2): {far}"
-        flips = [i for i, d in parted.items() if d.at < len(cold[i].token_ids)]
+        far = {i: d for i, d in parted.items() if d.drift > bound or (d.margin or 0.0) > 2 * bound}
+        assert not far, f"{name}: past drift {bound:.3g} (cold's own: {noise:.3g}): {far}"
+        flips = [i for i, d in parted.items() if d.margin is not None]
         assert len(flips) <= len(invariant) // 4, f"{name}: near ties flipped in {flips} of {invariant}"

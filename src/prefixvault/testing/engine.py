@@ -9,6 +9,7 @@ report's protocol), and vLLM needs a ``__main__`` guard, so every engine runs as
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -292,21 +293,27 @@ def max_logprob_diff(a: Completion, b: Completion) -> float:
 class Divergence:
     """Where two greedy completions of one prompt part, and how close ``a`` was to ``b``'s pick."""
 
-    at: int  # first generated position whose ids differ (len of the shorter if none does)
-    drift: float  # largest |Δlogprob| over the top-k tokens both report before ``at``
-    margin: float  # at ``at``: a's logprob of its own pick minus a's logprob of b's (inf if unseen)
+    at: int  # first generated position whose ids differ (the common length if none does)
+    drift: float  # largest |Δlogprob| over the top-k tokens both report, up to and including ``at``
+    margin: float | None  # at ``at``: a's logprob of its pick minus a's of b's (inf: unranked or
+    #                       one completion ends there); None where they do not part
 
 
 def divergence(a: Completion, b: Completion) -> Divergence:
-    """How ``b`` departs from ``a``: a last-bit difference shows as a small drift and, where the
-    ids part, a small margin (a near tie in ``a``); a wrong state shows as a large drift or margin."""
+    """How ``b`` departs from ``a``. Both distributions at ``at`` follow the same ids, so ``drift``
+    counts it too. A last-bit difference shows as a small drift and, where the ids part, a small
+    margin (a near tie in ``a``). A wrong state need not show larger on a random test model
+    (tests/test_vllm_concurrency.py says how much)."""
     at = common_prefix(a.token_ids, b.token_ids)
-    drift = max_logprob_diff(Completion(a.token_ids[:at], a.logprobs[:at], 0),
-                             Completion(b.token_ids[:at], b.logprobs[:at], 0))
-    margin = 0.0
-    if at < min(len(a.token_ids), len(b.token_ids)):
+    seen = min(at + 1, len(a.logprobs), len(b.logprobs))
+    drift = max_logprob_diff(Completion([], a.logprobs[:seen], 0), Completion([], b.logprobs[:seen], 0))
+    if len(a.token_ids) == len(b.token_ids) == at:
+        return Divergence(at, drift, None)
+    margin = math.inf
+    if at < min(len(a.token_ids), len(b.token_ids)) and at < len(a.logprobs):
         mine, theirs = a.logprobs[at].get(a.token_ids[at]), a.logprobs[at].get(b.token_ids[at])
-        margin = mine - theirs if mine is not None and theirs is not None else float("inf")
+        if mine is not None and theirs is not None:
+            margin = mine - theirs
     return Divergence(at, drift, margin)
 
 
