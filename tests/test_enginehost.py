@@ -22,8 +22,9 @@ import atexit, os, signal, sys, time
 
 mode, marker = sys.argv[1], sys.argv[2]
 def bye():
+    after = " after its thread" if os.path.exists(marker + ".thread") else ""
     time.sleep(0.3)  # the run is not over, nor reported over, before this ends
-    open(marker, "w").write("atexit ran")
+    open(marker, "w").write("atexit ran" + after)
 atexit.register(bye)
 print("mode", mode, "name", __name__, "test", os.environ.get("PYTEST_CURRENT_TEST", "-"), flush=True)
 if mode == "exit3":
@@ -45,6 +46,15 @@ if mode == "sleep":
     time.sleep(60)
 if mode == "kill":
     os.kill(os.getpid(), signal.SIGKILL)
+if mode == "thread":  # the main module returns while a non-daemon thread still works
+    import threading
+    def late():
+        time.sleep(0.3)
+        open(marker + ".thread", "w").write("done")
+    threading.Thread(target=late).start()
+    from concurrent.futures import ThreadPoolExecutor
+    ThreadPoolExecutor(1).submit(int)  # its idle worker ends only when the interpreter says so
+    sys.stdout.write("an unflushed tail")
 '''
 
 
@@ -69,6 +79,13 @@ def test_a_run_exits_with_its_code_after_its_atexit_handlers(host: EngineHost, t
     rc, log, marker = _run(host, tmp_path, "exit3")
     assert rc == 3 and marker, log
     assert "mode exit3 name __main__" in log
+
+
+def test_a_run_joins_its_threads_then_runs_atexit_and_flushes(host: EngineHost, tmp_path: Path) -> None:
+    """As an interpreter ends: non-daemon threads first, then atexit handlers, output flushed."""
+    rc, log, _ = _run(host, tmp_path, "thread")
+    assert rc == 0 and log.endswith("an unflushed tail"), log
+    assert (tmp_path / "thread.marker").read_text() == "atexit ran after its thread"
 
 
 def test_an_exception_is_exit_code_1_with_its_traceback_in_the_log(host: EngineHost, tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixvault.testing.enginehost import EngineHost, HostGone
+from prefixvault.testing.enginehost import EngineHost, HostGone, finish
 
 CONNECTOR = "PrefixVaultConnector"
 CONNECTOR_MODULE = "prefixvault.vllm"
@@ -339,3 +339,4 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    finish(0)  # a fresh process too: its output is written, its teardown would only cost time

@@ -31,6 +31,7 @@ from prefixvault.testing.engine import (
     kv_transfer_config,
     run_engine,
 )
+from prefixvault.testing.enginehost import finish
 
 
 @dataclass
@@ -190,3 +191,4 @@ def main(argv: Sequence[str]) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
+    finish(0)  # a fresh process too: its output is written, its teardown would only cost time
