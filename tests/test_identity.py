@@ -7,6 +7,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
 
 from prefixvault import identity
 from prefixvault.identity import content_digest, model_content
@@ -70,3 +71,25 @@ def test_an_adapter_replaced_in_place_changes_the_request_keys(tmp_path: Path) -
     gone = SimpleNamespace(lora_request=SimpleNamespace(lora_name="x", lora_path=str(tmp_path / "gone")),
                            cache_salt=None, mm_features=None)
     assert extra_keys(gone).lora == f"x:{tmp_path / 'gone'}"
+
+
+def test_hidden_entries_are_left_out_and_a_huge_directory_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A ``.git`` or a virtual environment beside the weights changes nothing; a path such as
+    "." or "/" given by mistake is refused after ``MAX_ENTRIES``, not walked to its end."""
+    ckpt = _checkpoint(tmp_path / "m", seed=1)
+    first = content_digest(ckpt)
+    (ckpt / ".venv" / "lib").mkdir(parents=True)
+    (ckpt / ".venv" / "lib" / "x.json").write_text("{}")
+    (ckpt / ".hidden.json").write_text("{}")
+    os.utime(ckpt / "config.json")  # a fresh listing, not the per-process cache
+    assert content_digest(ckpt) == first
+    monkeypatch.setattr(identity, "MAX_ENTRIES", 3)
+    (ckpt / "more.json").write_text("{}")
+    try:
+        content_digest(ckpt)
+    except OSError as e:
+        assert "not a checkpoint directory" in str(e)
+    else:
+        raise AssertionError("a directory past MAX_ENTRIES was walked")

@@ -28,11 +28,26 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".json")
 _cache: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
 
 
+#: A directory with more entries than this is not a checkpoint (a path such as "." or "/"
+#: given by mistake): refused rather than walked, since the walk runs where lookups wait.
+MAX_ENTRIES = 100_000
+
+
 def _files(root: Path) -> list[Path]:
+    """Weight and config files under ``root``, hidden files and directories left out (and not
+    entered: a ``.git`` or a virtual environment beside the weights is not walked)."""
     if root.is_file():
         return [root]
-    return sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in WEIGHT_SUFFIXES
-                  and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    found: list[Path] = []
+    seen = 0
+    for top, dirs, names in os.walk(root):
+        seen += len(dirs) + len(names)
+        if seen > MAX_ENTRIES:
+            raise OSError(f"{root} holds over {MAX_ENTRIES} entries: not a checkpoint directory")
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        found.extend(Path(top, n) for n in names if not n.startswith(".")
+                     and Path(n).suffix in WEIGHT_SUFFIXES and Path(top, n).is_file())
+    return sorted(found)
 
 
 def _hash_file(h: hashlib.blake2b, path: Path, size: int) -> None:
