@@ -19,7 +19,6 @@ start, ``preflight.outputs_refused``): it publishes prompt boundaries only, like
 
 from __future__ import annotations
 
-import contextlib
 import json
 import random
 import sys
@@ -33,7 +32,7 @@ from prefixvault.serve import engine_flags, serve_command, vllm_command
 from prefixvault.stores import open_store
 from prefixvault.testing.engine import common_prefix
 from prefixvault.testing.models import build_model, engine_kwargs
-from prefixvault.testing.servers import server
+from prefixvault.testing.servers import servers
 
 pytestmark = pytest.mark.slow
 PROFILE = "shortconv-hybrid"
@@ -83,17 +82,17 @@ def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path
     # its own process gives logprobs ~1e-6 apart from one in-process, connector or not (its
     # cause is vLLM's, not established); every server here runs the same way.
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    with contextlib.ExitStack() as stack:
-        cold = stack.enter_context(server([*vllm_command(str(model)), *flags, "--enable-prefix-caching",
-                                           "--mamba-cache-mode", "align"], tmp_path / "cold.log", env))
-        commands = [serve_command(str(model), store, "kv_both", capture="reuse", extra=flags)
-                    for _ in range(2)]
-        at = commands[1].index("--kv-transfer-config") + 1
-        ktc = json.loads(commands[1][at])
-        ktc["kv_connector_extra_config"]["capture_outputs"] = True
-        commands[1][at] = json.dumps(ktc)
-        pair = [stack.enter_context(server(cmd, tmp_path / f"server{i}.log", env))
-                for i, cmd in enumerate(commands)]
+    commands = [serve_command(str(model), store, "kv_both", capture="reuse", extra=flags)
+                for _ in range(2)]
+    at = commands[1].index("--kv-transfer-config") + 1
+    ktc = json.loads(commands[1][at])
+    ktc["kv_connector_extra_config"]["capture_outputs"] = True
+    commands[1][at] = json.dumps(ktc)
+    cold_command = [*vllm_command(str(model)), *flags, "--enable-prefix-caching",
+                    "--mamba-cache-mode", "align"]
+    with servers([(cold_command, tmp_path / "cold.log"),
+                  *((cmd, tmp_path / f"server{i}.log") for i, cmd in enumerate(commands))], env) as urls:
+        cold, pair = urls[0], urls[1:]
         rng = random.Random(0)
         messages = [{"role": "system", "content": text(rng, 160)}, {"role": "user", "content": text(rng, 40)}]
         previous: list[int] = []
