@@ -40,7 +40,11 @@ def _files(root: Path) -> list[Path]:
         return [root]
     found: list[Path] = []
     seen = 0
-    for top, dirs, names in os.walk(root):
+    def unreadable(e: OSError) -> None:  # as a walk that stats every entry: only a denied one is skipped
+        if not isinstance(e, PermissionError):
+            raise e
+
+    for top, dirs, names in os.walk(root, onerror=unreadable):
         seen += len(dirs) + len(names)
         if seen > MAX_ENTRIES:
             raise OSError(f"{root} holds over {MAX_ENTRIES} entries: not a checkpoint directory")
