@@ -8,11 +8,8 @@ the same name; and a server of another name.
 from __future__ import annotations
 
 import json
-import os
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,24 +17,18 @@ import pytest
 
 from prefixvault.serve import engine_flags, vllm_command
 from prefixvault.testing.models import build_model, engine_kwargs
-from prefixvault.testing.servers import wait_ready
+from prefixvault.testing.servers import free_port
+from prefixvault.testing.servers import servers as start_servers
 
 pytestmark = pytest.mark.slow
 PROFILE = "shortconv-hybrid"
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _flags(model: Path, name: str, port: int) -> list[str]:
+def _flags(model: Path, name: str) -> list[str]:
     engine = engine_kwargs(PROFILE, model)
     engine.pop("model")
     engine["max_num_batched_tokens"] = 512
-    return [*engine_flags(engine), "--served-model-name", name, "--host", "127.0.0.1",
-            "--port", str(port)]
+    return [*engine_flags(engine), "--served-model-name", name]
 
 
 @pytest.fixture(scope="module")
@@ -46,40 +37,17 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     same = build_model(PROFILE, root / "m0", seed=0)
     other = build_model(PROFILE, root / "m1", seed=1)
     store = f"local://{root}/store?capacity=1GiB"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1",
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     pv = [sys.executable, "-m", "prefixvault.cli", "serve"]
-    ports = {k: _port() for k in ("cold", "producer", "restored", "other_weights", "other_name")}
     cmds = {
-        "cold": [*vllm_command(str(same)), *_flags(same, "tiny", ports["cold"])],
-        "producer": [*pv, str(same), "--store", store, "--role", "kv_producer", "--",
-                     *_flags(same, "tiny", ports["producer"])],
-        "restored": [*pv, str(same), "--store", store, "--role", "kv_consumer", "--",
-                     *_flags(same, "tiny", ports["restored"])],
-        "other_weights": [*vllm_command(str(other)), *_flags(other, "tiny", ports["other_weights"])],
-        "other_name": [*vllm_command(str(other)), *_flags(other, "tiny-other", ports["other_name"])],
+        "cold": [*vllm_command(str(same)), *_flags(same, "tiny")],
+        "producer": [*pv, str(same), "--store", store, "--role", "kv_producer", "--", *_flags(same, "tiny")],
+        "restored": [*pv, str(same), "--store", store, "--role", "kv_consumer", "--", *_flags(same, "tiny")],
+        "other_weights": [*vllm_command(str(other)), *_flags(other, "tiny")],
+        "other_name": [*vllm_command(str(other)), *_flags(other, "tiny-other")],
     }
-    logs = {k: open(root / f"{k}.log", "w") for k in cmds}  # noqa: SIM115 - closed below
-    procs = {
-        k: subprocess.Popen(c, env=env, stdout=logs[k], stderr=subprocess.STDOUT) for k, c in cmds.items()
-    }
-    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-    try:
-        deadline = time.monotonic() + 600
-        for k, url in urls.items():
-            wait_ready(procs[k], url, root / f"{k}.log", deadline)
-        urls["log_dir"] = str(root)
-        yield urls
-    finally:
-        for p in procs.values():
-            p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        for f in logs.values():
-            f.close()
+    with start_servers([(c, root / f"{k}.log") for k, c in cmds.items()],
+                       {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) as found:
+        yield {**dict(zip(cmds, found, strict=True)), "log_dir": str(root)}
 
 
 def _verify(*args: str) -> subprocess.CompletedProcess[str]:
@@ -106,7 +74,7 @@ def test_verify_fails_clearly_for_a_pair_that_differs(servers: dict[str, str]) -
 
 @pytest.mark.parametrize("which,needle", [("other_name", "model mismatch"), ("unreachable", "cannot reach")])
 def test_verify_bad_input_is_one_clear_line(servers: dict[str, str], which: str, needle: str) -> None:
-    restored = servers.get(which, f"http://127.0.0.1:{_port()}")
+    restored = servers.get(which, f"http://127.0.0.1:{free_port()}")
     res = _verify("--cold", servers["cold"], "--restored", restored)
     assert res.returncode == 2
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]

@@ -33,6 +33,12 @@ _cache: dict[tuple[str, tuple[tuple[str, int, int], ...]], str] = {}
 MAX_ENTRIES = 100_000
 
 
+def _unless_denied(e: OSError) -> None:
+    """A listing error ends the walk; only a denied directory is skipped (as ``rglob`` did)."""
+    if not isinstance(e, PermissionError):
+        raise e
+
+
 def _files(root: Path) -> list[Path]:
     """Weight and config files under ``root``, hidden files and directories left out (and not
     entered: a ``.git`` or a virtual environment beside the weights is not walked)."""
@@ -40,11 +46,7 @@ def _files(root: Path) -> list[Path]:
         return [root]
     found: list[Path] = []
     seen = 0
-    def unreadable(e: OSError) -> None:  # as a walk that stats every entry: only a denied one is skipped
-        if not isinstance(e, PermissionError):
-            raise e
-
-    for top, dirs, names in os.walk(root, onerror=unreadable):
+    for top, dirs, names in os.walk(root, onerror=_unless_denied):
         seen += len(dirs) + len(names)
         if seen > MAX_ENTRIES:
             raise OSError(f"{root} holds over {MAX_ENTRIES} entries: not a checkpoint directory")
