@@ -13,10 +13,11 @@ server behind a loopback proxy that adds ``--redis-delay-ms`` to every round tri
 measure a version before a change with the same client and workload.
 
 Prints, for cold, producer and consumer: mean and p99 TTFT, p50 and p99 ITL, output
-throughput, completed and failed requests, the consumer's external hit tokens, and whether every
-generated text equals cold's; then the ratios consumer/cold (what restoring gains and costs)
-and producer/cold (what saving costs: the producer computes everything, as cold does, and
-stores it). The last line is one JSON object.
+throughput, completed and failed requests, the consumer's external hit tokens, whether every
+generated text equals cold's, and which part from cold's, the consumer's beside the producer's
+(which restores nothing: where its texts part too, batching did it); then the ratios
+consumer/cold (what restoring gains and costs) and producer/cold (what saving costs: the
+producer computes everything, as cold does, and stores it). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -99,10 +100,22 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["producer_ratios"] = {k: round(out["producer"][k] / out["cold"][k], 3) if out["cold"][k] else None
                               for k in FIGURES}
     out["producer_texts_equal"] = cold["generated_texts"] == producer["generated_texts"]
+    # Which requests' texts part from cold's: the producer restores nothing, so where its text
+    # parts too, the engine's batching did it (vLLM CPU is not batch-invariant); a consumer text
+    # that parts where the producer's does not is the one to look at.
+    out["texts_differ"] = {"consumer": _differ(cold, consumer), "producer": _differ(cold, producer)}
+    out["texts_differ_only_consumer"] = sorted(set(out["texts_differ"]["consumer"])
+                                               - set(out["texts_differ"]["producer"]))
     out["goals"] = GOALS
     out["goals_met"] = all(out["ratios"][k] is not None and out["ratios"][k] <= v for k, v in GOALS.items()) \
         and out["consumer"]["failed"] == 0
     return out
+
+
+def _differ(cold: dict[str, Any], other: dict[str, Any]) -> list[int]:
+    """Indexes of the requests whose generated text is not cold's."""
+    return [i for i, (a, b) in enumerate(zip(cold["generated_texts"], other["generated_texts"], strict=True))
+            if a != b]
 
 
 def main() -> None:
@@ -128,6 +141,9 @@ def main() -> None:
     c = out["consumer"]
     print(f"completed {c['completed']}/{args.prompts}, failed {c['failed']}, "
           f"external hit tokens {c['external_hit_tokens']:.0f}, texts equal {out['texts_equal']}")
+    differ = out["texts_differ"]
+    print(f"texts apart from cold: consumer {differ['consumer']}, producer (restores nothing) "
+          f"{differ['producer']}; consumer only {out['texts_differ_only_consumer']}")
     print(json.dumps(out))
 
 
