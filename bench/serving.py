@@ -96,7 +96,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                            "concurrency": args.concurrency}
     for tag, res in (("cold", cold), ("producer", producer), ("consumer", consumer)):
         out[tag] = {k: round(float(res.get(k, 0.0)), 3) for k in FIGURES}
-        later = [float(t) for t in res.get("ttfts", [])[args.concurrency:]]
+        # (a failed request's TTFT reads 0: left out)
+        later = [float(t) for t in res.get("ttfts", [])[args.concurrency:] if t]
         out[tag][WARM] = round(1000 * sum(later) / len(later), 3) if later else 0.0
         out[tag]["completed"] = int(res.get("completed", 0))
         out[tag]["failed"] = int(res.get("failed", 0))
