@@ -103,16 +103,16 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out[tag]["failed"] = int(res.get("failed", 0))
     out["consumer"]["external_hit_tokens"] = hits
     out["producer"].update(saves)  # counted until its requests were done (queued saves drain after)
-    out["texts_equal"] = cold["generated_texts"] == consumer["generated_texts"]
     out["ratios"] = {k: round(out["consumer"][k] / out["cold"][k], 3) if out["cold"][k] else None
                      for k in COLUMNS}
     out["producer_ratios"] = {k: round(out["producer"][k] / out["cold"][k], 3) if out["cold"][k] else None
                               for k in COLUMNS}
-    out["producer_texts_equal"] = cold["generated_texts"] == producer["generated_texts"]
     # Which requests' texts part from cold's: the producer restores nothing, so where its text
     # parts too, the engine's batching did it (vLLM CPU is not batch-invariant); a consumer text
     # that parts where the producer's does not is the one to look at.
     out["texts_differ"] = {"consumer": _differ(cold, consumer), "producer": _differ(cold, producer)}
+    out["texts_equal"] = not out["texts_differ"]["consumer"]
+    out["producer_texts_equal"] = not out["texts_differ"]["producer"]
     out["texts_differ_only_consumer"] = sorted(set(out["texts_differ"]["consumer"])
                                                - set(out["texts_differ"]["producer"]))
     out["goals"] = GOALS
