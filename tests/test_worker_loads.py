@@ -67,3 +67,25 @@ def test_a_failed_load_is_reported_failed() -> None:
     worker.close()  # waits for the queued load
     assert worker.take_finished() == ({"r"}, {"r"})
     assert worker.counters.load_failures == 1
+
+
+def test_a_load_larger_than_the_pinned_buffer_goes_through_it_in_pieces() -> None:
+    """On a device, loaded objects go through one pinned buffer allocated at registration
+    (never a fresh pinned allocation per load); a load larger than it goes in pieces. The
+    piece logic is the same on CPU, where it is run here through a small buffer."""
+    vault = Vault(MemoryStore(), layout())
+    caches = {"a": torch.zeros(16, 2, BS, 4), "w": torch.zeros(16, 2, BS, 4), "s": torch.zeros(16, 4, 4)}
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]])
+    worker.register_kv_caches(caches)
+    assert worker._load_host is None  # CPU caches: loaded bytes are scattered directly
+    io = worker._io[0]
+    worker._load_host = torch.zeros(2 * io.object_bytes + 8, dtype=torch.uint8)  # two objects fit
+    blocks = [3, 9, 4, 12, 7]
+    payloads = [np.full(io.object_bytes // 4, i + 0.5, np.float32) for i in range(len(blocks))]
+    worker._scatter_pinned(io, [(p.view(np.uint8).data, b) for p, b in zip(payloads, blocks, strict=True)],
+                           None)
+    for i, b in enumerate(blocks):
+        assert np.all(caches["a"][b].numpy() == i + 0.5)
+    untouched = [b for b in range(16) if b not in blocks]
+    assert not caches["a"][untouched].any()
+    worker.close()

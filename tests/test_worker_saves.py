@@ -368,3 +368,72 @@ def test_holds_without_room_are_dropped_and_a_release_always_reports_the_request
     tiny.save([held(vault)], step=1)
     assert tiny.counters.save_dropped == {"hold_too_large": 1}
     tiny.close()
+
+
+# -- kernel blocks, and a worker that cannot use its caches ---------------------------------------
+
+KBS = BS // 2  # tokens per kernel block: a backend that cuts each block in two
+
+
+def kernel_cut(blocks: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """An attention layer as vLLM hands it to a backend that cuts blocks in two (``[2 * blocks,
+    H, BS / 2, C]``, heads outside tokens), and its logical blocks read by plain slicing."""
+    kernel = torch.rand(2 * blocks, 2, KBS, 4, generator=g)
+    logical = torch.stack([kernel[2 * b : 2 * b + 2].permute(1, 0, 2, 3).reshape(2, BS, 4)
+                           for b in range(blocks)])
+    return kernel, logical
+
+
+def test_bytes_saved_on_kernel_blocks_restore_on_an_engine_without() -> None:
+    """An engine on FlashInfer (kernel blocks) and one on FlashAttention (none) share objects:
+    a worker given the engine's block count views kernel blocks as the manager's blocks."""
+    g = torch.Generator().manual_seed(3)
+    vault = Vault(MemoryStore(), layout())
+    kernel, logical = kernel_cut(16, g)
+    window, _ = kernel_cut(16, g)
+    caches = {"a": kernel, "w": window, "s": torch.rand(16, 4, 4, generator=g)}
+    unaware = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], staging_bytes=1 << 20)
+    with pytest.raises(ValueError, match="cache group 0 has 128 bytes per block on rank 0, layout says 256"):
+        unaware.register_kv_caches(caches)  # kernel blocks taken for blocks: refused, never half-copied
+    unaware.close()
+    producer = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], staging_bytes=1 << 20,
+                          num_blocks=16)
+    producer.register_kv_caches(caches)
+    producer.save([spec(vault)], step=1)
+    assert settle(producer, {save_id(1, "r")}) == {save_id(1, "r")}
+    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS
+    producer.close()
+    consumer = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], num_blocks=16)
+    plain = {"a": torch.zeros(16, 2, BS, 4), "w": torch.zeros(16, 2, BS, 4), "s": torch.zeros(16, 4, 4)}
+    consumer.register_kv_caches(plain)
+    tables = ([11, 12, 13], [0, 12, 13], [0, 0, 14])
+    consumer.load([LoadSpec("back", vault.hashes(TOKENS), 3 * BS, 0, tables)])
+    assert settle_loads(consumer) == ({"back"}, set()), consumer.counters.failure_reasons
+    assert torch.equal(plain["a"][11:14].view(torch.uint8), logical[1:4].view(torch.uint8))
+    assert torch.equal(plain["s"][14], caches["s"][STATE_BLOCK])
+    assert not plain["a"][:11].any() and not plain["a"][14:].any()
+    consumer.close()
+
+
+def test_a_worker_that_cannot_use_its_caches_is_disabled_and_answers_everything_at_once() -> None:
+    vault = Vault(MemoryStore(), layout())
+    caches = {"a": torch.zeros(24, 2, BS, 4), "w": torch.zeros(16, 2, BS, 4), "s": torch.zeros(16, 4, 4)}
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], staging_bytes=1 << 20,
+                        hold_bytes=1 << 20, num_blocks=16)
+    with pytest.raises(ValueError, match="layer a has 24 blocks, not a multiple of the engine's 16"):
+        worker.register_kv_caches(caches)
+    with pytest.raises(ValueError, match=r"cache group 1: no tensor registered for layers \['w'\]"):
+        worker.register_kv_caches({"a": caches["a"][:16]})
+    worker.disable("no usable cache")
+    assert worker.disabled == "no usable cache"
+    worker.step([spec(vault, "r"), held(vault, "h")], [Release("done", True), Release("gone", False)], step=4)
+    assert sorted(worker.take_settled()) == [(save_id(4, "done"), False), (save_id(4, "r"), False)]
+    assert worker.take_sent() == {"done"}  # vLLM frees its blocks; "gone" was never held
+    worker.step([], [Release("h", True)], step=5)  # the hold was never made: settled, sent
+    assert worker.take_settled() == [(save_id(5, "h"), False)] and worker.take_sent() == {"h"}
+    worker.load([LoadSpec("back", vault.hashes(TOKENS), 3 * BS, 0, ([11, 12, 13], [0, 12, 13], [0, 0, 14]))])
+    assert worker.take_finished() == ({"back"}, {"back"})  # at once, not from the load thread
+    assert worker.counters.failure_reasons == {"disabled": 1}
+    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 0
+    assert all(not t.any() for t in caches.values())
+    worker.close()

@@ -8,33 +8,46 @@ BLHNC, ...), so a consumer on another layout reads what a producer wrote; where 
 are one run in logical order (LBHNC, BLHNC: ``block_compact`` layers), a block is one copy.
 
 vLLM hands one tensor per layer whose first dimension is the block (its logical shape); its
-strides carry the physical layout. This module needs nothing else, and imports no vLLM: the same
-code runs in the connector and in ``bench/gpu_blockio.py`` on a machine without vLLM.
+strides carry the physical layout (``prefixvault.vllm.views`` regroups kernel-block-split views
+to manager blocks first). This module needs nothing else, and imports no vLLM: the same code
+runs in the connector and in ``bench/gpu_check.py`` on a machine without vLLM.
 
 On CUDA, copies run on side streams, one per direction (gathers come from the engine's
 thread, scatters from a load thread: they never share a stream or a buffer). A gather waits
 for the work already queued on the engine's stream (the forward that wrote the blocks), copies
 the blocks into a device buffer (one ``index_select`` per layer), then into pinned host memory
-in one transfer; the engine's stream waits only for the device-side gather, so the block can be
-reused by the next step while the transfer to the host goes on. The caller waits for the
-returned ``Done`` before it reads the host bytes (a save thread, not the step). A scatter
-first waits for an event the engine thread recorded when it handed the load over (``mark``:
-vLLM may still have work queued on the blocks, such as zeroing them), copies the host bytes to
-the device and into the blocks (``index_copy_``) and returns once they landed. Device buffers
-are at most ``DEVICE_BUFFER_BYTES``: larger copies go through them in pieces.
+in one transfer; the engine's stream waits only for the device-side gather of the last piece,
+so the blocks can be reused by the next step while that piece's transfer to the host goes on.
+The caller waits for the returned ``Done`` before it reads the host bytes (a save thread, not
+the step). A scatter first waits for an event the engine thread recorded when it handed the
+load over (``mark``: vLLM may still have work queued on the blocks, such as zeroing them),
+copies the host bytes to the device and into the blocks (``index_copy_``) and returns once they
+landed. Whatever goes wrong, a copy returns or raises only once nothing it queued on its side
+stream is still running: the caller may then hand its host memory out again, and vLLM may
+recompute into the blocks.
+
+Device memory (vLLM sizes its KV cache before any connector copies, so ours must be small and
+known at start): the cache groups of one worker share one side stream and one device buffer
+per direction (``Lanes``), allocated once when the caches are registered. Each buffer is
+``DEVICE_BUFFER_BYTES`` (32 MiB), or one object of the worker's largest group where that is
+larger: 64 MiB of device memory per worker in all for a model such as Qwen3-Next-80B (objects
+of 12.75 MiB). Larger copies go through the buffer in pieces; the engine's stream is then held
+for the transfers of all pieces but the last.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-#: Largest device buffer one direction of one group keeps (larger copies go in pieces).
-DEVICE_BUFFER_BYTES = 64 << 20
+#: Device buffer of one worker per direction (save, load), shared by all its cache groups; a
+#: buffer holds at least one object of the largest group.
+DEVICE_BUFFER_BYTES = 32 << 20
 
 
 class Done:
@@ -46,6 +59,47 @@ class Done:
     def wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()
+
+
+class Lane:
+    """One direction's side stream and device buffer (CUDA only). Copies are queued on it one
+    after another (under ``lock``), so every group of a worker can use the same buffer: stream
+    order keeps a piece's bytes until its last reader ran."""
+
+    def __init__(self, device: torch.device, nbytes: int) -> None:
+        self.device = device
+        self.stream: Any = torch.cuda.Stream(device)
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.lock = threading.Lock()
+
+    def rows(self, object_bytes: int) -> int:
+        """Objects of ``object_bytes`` one piece holds (at least one)."""
+        return max(1, int(self.buffer.numel()) // max(object_bytes, 1))
+
+    def view(self, n: int, object_bytes: int) -> torch.Tensor:
+        return self.buffer[: n * object_bytes].view(n, object_bytes)
+
+
+@dataclass(frozen=True)
+class Lanes:
+    """The save and load lanes of one worker's groups on one CUDA device."""
+
+    save: Lane
+    load: Lane
+
+    @classmethod
+    def allocate(cls, device: torch.device, object_bytes: Iterable[int],
+                 budget: int = DEVICE_BUFFER_BYTES) -> Lanes:
+        """Both directions' buffers, now: ``budget`` bytes each, or one object of the largest
+        group where that is more (an out-of-memory shows at start, not at the first save)."""
+        if device.type != "cuda":
+            raise ValueError(f"prefixvault: side streams and device buffers are for CUDA, not {device}")
+        size = max([budget, *object_bytes])
+        return cls(Lane(device, size), Lane(device, size))
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.save.buffer.numel() + self.load.buffer.numel())
 
 
 @dataclass(frozen=True)
@@ -74,7 +128,10 @@ class GroupIO:
     """Objects of one cache group on one rank: gather them out of the layers' blocks into host
     bytes, scatter host bytes back into blocks."""
 
-    def __init__(self, layers: Sequence[torch.Tensor], names: Sequence[str] | None = None) -> None:
+    def __init__(self, layers: Sequence[torch.Tensor], names: Sequence[str] | None = None,
+                 lanes: Lanes | None = None) -> None:
+        """``lanes``: the side streams and device buffers this group shares with the worker's
+        other groups (CUDA); without, the group gets its own."""
         if not layers:
             raise ValueError("prefixvault: a cache group without layers")
         names = list(names or [str(i) for i in range(len(layers))])
@@ -86,11 +143,16 @@ class GroupIO:
         self.num_blocks = min(t.shape[0] for t in layers)
         self.object_bytes = sum(lay.page for lay in self.layers)
         self._cuda = self.device.type == "cuda"
-        # Per direction: a side stream and a device buffer used on it only.
-        self._save_stream: Any = torch.cuda.Stream(self.device) if self._cuda else None
-        self._load_stream: Any = torch.cuda.Stream(self.device) if self._cuda else None
-        self._bufs: dict[str, torch.Tensor] = {}
-        self._rows = max(1, DEVICE_BUFFER_BYTES // max(self.object_bytes, 1))  # objects per piece
+        self._lanes: Lanes | None = None
+        #: Objects per piece through the device buffer (a test may lower it to force pieces).
+        self.piece_rows = 1
+        if self._cuda:
+            if lanes is None:
+                lanes = Lanes.allocate(self.device, [self.object_bytes])
+            if lanes.save.device != self.device:
+                raise ValueError(f"prefixvault: lanes on {lanes.save.device} for a group on {self.device}")
+            self._lanes = lanes
+            self.piece_rows = min(lanes.save.rows(self.object_bytes), lanes.load.rows(self.object_bytes))
 
     def mark(self) -> Any:
         """On the engine's thread: an event after the work queued so far on its stream (None
@@ -100,6 +162,14 @@ class GroupIO:
         event = torch.cuda.Event()
         event.record(torch.cuda.current_stream(self.device))
         return event
+
+    def pieces(self, n: int) -> int:
+        """How many pieces a copy of ``n`` objects goes in (through the device buffer; one
+        off CUDA, where blocks are copied straight to and from host memory)."""
+        if self._lanes is None or n <= 0:
+            return 1 if n > 0 else 0
+        rows = max(1, min(self.piece_rows, self._lanes.save.rows(self.object_bytes)))
+        return -(-n // rows)
 
     @property
     def block_compact(self) -> bool:
@@ -145,38 +215,38 @@ class GroupIO:
             off += lay.page
 
     def _gather_cuda(self, block_ids: Sequence[int], out: torch.Tensor) -> Done:
+        assert self._lanes is not None
+        lane = self._lanes.save
         engine = torch.cuda.current_stream(self.device)
-        side = self._save_stream
-        with torch.cuda.stream(side):
-            side.wait_stream(engine)  # the forward that wrote these blocks
-            for start in range(0, len(block_ids), self._rows):
-                ids = block_ids[start : start + self._rows]
-                idx = torch.tensor(ids, dtype=torch.long, pin_memory=True)
-                idx = idx.to(self.device, non_blocking=True)
-                buf = self._device_buffer("save", len(ids))
-                off = 0
-                for lay in self.layers:
-                    src = lay.flat if lay.flat is not None else lay.tensor
-                    buf[:, off : off + lay.page].copy_(_as_bytes(src.index_select(0, idx), lay.page))
-                    off += lay.page
-                if start + self._rows >= len(block_ids):  # every block read: the engine may go on
-                    gathered = torch.cuda.Event()
-                    gathered.record(side)
-                out[start : start + len(ids)].copy_(buf, non_blocking=True)  # before buf is reused
-            landed = torch.cuda.Event()
-            landed.record(side)
+        side = lane.stream
+        rows = max(1, min(self.piece_rows, lane.rows(self.object_bytes)))
+        gathered: Any = None
+        with lane.lock, torch.cuda.device(self.device), torch.cuda.stream(side):
+            try:
+                side.wait_stream(engine)  # the forward that wrote these blocks
+                for start in range(0, len(block_ids), rows):
+                    ids = block_ids[start : start + rows]
+                    idx = torch.tensor(ids, dtype=torch.long, pin_memory=True)
+                    idx = idx.to(self.device, non_blocking=True)
+                    buf = lane.view(len(ids), self.object_bytes)
+                    off = 0
+                    for lay in self.layers:
+                        src = lay.flat if lay.flat is not None else lay.tensor
+                        buf[:, off : off + lay.page].copy_(_as_bytes(src.index_select(0, idx), lay.page))
+                        off += lay.page
+                    if start + rows >= len(block_ids):  # every block read: the engine may go on
+                        gathered = torch.cuda.Event()
+                        gathered.record(side)
+                    out[start : start + len(ids)].copy_(buf, non_blocking=True)  # before buf is reused
+                landed = torch.cuda.Event(blocking=True)  # a waiting save thread sleeps, not spins
+                landed.record(side)
+            except BaseException:
+                side.synchronize()  # nothing left writing into ``out`` once the caller sees this
+                raise
         # The next forward may overwrite the blocks only after the device-side gathers (not
         # the last transfer to the host, which the caller waits for).
         engine.wait_event(gathered)
         return Done(landed)
-
-    def _device_buffer(self, direction: str, n: int) -> torch.Tensor:
-        buf = self._bufs.get(direction)
-        if buf is None or buf.shape[0] < n:
-            buf = torch.empty((min(max(n, 16), self._rows), self.object_bytes), dtype=torch.uint8,
-                              device=self.device)
-            self._bufs[direction] = buf
-        return buf[:n]
 
     # -- scatter: host -> blocks -----------------------------------------------------------------
 
@@ -203,24 +273,35 @@ class GroupIO:
                     lay.tensor.index_copy_(0, idx, _from_bytes(part.contiguous(), lay.tensor))
                 off += lay.page
             return
-        side = self._load_stream
-        with torch.cuda.stream(side):
-            if after is not None:
-                side.wait_event(after)
-            for start in range(0, len(block_ids), self._rows):
-                ids = block_ids[start : start + self._rows]
-                idx = torch.tensor(ids, dtype=torch.long).to(self.device)
-                buf = self._device_buffer("load", len(ids))
-                buf.copy_(src[start : start + len(ids)])
-                off = 0
-                for lay in self.layers:
-                    part = buf[:, off : off + lay.page].contiguous()
-                    if lay.flat is not None:
-                        lay.flat.index_copy_(0, idx, part)
-                    else:
-                        lay.tensor.index_copy_(0, idx, _from_bytes(part, lay.tensor))
-                    off += lay.page
-        side.synchronize()
+        self._scatter_cuda(block_ids, src, after)
+
+    def _scatter_cuda(self, block_ids: Sequence[int], src: torch.Tensor, after: Any) -> None:
+        assert self._lanes is not None
+        lane = self._lanes.load
+        side = lane.stream
+        rows = max(1, min(self.piece_rows, lane.rows(self.object_bytes)))
+        pinned = src.is_pinned()
+        # The device context: a load thread that never chose one must not touch device 0.
+        with lane.lock, torch.cuda.device(self.device), torch.cuda.stream(side):
+            try:
+                if after is not None:
+                    side.wait_event(after)
+                for start in range(0, len(block_ids), rows):
+                    ids = block_ids[start : start + rows]
+                    idx = torch.tensor(ids, dtype=torch.long, pin_memory=True)
+                    idx = idx.to(self.device, non_blocking=True)
+                    buf = lane.view(len(ids), self.object_bytes)
+                    buf.copy_(src[start : start + len(ids)], non_blocking=pinned)
+                    off = 0
+                    for lay in self.layers:
+                        part = buf[:, off : off + lay.page].contiguous()
+                        if lay.flat is not None:
+                            lay.flat.index_copy_(0, idx, part)
+                        else:
+                            lay.tensor.index_copy_(0, idx, _from_bytes(part, lay.tensor))
+                        off += lay.page
+            finally:  # landed, or failed with nothing of ours still writing into the blocks
+                side.synchronize()
 
 
 def _as_bytes(blocks: torch.Tensor, page: int) -> torch.Tensor:

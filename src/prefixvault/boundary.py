@@ -16,7 +16,10 @@ The engine's reports are the source of truth. A position in a state block table 
 guards it. Nor is an offer for a
 boundary strictly inside the step's chunk: a recurrent kernel leaves one state, at the end of
 the chunk, and vLLM (0.32, align mode) offers a block as the state at the block's end even
-when the chunk that last wrote it ended mid-block (docs/architecture.md, "Under load").
+when the chunk that last wrote it ended mid-block (docs/architecture.md, "Under load"). The
+one exception is the second engine fact, ``StepChunk.checkpoint``: a layer that exports the
+state at a prefill checkpoint from inside the chunk, where vLLM's own rule says it did
+(``vllm/compat.py``, ``InternalCheckpoints``).
 """
 
 from __future__ import annotations
@@ -63,11 +66,20 @@ class StateCapture:
 class StepChunk:
     """The engine computed tokens [start, end) of the request in the step being saved.
 
-    A state is exact only at ``end``: that is where the step's recurrent update stopped.
+    A state is exact only at ``end``: that is where the step's recurrent update stopped; and at
+    ``checkpoint``, a token count strictly inside the chunk at which the engine's layers wrote
+    the state into a block of its own (vLLM's in-chunk prefill checkpoint), where the engine's
+    rule says they did. None: the engine exported no state inside this chunk.
     """
 
     start: int
     end: int
+    checkpoint: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.checkpoint is not None and not self.start < self.checkpoint < self.end:
+            raise ValueError(f"a checkpoint at {self.checkpoint} is not inside the chunk "
+                             f"[{self.start}, {self.end})")
 
 
 def step_end_captures(
@@ -197,7 +209,7 @@ def _plan_one(
             cap = captures.get((gi, b))
             if cap is None:
                 return Refusal.NOT_CAPTURED
-            if chunk is not None and b != chunk.end:
+            if chunk is not None and b != chunk.end and b != chunk.checkpoint:
                 # Inside the chunk: the block may hold the state at another position.
                 # Before it: written in an earlier step, which this step cannot vouch for.
                 return Refusal.INSIDE_CHUNK if chunk.start < b < chunk.end else Refusal.STALE

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixvault.keys import check_namespace
+from prefixvault.vllm.compat import needs_mamba_cache_mode_flag
 
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
 
@@ -97,15 +98,16 @@ def serve_command(
 ) -> list[str]:
     """The full command. Flags the user passes in ``extra`` win over the defaults added here.
 
-    Hybrid models need prefix caching and ``mamba_cache_mode=align``. vLLM's default
+    Hybrid models need prefix caching and ``mamba_cache_mode=align`` (a flag of its own in vLLM
+    0.32; derived from prefix caching, the flag deprecated, from 0.33). vLLM's default
     ``prefix_cache_retention_interval=0`` is kept on purpose: the connector captures the
     state every prefill step leaves, so dense retention would only cost engine memory.
     """
     cmd = vllm_command(model)
     if not _has(extra, "--enable-prefix-caching") and not _has(extra, "--no-enable-prefix-caching"):
         cmd.append("--enable-prefix-caching")
-    if not _has(extra, "--mamba-cache-mode"):
-        cmd += ["--mamba-cache-mode", "align"]
+    if not _has(extra, "--mamba-cache-mode") and needs_mamba_cache_mode_flag():
+        cmd += ["--mamba-cache-mode", "align"]  # vLLM 0.32; derived from prefix caching since 0.33
     if _has(extra, "--kv-transfer-config"):
         raise ValueError("--kv-transfer-config is set by prefixvault serve; use --store/--role instead")
     ktc = kv_transfer_config(store, role, namespace, capture, secret_file, secret_env, outputs)

@@ -14,7 +14,9 @@ states (wrong output), and a connector that trusted the offers would publish the
 prefixvault refuses such offers in any case (``boundary.py``: a state is exact only at its
 step's chunk end). This module also puts back the block size vLLM itself resolved, before
 the scheduler splits a chunk with the wrong one, so that vLLM's own prefix cache stays right
-and chunk ends fall where states can be published.
+and chunk ends fall where states can be published. vLLM 0.33 fixed the reset
+(``compat.resets_cpu_block_size``); there, and on GPUs, a block size that differs is only
+said once, never rewritten: the scheduler's value may then differ for a reason of vLLM's own.
 """
 
 from __future__ import annotations
@@ -28,17 +30,26 @@ log = logging.getLogger("vllm.prefixvault")
 class ChunkAlignment:
     """Watches the scheduler's ``cache_config.block_size`` for a hybrid model in align mode."""
 
-    def __init__(self, cache_config: Any, block_size: int, enabled: bool) -> None:
+    def __init__(self, cache_config: Any, block_size: int, enabled: bool, rewrite: bool = True) -> None:
         self.cache_config = cache_config
         self.block_size = block_size
         self.enabled = enabled and getattr(cache_config, "mamba_cache_mode", None) == "align"
+        self.rewrite = rewrite  # only where vLLM is known to reset it (0.32 on CPU)
         self.restored_from: int | None = None  # what vLLM had reset it to, once seen
+        self._said = False
 
     def check(self) -> None:
         """Put the hybrid block size back if vLLM reset it (cheap; called every step)."""
         if not self.enabled or self.cache_config.block_size == self.block_size:
             return
         was = int(self.cache_config.block_size)
+        if not self.rewrite:
+            if not self._said:
+                self._said = True
+                log.warning("prefixvault: vLLM's scheduler aligns prefill chunks to %d tokens while the "
+                            "hybrid cache blocks hold %d; states are published only at chunk ends that "
+                            "fall on a block boundary", was, self.block_size)
+            return
         self.cache_config.block_size = self.block_size
         if self.restored_from is None:
             self.restored_from = was

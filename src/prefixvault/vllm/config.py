@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any
 
 from prefixvault.keys import check_namespace
+from prefixvault.layout import CacheLayout
 from prefixvault.stores import StoreError, check_uri
 from prefixvault.tenancy import NamespaceKey, SecretError, namespace_key
 
@@ -63,8 +64,9 @@ class ConnectorSettings:
     save_hold_mib: int = 256
     lookup_timeout: float = 1.0  # seconds a lookup may take before its request is computed without it
     # Host memory (MiB per worker) for saves copied out of the engine and not yet stored; a
-    # save that does not fit is dropped. 0: saves are stored inside the engine's step.
-    save_staging_mib: int = 256
+    # save that does not fit is dropped. 0: saves are stored inside the engine's step. None
+    # ("auto", the default): sized from the model's geometry (``staging_bytes``).
+    save_staging_mib: int | None = None
     save_drain_timeout: float = 30.0  # seconds a stopping engine waits for queued saves
     # Where the namespace's secret is (a file path, or an environment variable's name); the
     # secret itself is never part of the config, so it never reaches vLLM's logs.
@@ -86,9 +88,14 @@ class ConnectorSettings:
             raise ValueError(
                 f"prefixvault: unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}"
             )
+        for key in ("store", "namespace", "capture", "model_id", "output_boundaries"):
+            _text(extra, key)
+        for key in ("namespace_secret_file", "namespace_secret_env"):
+            if extra.get(key) is not None:
+                _text(extra, key)
         capture = str(extra.get("capture", CapturePolicy.STEPS.value))
-        m = re.fullmatch(r"interval:(\d+)", capture)
-        interval = int(extra.get("capture_interval", 0))
+        m = re.fullmatch(r"interval:(\d{1,12})", capture)
+        interval = _whole(extra.get("capture_interval", 0), "capture_interval")
         if m:
             capture, interval = CapturePolicy.INTERVAL.value, int(m.group(1))
         try:
@@ -110,7 +117,8 @@ class ConnectorSettings:
         except StoreError as e:
             raise ValueError(f"prefixvault: {e}") from None
         try:
-            verify_sample = float(extra.get("verify_sample", 0.0))
+            raw = extra.get("verify_sample", 0.0)
+            verify_sample = -1.0 if isinstance(raw, bool) else float(raw)
         except (TypeError, ValueError):
             verify_sample = -1.0
         if not 0.0 <= verify_sample <= 1.0:
@@ -129,7 +137,8 @@ class ConnectorSettings:
             output_boundaries=OutputBoundaries(boundaries),
             save_hold_mib=_mib(extra.get("save_hold_mib", 256), "save_hold_mib"),
             lookup_timeout=_seconds(extra.get("lookup_timeout", 1.0), "lookup_timeout"),
-            save_staging_mib=_mib(extra.get("save_staging_mib", 256), "save_staging_mib"),
+            save_staging_mib=None if str(extra.get("save_staging_mib", "auto")) == "auto"
+            else _mib(extra.get("save_staging_mib"), "save_staging_mib"),
             save_drain_timeout=_seconds(extra.get("save_drain_timeout", 30.0), "save_drain_timeout"),
         )
         try:
@@ -137,6 +146,50 @@ class ConnectorSettings:
         except SecretError as e:
             raise ValueError(f"prefixvault: {e}") from None
         return out
+
+
+#: Bounds of the staging budget ``save_staging_mib: auto`` sizes (per worker, pinned on a GPU).
+AUTO_STAGING_MIN = 256 << 20
+AUTO_STAGING_MAX = 4 << 30
+
+
+def staging_bytes(settings: ConnectorSettings, layout: CacheLayout, vllm_config: Any) -> int:
+    """The save staging budget of one worker: ``save_staging_mib``, or, on ``auto``, room for
+    two of the saves a prefill step makes (every block its token budget touches, and one
+    boundary's states at the chunk's end and one at a checkpoint), so that one step stages
+    while the previous one is being stored; within [256 MiB, 4 GiB]. A larger save is dropped
+    and counted (``save_dropped:too_large``)."""
+    if settings.save_staging_mib is not None:
+        return settings.save_staging_mib << 20
+    tokens = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", 0) or 0)
+    blocks = max(tokens, layout.block_size) // layout.block_size + 1
+    step = 0
+    for rank in range(layout.world_size):
+        attention = sum(g.nbytes(rank) for g in layout.groups if not g.is_state)
+        states = sum(g.nbytes(rank) for g in layout.groups if g.is_state)
+        step = max(step, blocks * attention + 2 * states)
+    return min(max(2 * step, AUTO_STAGING_MIN), AUTO_STAGING_MAX)
+
+
+def _text(extra: dict[str, Any], key: str) -> None:
+    """A setting that must be a string when given (JSON null, numbers and lists are refused with
+    the key's name rather than turned into text such as "None")."""
+    if key in extra and not isinstance(extra[key], str):
+        raise ValueError(f"prefixvault: {key} must be a string, got {type(extra[key]).__name__} "
+                         f"{str(extra[key])[:100]!r}")
+
+
+def _whole(value: Any, name: str) -> int:
+    """A whole number of tokens (JSON null, inf, fractions, lists and huge values refused)."""
+    try:
+        ok = not isinstance(value, bool) and float(value) == int(value)
+        n = int(value) if ok else -1
+    except (TypeError, ValueError, OverflowError):
+        n = -1
+    if not 0 <= n <= 1 << 40:
+        raise ValueError(f"prefixvault: {name} must be a whole number of tokens >= 0, "
+                         f"got {str(value)[:100]!r}")
+    return n
 
 
 def _flag(value: Any, name: str) -> bool:

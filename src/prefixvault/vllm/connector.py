@@ -21,15 +21,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorTransferResults,
     SupportsHMA,
 )
+from vllm.platforms import current_platform
 from vllm.v1.outputs import KVConnectorOutput
 
 from prefixvault.stores import open_store_or_retry, redact
 from prefixvault.stores.breaker import BreakerStore
 from prefixvault.vault import Vault
 from prefixvault.vllm.alignment import ChunkAlignment
-from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
+from prefixvault.vllm.compat import (
+    EXPORTING_PLATFORMS,
+    internal_checkpoints,
+    relies_on_internal_checkpoints,
+    resets_cpu_block_size,
+    running_version,
+    unsupported_version,
+)
+from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries, staging_bytes
 from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.layout import build_layout, cache_shape
+from prefixvault.vllm.layout import Unsupported, build_layout, cache_shape
 from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled
 from prefixvault.vllm.preflight import can_cache, outputs_refused, preflight
 from prefixvault.vllm.scheduler import SchedulerSide
@@ -57,15 +66,11 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         self.scheduler: SchedulerSide | None = None
         self.worker: WorkerSide | None = None
         self.vault: Vault | None = None
-        shape = cache_shape(kv_cache_config)
-        if role == KVConnectorRole.SCHEDULER:
-            for problem in preflight(vllm_config, shape, self.settings, ktc.kv_role):
-                log.warning("prefixvault: %s", problem)
-        if not can_cache(vllm_config, shape):
+        refused = self._refusal(vllm_config, kv_cache_config, role, ktc.kv_role)
+        if refused:
             if role == KVConnectorRole.SCHEDULER:
-                log.warning("prefixvault: off for this engine (see above): every request is computed")
+                log.warning("prefixvault: off for this engine: %s; every request is computed", refused)
             return  # inert: vLLM runs as without a connector
-        self.layout = build_layout(vllm_config, kv_cache_config, self.settings.model_id)
         last = self.settings.output_boundaries is OutputBoundaries.LAST
         refused = outputs_refused(self.layout, self.settings.save_hold_mib << 20 if last else None) \
             if self.settings.capture_outputs else None
@@ -82,8 +87,11 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                 ktc.kv_load_failure_policy = "recompute"
             self.scheduler = SchedulerSide(self.settings, self.layout, self.vault,
                                            load=ktc.is_kv_consumer, save=ktc.is_kv_producer, guard=self.guard)
+            device = current_platform.device_type
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
-                                            enabled=any(g.is_state for g in self.layout.groups))
+                                            enabled=self.layout.has_state,
+                                            rewrite=resets_cpu_block_size(device, running_version()))
+            self.scheduler.checkpoints = internal_checkpoints(vllm_config, kv_cache_config, device)
             log.info("prefixvault: %s on %s, namespace %s%s, layout %s, block size %d, capture %s",
                      ktc.kv_role, redact(self.settings.store), self.settings.namespace,
                      " (keyed: secret from " + (self.settings.namespace_secret_file
@@ -97,9 +105,37 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             hold_outputs = (self.settings.capture_outputs
                             and self.settings.output_boundaries is OutputBoundaries.LAST)
             self.worker = WorkerSide(self.layout, self.vault, get_tensor_model_parallel_rank(), groups,
-                                     staging_bytes=self.settings.save_staging_mib << 20,
+                                     staging_bytes=staging_bytes(self.settings, self.layout, vllm_config),
                                      hold_bytes=self.settings.save_hold_mib << 20 if hold_outputs else 0,
-                                     drain_timeout=self.settings.save_drain_timeout)
+                                     drain_timeout=self.settings.save_drain_timeout,
+                                     num_blocks=int(kv_cache_config.num_blocks))
+
+    def _refusal(self, vllm_config: Any, kv_cache_config: Any, role: Any, kv_role: str) -> str | None:
+        """Why this engine cannot be served exactly (one line; the connector stays inert), or
+        None once the layout is built. Start-up never kills an engine: a cache or version this
+        adapter cannot handle is a refusal, not an exception."""
+        try:
+            why = unsupported_version(running_version())
+            if why:
+                return why
+            shape = cache_shape(kv_cache_config)
+            if role == KVConnectorRole.SCHEDULER:
+                for problem in preflight(vllm_config, shape, self.settings, kv_role):
+                    log.warning("prefixvault: %s", problem)
+                groups = relies_on_internal_checkpoints(kv_cache_config)
+                if groups and current_platform.device_type in EXPORTING_PLATFORMS:
+                    log.warning("prefixvault: state groups %s export their prompt checkpoint from inside "
+                                "the last prefill chunk; those boundaries are published as vLLM's own "
+                                "rule says (not yet proved on a GPU by prefixvault's own tests)", groups)
+            if not can_cache(vllm_config, shape):
+                return "the engine keeps no exact state at block boundaries (see above)"
+            self.layout = build_layout(vllm_config, kv_cache_config, self.settings.model_id)
+        except Unsupported as e:
+            return str(e)
+        except Exception as e:  # a cache config this adapter did not expect: refused, said once
+            log.debug("prefixvault: reading the cache configuration failed", exc_info=e)
+            return f"cannot read the engine's cache configuration ({type(e).__name__}: {e})"
+        return None
 
     # -- properties vLLM asks -------------------------------------------------------------------
 
@@ -142,8 +178,21 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker side ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        if self.worker is not None:
-            self.worker.register_kv_caches(kv_caches)
+        worker = self.worker
+        if worker is None:
+            return
+
+        def inert() -> None:  # never a dead engine: its loads fail (recomputed), nothing is saved
+            worker.disable("its cache tensors could not be registered")
+            log.warning("prefixvault: off for this worker (rank %d): its cache tensors do not match the "
+                        "layout (logged above); every request it serves is computed", worker.rank)
+        self.guard.call("register_kv_caches", lambda: worker.register_kv_caches(kv_caches), inert)
+
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
+        """vLLM (0.33+) asks before it enables sleep mode: a load thread may still write into the
+        cache that sleep releases, so sleep mode stays refused with this connector."""
+        return False
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefixvault.layout import CacheLayout, StateFamily
+from prefixvault.vllm.compat import prefix_caching_advice
 from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
 from prefixvault.vllm.layout import CacheShape
 
@@ -19,27 +20,38 @@ LARGE_BLOCK = 1024
 
 def can_cache(vllm_config: Any, shape: CacheShape) -> bool:
     """False where the engine keeps no exact state at block boundaries: a hybrid model without
-    prefix caching or without ``mamba_cache_mode="align"`` (the connector then stays out of
-    the way and every request is computed)."""
+    prefix caching or without ``mamba_cache_mode="align"``, or one whose recurrent layers write
+    their state back only now and then (ReplaySSM); the connector then stays out of the way
+    and every request is computed."""
+    return state_refusal(vllm_config, shape) is None
+
+
+def state_refusal(vllm_config: Any, shape: CacheShape) -> str | None:
+    """Why this engine keeps no exact state at block boundaries (one line), or None."""
+    if not shape.has_state:
+        return None
     cache = vllm_config.cache_config
-    return not shape.has_state or (bool(getattr(cache, "enable_prefix_caching", False))
-                                   and getattr(cache, "mamba_cache_mode", "align") == "align")
+    if not getattr(cache, "enable_prefix_caching", False):
+        return ("prefix caching is off: a hybrid model can neither restore nor save exact states; "
+                f"serve with {prefix_caching_advice()}")
+    if getattr(cache, "mamba_cache_mode", "align") != "align":
+        return (f"mamba_cache_mode is {cache.mamba_cache_mode!r}: the engine keeps no state at block "
+                f"boundaries, so nothing can be saved or restored; serve with {prefix_caching_advice()}")
+    if getattr(cache, "use_replayssm", False) is True:
+        return ("use_replayssm is on: ReplaySSM writes a Mamba2 state back only every few steps, so "
+                "the state at a step's end is not in its block; serve without --use-replayssm")
+    return None
 
 
 def preflight(vllm_config: Any, shape: CacheShape, settings: ConnectorSettings, role: str) -> list[str]:
     """One line per configuration problem, each saying what to change; empty when none."""
     out: list[str] = []
-    cache = vllm_config.cache_config
     max_len = int(getattr(vllm_config.model_config, "max_model_len", 0) or 0)
     bs = shape.block_size
     if shape.has_state:
-        if not getattr(cache, "enable_prefix_caching", False):
-            out.append("prefix caching is off: a hybrid model can neither restore nor save exact "
-                       "states; serve with --enable-prefix-caching --mamba-cache-mode align")
-        elif getattr(cache, "mamba_cache_mode", "align") != "align":
-            out.append(f"mamba_cache_mode is {cache.mamba_cache_mode!r}: the engine keeps no state "
-                       "at block boundaries, so nothing can be saved or restored; use "
-                       "--mamba-cache-mode align")
+        why = state_refusal(vllm_config, shape)
+        if why:
+            out.append(why)
         if (settings.capture is CapturePolicy.INTERVAL and max_len
                 and settings.capture_interval > max_len):
             out.append(f"capture interval:{settings.capture_interval} is longer than max_model_len "
@@ -51,7 +63,7 @@ def preflight(vllm_config: Any, shape: CacheShape, settings: ConnectorSettings, 
     elif role == "kv_consumer":
         out.append("kv_role is kv_consumer: this engine restores but never saves; use kv_both "
                    "(or a kv_producer engine) to fill the store")
-    if role in ("kv_producer", "kv_both") and settings.save_staging_mib and \
+    if role in ("kv_producer", "kv_both") and settings.save_staging_mib != 0 and \
             not int(getattr(vllm_config, "shutdown_timeout", 0) or 0):
         out.append("shutdown_timeout is 0: on SIGTERM vLLM kills the engine at once and saves still "
                    "queued for the store are lost; serve with --shutdown-timeout 45 (prefixvault "

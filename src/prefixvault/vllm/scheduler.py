@@ -38,6 +38,7 @@ from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample, write_sample
 from prefixvault.stores.breaker import BreakerOpen
 from prefixvault.vault import LookupResult, Miss, Vault
+from prefixvault.vllm.compat import InternalCheckpoints, skips_external
 from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, Release, SaveSpec, SavesSettled, save_id
@@ -163,6 +164,9 @@ class SchedulerSide:
         # Held saves to store or drop, for the next step's workers (a store: with its boundaries).
         self._releases: list[tuple[Release, list[bytes]]] = []
         self._hold_last = settings.capture_outputs and settings.output_boundaries is OutputBoundaries.LAST
+        # vLLM's rule for states its layers export from inside a prompt's last chunk, where this
+        # platform's kernels do (None: every offer strictly inside a chunk is refused).
+        self.checkpoints: InternalCheckpoints | None = None
 
     def close(self) -> bool:
         """Drop lookups still queued; give samples being written ``SAMPLE_DRAIN_S`` to land.
@@ -235,7 +239,7 @@ class SchedulerSide:
             self._drop_hold(st, "preempted")
         if st is None or not self.load_enabled or self.vault is None:
             return 0, False
-        if getattr(request, "skip_reading_prefix_cache", False):
+        if skips_external(request):  # vLLM would not load it: no lookup, nothing counted
             return 0, False
         if st.hit is None and st.lookup is None and st.loads:
             # Asked again after a load: it failed (a bad object was removed) or the request was
@@ -478,7 +482,7 @@ class SchedulerSide:
         """What one request's step lets it publish, as the boundary rule decides: a save, a
         hold, or both (a save of its other boundaries, and its prompt's end held)."""
         bs = self.block_size
-        chunk = StepChunk(start, start + n_new)
+        chunk = self._chunk(st, start, start + n_new)
         prompt_len = len(st.prompt)
         # Generated tokens: boundaries over them are kept with capture_outputs, from decode
         # steps that end on a block boundary and compute no draft tokens (a rejected draft
@@ -538,6 +542,17 @@ class SchedulerSide:
         if held_end:
             specs += self._plan(req_id, st, end, tables, captures, chunk, {held_end}, True)
         return specs
+
+    def _chunk(self, st: _Request, start: int, end: int) -> StepChunk:
+        """The request's chunk this step, with the checkpoint its layers exported inside it
+        where vLLM's rule says they did (prefill end as vLLM's scheduler counts it: a resumed
+        request replays its output tokens too)."""
+        if self.checkpoints is None:
+            return StepChunk(start, end)
+        source = st.source
+        prompt = int(getattr(source, "num_prompt_tokens", len(st.prompt)))
+        prefill_end = max(prompt, int(getattr(source, "num_tokens", prompt)) - 1)
+        return StepChunk(start, end, self.checkpoints.position(start, end, prefill_end))
 
     def _plan(self, req_id: str, st: _Request, end: int, tables: Any, captures: list[StateCapture],
               chunk: StepChunk, candidates: set[int], hold: bool) -> list[SaveSpec]:

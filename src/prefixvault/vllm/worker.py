@@ -16,6 +16,17 @@ A held save (``output_boundaries: last``) copies only its states, into a slot of
 the request's next held save reuses; when the request finishes, its KV blocks (kept by vLLM
 until this worker reports the request sent) are staged beside the held states and the save
 goes to the save thread as any other.
+
+Memory on a CUDA engine, all allocated when the caches are registered (vLLM has sized its KV
+cache by then: an allocation that fails shows at start, and nothing grows later): the copy
+buffers of ``prefixvault.blockio`` (``DEVICE_BUFFER_BYTES`` per direction, shared by the
+groups), the pinned save staging (``save_staging_mib``) and one pinned load buffer of
+``LOAD_STAGING_BYTES`` (32 MiB, or one object of the largest group where that is larger),
+reused by every load: a load larger than it is written in pieces.
+
+A worker whose caches cannot be used (``register_kv_caches`` raised) is ``disable``d by the
+connector: every load fails at once (vLLM recomputes), every save is settled unpublished, every
+held request is reported sent, and no cache tensor is touched.
 """
 
 from __future__ import annotations
@@ -39,8 +50,12 @@ from prefixvault.staging import Reservation, SlotPool, StagingRing
 from prefixvault.stores.breaker import BreakerOpen
 from prefixvault.vault import ObjectRef, RankAck, Vault
 from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec, save_id
+from prefixvault.vllm.views import group_ios
 
 log = logging.getLogger("vllm.prefixvault")
+
+#: Pinned host memory one worker keeps for loads into CUDA caches (a larger load goes in pieces).
+LOAD_STAGING_BYTES = 32 << 20
 
 #: A save's objects copied into staging: its reservation, payloads by key, copies in flight.
 Staged = tuple[Reservation, dict[str, memoryview], list[Done]]
@@ -62,7 +77,10 @@ class WorkerSide:
     def __init__(
         self, layout: CacheLayout, vault: Vault | None, rank: int, layer_groups: Sequence[Sequence[str]],
         staging_bytes: int = 0, drain_timeout: float = 30.0, hold_bytes: int = 0,
+        num_blocks: int | None = None,
     ) -> None:
+        """``num_blocks``: the engine's manager blocks (``KVCacheConfig.num_blocks``); a layer
+        with more (kernel blocks) is viewed as that many manager blocks."""
         self.layout = layout
         self.vault = vault
         self.rank = rank
@@ -75,7 +93,14 @@ class WorkerSide:
         # back); under _lock.
         self._settled: list[tuple[str, bool]] = []
         self._lock = threading.Lock()
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-load")
+        self.num_blocks = num_blocks
+        self._disabled: str | None = None  # why the worker touches no cache tensor (``disable``)
+        self._cuda_device: Any = None  # the caches' CUDA device, once registered
+        # Loads into CUDA caches go through this pinned buffer, one load at a time (under the lock).
+        self._load_host: Any = None
+        self._load_lock = threading.Lock()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-load",
+                                          initializer=self._on_load_thread)
         # No staging budget: saves are stored in the step, as they are copied. Allocated once the
         # cache tensors are known (pinned host memory, for a device's copies to overlap).
         self._staging_bytes = staging_bytes if vault is not None else 0
@@ -109,33 +134,74 @@ class WorkerSide:
         self._loader.shutdown(wait=True, cancel_futures=True)
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        """Block I/O for every cache group; checked against the layout."""
+        """Block I/O for every cache group, checked against the layout, and the memory the
+        copies use. Raises one ``ValueError`` if the caches cannot be used; the worker then
+        holds nothing of them and can be ``disable``d."""
+        self._io = []
+        try:
+            self._register(kv_caches)
+        except ValueError:
+            self._io, self._load_host, self._cuda_device = [], None, None
+            raise
+        except Exception as e:  # e.g. no memory left for a buffer: one clear error all the same
+            self._io, self._load_host, self._cuda_device = [], None, None
+            raise ValueError(f"prefixvault: cannot use the engine's cache tensors: {e!r}") from e
+
+    def _register(self, kv_caches: dict[str, Any]) -> None:
         import torch
 
-        self._io = []
-        for gi, names in enumerate(self.layer_groups):
-            tensors = [kv_caches[name] for name in names]
-            devices = {t.device.type for t in tensors}
-            if not devices <= {"cpu", "cuda"}:
-                raise ValueError(f"prefixvault: cache tensors on {sorted(devices)}: only CPU and CUDA "
-                                 "caches are supported")
-            io = GroupIO(tensors, names)
+        ios = group_ios(kv_caches, self.layer_groups, self.num_blocks)
+        if len(ios) != len(self.layout.groups):
+            raise ValueError(f"prefixvault: {len(ios)} cache groups registered, layout has "
+                             f"{len(self.layout.groups)}")
+        for gi, io in enumerate(ios):
             expected = self.layout.groups[gi].nbytes(self.rank)
             if io.object_bytes != expected:
                 raise ValueError(f"prefixvault: cache group {gi} has {io.object_bytes} bytes per block on "
                                  f"rank {self.rank}, layout says {expected}")
-            self._io.append(io)
+        cuda = [io for io in ios if io.device.type == "cuda"]
+        if cuda:
+            size = max([LOAD_STAGING_BYTES, *(io.object_bytes for io in cuda)])
+            self._load_host = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self._cuda_device = cuda[0].device
         if self._staging_bytes and self._staging is None:
-            pinned = any(io.device.type == "cuda" for io in self._io)
-            buf = torch.empty(self._staging_bytes, dtype=torch.uint8, pin_memory=pinned).numpy()
+            buf = torch.empty(self._staging_bytes, dtype=torch.uint8, pin_memory=bool(cuda)).numpy()
             self._staging = StagingRing(self._staging_bytes, buf)
-        slot = sum(io.object_bytes for g, io in enumerate(self._io) if self.layout.groups[g].is_state)
+        slot = sum(io.object_bytes for g, io in enumerate(ios) if self.layout.groups[g].is_state)
         if self._hold_bytes and slot and self._holds is None:
             if self._hold_bytes < slot:
                 log.warning("prefixvault: one boundary's states (%d bytes) do not fit save_hold_mib (%d "
                             "bytes): no output boundary is stored; raise it", slot, self._hold_bytes)
             else:
                 self._holds = SlotPool(slot, self._hold_bytes // slot)
+        self._io = ios
+
+    def _on_load_thread(self) -> None:
+        """The load thread works on the caches' device: a thread that never chose one would
+        open a context on device 0 in every tensor-parallel rank (outside vLLM's budget)."""
+        if self._cuda_device is None:
+            return
+        try:
+            import torch
+
+            torch.cuda.set_device(self._cuda_device)
+        except Exception as e:  # the copies still name their device explicitly
+            log.warning("prefixvault: the load thread could not select %s: %s", self._cuda_device, e)
+
+    def disable(self, reason: str) -> None:
+        """Stop touching the engine's caches (they could not be registered, say): from now on
+        every load fails at once, every save is settled unpublished, every held request is
+        reported sent. Saves already staged are still stored."""
+        if self._disabled is None:
+            log.warning("prefixvault: worker off (%s): loads are recomputed, nothing is saved", reason)
+        self._disabled = reason
+        self._io = []
+        self._load_host = None
+
+    @property
+    def disabled(self) -> str | None:
+        """Why the worker is off, or None."""
+        return self._disabled
 
     # -- save -------------------------------------------------------------------------------------
 
@@ -151,6 +217,12 @@ class WorkerSide:
     def step(self, saves: Sequence[SaveSpec], releases: Sequence[Release], step: int) -> None:
         """One step's work: first the finished requests' held saves (a request preempted and
         computed again may drop its old hold and hold anew in the same step), then the saves."""
+        if self._disabled is not None:
+            self.fail_releases(releases, step)  # held requests reported sent, their saves settled
+            for spec in saves:
+                if not spec.hold:  # a hold is settled when its request is released
+                    self._settle(save_id(step, spec.req_id), False)
+            return
         if releases:
             try:
                 self.release(releases, step)
@@ -462,6 +534,9 @@ class WorkerSide:
     def load(self, specs: Sequence[LoadSpec]) -> None:
         """Queue the loads on the load thread; each is reported by ``take_finished`` once done.
         On a device, the writes wait for the engine's work queued by now (``GroupIO.mark``)."""
+        if self._disabled is not None:
+            self.fail_loads(specs, "disabled")
+            return
         marks = [io.mark() for io in self._io]
         for spec in specs:
             self._loader.submit(self._load_and_report, spec, marks)
@@ -484,14 +559,13 @@ class WorkerSide:
                     self._failed_loads.add(spec.req_id)
                 self._finished_loads.add(spec.req_id)
 
-    def fail_loads(self, specs: Sequence[LoadSpec]) -> None:
+    def fail_loads(self, specs: Sequence[LoadSpec], reason: str = "internal_error") -> None:
         """Report loads that could not run (an error of ours): vLLM recomputes them."""
         with self._lock:
             for spec in specs:
                 self.counters.loads += 1
                 self.counters.load_failures += 1
-                self.counters.failure_reasons["internal_error"] = \
-                    self.counters.failure_reasons.get("internal_error", 0) + 1
+                self.counters.failure_reasons[reason] = self.counters.failure_reasons.get(reason, 0) + 1
                 self._failed_loads.add(spec.req_id)
                 self._finished_loads.add(spec.req_id)
 
@@ -529,14 +603,25 @@ class WorkerSide:
             if io.device.type == "cpu":  # straight from the loaded bytes, one copy per object
                 for payload, block_id in items:
                     io.scatter([block_id], _host(payload, 1))
-            else:  # one transfer and one scatter per group
-                import torch
-
-                src = torch.empty((len(items), io.object_bytes), dtype=torch.uint8, pin_memory=True)
-                for j, (payload, _) in enumerate(items):
-                    src[j].copy_(_host(payload, 1)[0])
-                io.scatter([b for _, b in items], src, after=marks[g] if g < len(marks) else None)
+            else:
+                self._scatter_pinned(io, items, marks[g] if g < len(marks) else None)
         return True
+
+    def _scatter_pinned(self, io: GroupIO, items: Sequence[tuple[memoryview, int]], after: Any) -> None:
+        """Write objects into a device's blocks through the pinned load buffer: one transfer
+        and one scatter per piece that fits it."""
+        host = self._load_host
+        if host is None:
+            raise RuntimeError("no pinned load buffer (caches not registered)")
+        rows = max(1, host.numel() // io.object_bytes)
+        flat = host.numpy()
+        with self._load_lock:
+            for start in range(0, len(items), rows):
+                piece = items[start : start + rows]
+                for j, (payload, _) in enumerate(piece):
+                    flat[j * io.object_bytes : (j + 1) * io.object_bytes] = np.frombuffer(payload, np.uint8)
+                src = host[: len(piece) * io.object_bytes].view(len(piece), io.object_bytes)
+                io.scatter([b for _, b in piece], src, after=after)  # returns once landed
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         with self._lock:

