@@ -1,7 +1,8 @@
 """`prefixvault repro`: the report's protocol as a command, each engine a fresh process.
 
-The default profile (what ``make demo`` runs) and pure Mamba2, whose prefill steps must be one
-block on CPU. Both hybrids of the other kinds run the same protocol, with the same engine
+The default profile (what ``make demo`` runs) at a step size of the user's, with the negative
+control, and a user's checkpoint (pure Mamba2, whose prefill steps must be one block on CPU)
+with no option. Both hybrids of the other kinds run the same protocol, with the same engine
 arguments (``testing.models.engine_kwargs``), on engines in tests/test_vllm_seed.py, and the
 ShortConv one as OpenAI servers in tests/test_vllm_chat.py."""
 
@@ -22,13 +23,36 @@ def _repro(*args: str) -> subprocess.CompletedProcess[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("profile", ["gdn-hybrid", "mamba2"])
-def test_repro_passes_for_each_profile(profile: str, tmp_path: Path) -> None:
-    res = _repro("--profile", profile, "--producer-repeats", "400", "--consumer-repeats", "380",
+def test_repro_on_a_step_size_of_the_users_compares_with_the_engines_own_prefix_cache(tmp_path: Path) -> None:
+    """GDN at 768 tokens per step: the consumer restores 1024 (the producer's prompt checkpoint),
+    where the cold consumer's steps do not end (768, 1536, ...). A restore can then only equal the
+    engine's own prefix cache at 1024, which is what repro compares with; and the negative
+    control (zeroed states at the same boundary) diverges."""
+    res = _repro("--producer-repeats", "400", "--consumer-repeats", "600", "--max-num-batched-tokens", "768",
+                 "--control", "--workdir", str(tmp_path), "--json")
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["ok"] and out["tokens_equal"] and out["logprobs_equal"]
+    assert out["external_hit_tokens"] == out["longest_resumable_boundary"] == 1024
+    assert out["reference"].startswith("the engine's own prefix cache at 1024")
+    assert out["control"]["states_zeroed"] and out["control"]["diverged"] and out["control"]["hit"] == 1024
+
+
+@pytest.mark.slow
+def test_repro_on_a_users_checkpoint_runs_at_one_block_per_step(tmp_path: Path) -> None:
+    """``--model DIR`` with no other option (a pure Mamba2 checkpoint, which vLLM CPU can run only
+    at one block per step): repro reads the engine's block size, runs every engine at one block
+    per step, and compares with cold, whose steps then end at the restored boundary."""
+    from prefixvault.testing.models import build_model
+
+    model = build_model("mamba2", tmp_path / "mamba2-checkpoint", seed=0)
+    res = _repro("--model", str(model), "--producer-repeats", "400", "--consumer-repeats", "380",
                  "--workdir", str(tmp_path), "--json")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["ok"] and out["tokens_equal"] and out["logprobs_equal"]
+    assert out["max_num_batched_tokens"] == out["block_size"]
+    assert out["reference"].startswith("a cold run whose steps end at the restored boundary")
     assert out["external_hit_tokens"] == out["longest_resumable_boundary"] > 0
     assert out["producer"]["put_keys"] > 0 and out["consumer"]["get_keys"] > 0
     assert out["consumer"].get("get_failed", 0) == 0

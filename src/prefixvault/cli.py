@@ -80,8 +80,11 @@ def demo(
 
     from prefixvault.demo import run
 
-    if chunk <= 0:
-        raise _fail("--chunk must be positive")
+    if chunk <= 0 or chunk > 1 << 20:
+        raise _fail("--chunk must be in 1..1048576")
+    if store.startswith("memory:"):
+        raise _fail("memory:// lives in one process; the demo's producer and consumer are separate "
+                    "processes: use a local:// (or redis://, mooncake://) store")
     with tempfile.TemporaryDirectory(prefix="prefixvault-demo-", dir=_tmp_root()) as tmp:
         uri = store or f"local://{tmp}/store?capacity=256MiB"
         try:
@@ -145,6 +148,8 @@ def _rebuild_if_damaged(uri: str) -> None:
     path = Path(parts.path) if parts.path else default_local_dir()
     try:
         LocalStore(path, existing=True).close()
+    except OSError:
+        return  # a path the system refuses (too long, ...): reported by the open that follows
     except StoreDamaged as e:
         console.print(f"[yellow]{e}[/]", highlight=False)
         aside, removed = LocalStore.rebuild(path)
@@ -209,10 +214,15 @@ def explain(
     from prefixvault.explain import as_json, render
     from prefixvault.explain import explain as run_explain
     from prefixvault.identity import model_content
+    from prefixvault.inputs import InputError, check_path
     from prefixvault.keys import check_namespace
 
     if bool(prompt_file) == bool(token_ids):
         raise _fail("give the prompt as --prompt-file or --token-ids (one of them)")
+    try:
+        check_path(model, "--model")
+    except InputError as e:
+        raise _fail(str(e)) from None
     try:
         check_namespace(namespace)
     except ValueError as e:
@@ -236,22 +246,15 @@ def explain(
 def _prompt_tokens(model: str, prompt_file: str, token_ids: str) -> list[int]:
     """The prompt's token ids: read from a JSON file, or the text tokenized as vLLM's completions
     endpoint does (the model's tokenizer, special tokens added)."""
-    if token_ids:
-        try:
-            with open(token_ids) as f:
-                data = json.loads(f.read())
-        except OSError as e:
-            raise _fail(f"cannot read token ids from {token_ids[:200]!r}: {e.strerror}") from None
-        except ValueError as e:
-            raise _fail(f"{token_ids[:200]!r} is not JSON: {e}") from None
-        if not isinstance(data, list) or not all(isinstance(t, int) and t >= 0 for t in data):
-            raise _fail(f"{token_ids[:200]!r} must hold a JSON list of non-negative token ids")
-        return data
+    from prefixvault.inputs import InputError, load_json, read_bounded
+    from prefixvault.inputs import token_ids as check_ids
+
     try:
-        with open(prompt_file, encoding="utf-8") as f:
-            text = f.read()
-    except OSError as e:
-        raise _fail(f"cannot read the prompt from {prompt_file[:200]!r}: {e.strerror}") from None
+        if token_ids:
+            return check_ids(load_json(token_ids, "--token-ids"), f"--token-ids {token_ids[:200]!r}")
+        text = read_bounded(prompt_file, "--prompt-file").decode("utf-8")
+    except InputError as e:
+        raise _fail(str(e)) from None
     except ValueError as e:  # not UTF-8
         raise _fail(f"cannot read the prompt from {prompt_file[:200]!r}: {str(e)[:300]}") from None
     try:
@@ -290,18 +293,35 @@ def repro(
              "(--max-tokens long, EOS ignored) and a message")] = 1,
     capture_outputs: Annotated[bool, typer.Option(
         "--capture-outputs", help="Publish boundaries over generated tokens too (not bit-exact)")] = False,
+    control: Annotated[bool, typer.Option(
+        "--control", help="Also restore a deliberately wrong state (zeros): it must diverge, or the "
+                          "model cannot judge a wrong state")] = False,
     workdir: Annotated[
         str, typer.Option(help="Where models, logs and the store go (default: a temp dir)")
     ] = "",
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object at the end")] = False,
 ) -> None:
-    """The bug report's protocol: cold, producer and consumer engines; the consumer must match cold."""
+    """The bug report's protocol: cold, producer and consumer engines; the consumer must equal a run
+    that computed the same chunks (cold, by default), bit for bit, with the longest resumable hit."""
     if not model and profile not in PROFILE_NAMES:
         raise _fail(f"unknown profile {profile[:100]!r}; choose one of {', '.join(PROFILE_NAMES)}")
     if not model and profile == "mamba1":
         raise _fail("vLLM has no CPU prefill kernel for Mamba1: run the mamba1 profile on a GPU machine")
     if producer_repeats < 0 or consumer_repeats < 0 or max_tokens <= 0 or tp <= 0 or not 1 <= turns <= 20:
         raise _fail("repeats must be >= 0, --max-tokens and --tp positive, --turns in 1..20")
+    if control and turns > 1:
+        raise _fail("--control runs with one turn: drop --turns")
+    if tp > 64 or producer_repeats > 100_000 or consumer_repeats > 100_000 or max_tokens > 100_000 \
+            or max_num_batched_tokens < 0 or max_num_batched_tokens > 1 << 20:
+        raise _fail("--tp must be at most 64, repeats and --max-tokens at most 100000, "
+                    "--max-num-batched-tokens in 0..1048576")
+    if model:
+        from prefixvault.inputs import InputError, check_path
+
+        try:
+            check_path(model, "--model")
+        except InputError as e:
+            raise _fail(str(e)) from None
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -324,6 +344,7 @@ def repro(
         workdir=workdir,
         turns=turns,
         capture_outputs=capture_outputs,
+        control=control,
     )
     started = time.perf_counter()
     with out.status("prefixvault repro") as status:
@@ -367,6 +388,9 @@ def serve(
     from prefixvault.serve import serve_command, serve_env
     from prefixvault.vllm.config import ConnectorSettings
 
+    if model.startswith("-"):
+        raise _fail(f"the model comes before '--' (got {model[:100]!r}): "
+                    "prefixvault serve MODEL [OPTIONS] -- [vLLM options]")
     try:
         outputs = {"output_boundaries": capture_outputs} if capture_outputs else {}
         ConnectorSettings.from_extra({"store": store, "namespace": namespace, "capture": capture,
@@ -380,7 +404,11 @@ def serve(
         raise _fail("arguments must be text the system can pass on (a lone surrogate is not)") from None
     except (ValueError, FileNotFoundError) as e:
         raise _fail(str(e)) from None
-    shown = shlex.join(cmd).encode("utf-8", "backslashreplace").decode()
+    # The same command with the store's password as *** (vLLM itself logs its config: keep its
+    # logs private; this line need not add to them).
+    display = serve_command(model, redact(store), role, namespace, capture, ctx.args, secret_file,
+                            secret_env, capture_outputs)
+    shown = shlex.join(display).encode("utf-8", "backslashreplace").decode()
     console.print(shown, highlight=False, soft_wrap=True, markup=False)
     if dry_run:
         return

@@ -23,7 +23,7 @@ import numpy as np
 from prefixvault.boundary import NULL_BLOCK_ID, StateCapture, plan_saves
 from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, StateFamily, TensorSpec
-from prefixvault.stores import open_store
+from prefixvault.stores import open_store, redact
 from prefixvault.vault import ObjectRef, Vault
 
 BLOCK = 16
@@ -174,7 +174,7 @@ def run(uri: str, chunk: int = 200, as_json: bool = False) -> bool:
     console = Console(quiet=as_json)
     producer, consumer, shared = make_prompts()
     t0 = time.perf_counter()
-    console.print(f"[bold]prefixvault demo[/] store={uri} block={BLOCK} chunk={chunk} "
+    console.print(f"[bold]prefixvault demo[/] store={redact(uri)} block={BLOCK} chunk={chunk} "
                   f"shared prefix={shared} tokens")
     console.print(f"producer: {len(producer)} tokens in chunks of {chunk} (separate process)")
     p = _in_process(produce, uri, producer, chunk)

@@ -2,8 +2,22 @@
 
 A cold engine without connector, a producer engine that fills the store, and a separate
 consumer engine whose prompt shares a long prefix, each in its own process. The consumer
-must give the cold run's tokens and logprobs exactly, and restore the longest boundary
-that can truly resume.
+must restore the longest boundary that can truly resume, and give the tokens and logprobs of
+a reference that computed the same chunks, bit for bit:
+
+- by default every engine's prefill steps end on every block boundary (``max_num_batched_tokens``
+  = the block size; for ``--model`` the block size is read from the engine first), so the cold
+  run's steps end at whatever boundary the consumer restores, and cold is the reference;
+- with a step size of the user's, where the cold run's steps do not end at the restored
+  boundary, a restore can only equal what the same engine computes from its *own* prefix cache
+  at that boundary: an engine without the connector serves the producer's prompt and then the
+  consumer's (``local``), and that is the reference; cold then differs only as chunking does,
+  and repro says so rather than calling it a divergence.
+
+Where vLLM CPU cannot run a layout at the step size asked (Mamba2 layers need one block per
+step), repro runs it at one block per step and says why. ``--control`` adds a negative control:
+a consumer that restores a deliberately wrong state (``vllm/control.py``) must diverge, or the
+model cannot judge a wrong state.
 """
 
 from __future__ import annotations
@@ -22,10 +36,15 @@ from prefixvault.testing.engine import (
     EngineSpec,
     common_prefix,
     completions,
+    divergence,
     identical,
     max_logprob_diff,
     run_engine,
 )
+
+#: The negative control's connector (``--control``), and the line it logs per state it zeroes.
+CONTROL_CONNECTOR = ("PrefixVaultControlConnector", "prefixvault.vllm.control")
+ZEROED_LINE = "prefixvault: negative control: zeroed"
 
 #: Engine arguments for a real checkpoint given with --model (the report's settings).
 REAL_MODEL_ENGINE: dict[str, Any] = {
@@ -33,6 +52,9 @@ REAL_MODEL_ENGINE: dict[str, Any] = {
     "enable_prefix_caching": True,
     "mamba_cache_mode": "align",
     "max_model_len": 4096,
+    # one request at a time; vLLM wants max_num_batched_tokens >= max_num_seqs, and repro may run
+    # one block (as few as 16 tokens) per step
+    "max_num_seqs": 16,
 }
 
 
@@ -53,6 +75,7 @@ class ReproConfig:
     varied: bool = False
     turns: int = 1  # > 1: a conversation; turn n's prompt = turn n-1's prompt + its output + a message
     capture_outputs: bool = False
+    control: bool = False  # also run a consumer that restores a wrong state: it must diverge
 
 
 @dataclass
@@ -76,6 +99,22 @@ class ReproResult:
     max_abs_logprob_diff: float
     problems: list[str] = field(default_factory=list)
     turns: list[TurnResult] = field(default_factory=list)
+    reference: str = "cold"  # what the consumer was compared with, bit for bit
+    notes: list[str] = field(default_factory=list)  # choices repro made, and why
+    cold_equal: bool = True  # whether the consumer also equals cold (not the claim where the
+    # reference is the engine's own prefix cache)
+    control: ControlResult | None = None
+
+
+@dataclass
+class ControlResult:
+    """The negative control: a consumer restoring a wrong state (zeros) at the same boundary."""
+
+    hit: int
+    states_zeroed: bool
+    diverged: bool
+    max_abs_logprob_diff: float  # over the top-k tokens both report, up to where the ids part
+    parted_at: int | None = None  # first generated token whose id differs (None: none does)
 
 
 @dataclass
@@ -88,6 +127,18 @@ class TurnResult:
     longest: int  # the longest boundary the producer's previous turns published for this prompt
     identical: bool
     max_abs_logprob_diff: float
+
+
+#: Architectures whose vLLM CPU Mamba2 kernels need every prefill step to be one block (a
+#: step spanning a block boundary fails inside vLLM: ``IndexError`` in ``mamba_mixer2``).
+MAMBA2_ARCHITECTURES = ("Mamba2", "Zamba2", "NemotronH", "GraniteMoeHybrid", "FalconH1", "Bamba", "Plamo2")
+
+
+def _architectures(model: str) -> list[str]:
+    try:
+        return list(json.loads((Path(model) / "config.json").read_text()).get("architectures") or [])
+    except (OSError, ValueError):
+        return []
 
 
 def _engine_args(cfg: ReproConfig) -> tuple[str, dict[str, Any]]:
@@ -105,6 +156,12 @@ def _engine_args(cfg: ReproConfig) -> tuple[str, dict[str, Any]]:
     if cfg.tensor_parallel_size > 1:
         engine["tensor_parallel_size"] = cfg.tensor_parallel_size
     return model, engine
+
+
+def _on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return str(current_platform.device_type) == "cpu"
 
 
 def request_pair(cfg: ReproConfig, model: str) -> tuple[list[int], list[int]]:
@@ -132,6 +189,7 @@ def run_repro(cfg: ReproConfig, progress: Any = None) -> ReproResult:
     say("building the model and the request pair" if not cfg.model else "loading the tokenizer")
     model, engine = _engine_args(cfg)
     producer, consumer = request_pair(cfg, model)
+    notes: list[str] = []
     store = cfg.store or f"local://{work}/store?capacity=4GiB"
     namespace = f"repro-{time.strftime('%Y%m%d%H%M%S')}-{time.monotonic_ns() % 10**6}"
     extra: dict[str, Any] = {"namespace": namespace, "capture": cfg.capture,
@@ -142,31 +200,42 @@ def run_repro(cfg: ReproConfig, progress: Any = None) -> ReproResult:
         else {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(cfg.tensor_parallel_size))}
     )
 
-    def engine_run(role: str, prompt: list[int], more: Sequence[list[int]] = ()
-                   ) -> tuple[Completion, dict[str, Any]]:
+    def engine_run(role: str, prompt: list[int], more: Sequence[list[int]] = (), *,
+                   sequence: Sequence[list[int]] = (), max_tokens: int = 0, what: str = "",
+                   dense: bool = False, control: bool = False) -> tuple[Completion, dict[str, Any]]:
+        """One engine in its own process: ``more`` continues a conversation, ``sequence`` adds
+        requests served one after the other; ``dense`` keeps a state at every step end (the
+        engine's own prefix cache as a reference), ``control`` restores wrong states."""
         spec = EngineSpec(
             model=model,
-            engine=dict(engine),
-            prompts=[prompt, *more],
+            engine=dict(engine, **({"prefix_cache_retention_interval": None} if dense else {})),
+            prompts=[prompt, *more, *sequence],
             role=role,
             store=store,
             extra_config=extra,
-            max_tokens=cfg.max_tokens,
+            max_tokens=max_tokens or cfg.max_tokens,
             logprobs=cfg.logprobs,
             conversation=bool(more),
             # A turn's answer is --max-tokens long, whatever the model says: whether a boundary
             # falls inside it must not hang on where a (random test) model happens to stop.
             ignore_eos=bool(more),
         )
-        what = f"{1 + len(more)} turns" if more else f"{len(prompt)} prompt tokens"
-        say(f"{role} engine: starting (tens of seconds) and running {what}")
+        if control:
+            spec.connector, spec.connector_module = CONTROL_CONNECTOR
+        label = ("negative control" if control else "own prefix cache" if dense else role)
+        what = what or (f"{1 + len(more)} turns" if more else
+                        f"{len(prompt)} prompt tokens" + (f", then {len(sequence[0])}" if sequence else ""))
+        say(f"{label} engine: starting (tens of seconds) and running {what}")
         t = time.perf_counter()
         result = run_engine(spec, work / "engines", env=env)
-        say(f"{role} engine: done in {time.perf_counter() - t:.0f}s")
+        say(f"{label} engine: done in {time.perf_counter() - t:.0f}s")
+        if control:
+            result["control_zeroed"] = Path(result["log"]).read_text(errors="replace").count(ZEROED_LINE)
         return completions(result)[0], result
 
     if cfg.turns > 1:
         return _conversation(cfg, model, engine, store, namespace, producer, consumer, engine_run)
+    _step_size(cfg, model, engine, consumer, notes, engine_run)
     cold, _ = engine_run("cold", consumer)
     _, produced = engine_run("kv_producer", producer)
     restored, consumed = engine_run("kv_consumer", consumer)
@@ -184,19 +253,37 @@ def run_repro(cfg: ReproConfig, progress: Any = None) -> ReproResult:
         else []
     )
     longest = scenario.expected_hit(available, len(consumer), common, bs) if batched else -1
-    tokens_equal = cold.token_ids == restored.token_ids
-    exact = identical(cold, restored)
+    hit = restored.cached_tokens
     problems = []
+    cold_equal = identical(cold, restored)
+    if not batched or scenario.restores_exactly(hit, len(consumer), batched, bs):
+        reference, ref = f"a cold run whose steps end at the restored boundary ({hit} tokens)", cold
+    else:
+        # Cold's steps do not end at the restored boundary: the only run a restore can equal bit
+        # for bit is the same engine serving the prompt from its own prefix cache there.
+        say(f"the cold run's steps do not end at {hit}: the engine's own prefix cache is the reference")
+        local = _local_reference(engine_run, producer, consumer)
+        reference, ref = f"the engine's own prefix cache at {local.cached_tokens} tokens", local
+        if local.cached_tokens != hit:
+            problems.append(f"the engine's own prefix cache hit {local.cached_tokens} tokens, not the "
+                            f"restored {hit}: no reference computed the same chunks")
+        if not cold_equal:
+            notes.append(f"differs from cold (max |Δlogprob| {max_logprob_diff(cold, restored):.3g}) as "
+                         "chunking does: cold computed the restored range in steps that do not end at "
+                         f"{hit}; run with --max-num-batched-tokens {bs} for a cold reference")
+    tokens_equal = ref.token_ids == restored.token_ids
+    exact = identical(ref, restored)
     if not tokens_equal:
-        problems.append("generated token ids differ from cold")
+        problems.append(f"generated token ids differ from {reference}")
     elif not exact:
-        problems.append("logprobs differ from cold")
-    if longest >= 0 and restored.cached_tokens > longest:
-        problems.append(
-            f"restored {restored.cached_tokens} tokens, beyond the longest resumable boundary {longest}"
-        )
+        problems.append(f"logprobs differ from {reference}")
+    if longest >= 0 and hit > longest:
+        problems.append(f"restored {hit} tokens, beyond the longest resumable boundary {longest}")
+    elif longest > 0 and hit < longest:
+        problems.append(f"restored {hit} tokens, short of the longest resumable boundary {longest}")
     if produced["metrics"].get("put_failed", 0) or consumed["metrics"].get("get_failed", 0):
         problems.append("store operations failed")
+    control = _control(cfg, engine_run, consumer, ref, hit, problems) if cfg.control else None
     return ReproResult(
         ok=not problems,
         model=model,
@@ -207,16 +294,71 @@ def run_repro(cfg: ReproConfig, progress: Any = None) -> ReproResult:
         max_num_batched_tokens=batched,
         producer_step_ends=ends,
         longest_resumable_boundary=longest,
-        external_hit_tokens=restored.cached_tokens,
+        external_hit_tokens=hit,
         producer=produced["metrics"],
         consumer=consumed["metrics"],
         cold_text=cold.text,
         consumer_text=restored.text,
         tokens_equal=tokens_equal,
         logprobs_equal=exact,
-        max_abs_logprob_diff=max_logprob_diff(cold, restored),
+        max_abs_logprob_diff=max_logprob_diff(ref, restored),
         problems=problems,
+        reference=reference,
+        notes=notes,
+        cold_equal=cold_equal,
+        control=control,
     )
+
+
+def _step_size(cfg: ReproConfig, model: str, engine: dict[str, Any], consumer: list[int],
+               notes: list[str], engine_run: Any) -> None:
+    """Settle ``max_num_batched_tokens``: one block per step unless the user gave one (then the
+    engine's block size is read first from a short run of the engine), and one block per step
+    anyway where vLLM CPU's Mamba2 kernels cannot run steps that span a block boundary."""
+    asked = int(engine.get("max_num_batched_tokens") or 0)
+    profile_bs = int(engine.get("block_size") or 0)
+    if cfg.model and (not cfg.max_num_batched_tokens or not profile_bs):
+        _, probe = engine_run("cold", consumer[:8], max_tokens=1, what="reading the engine's block size")
+        profile_bs = int(probe["block_size"])
+        if not cfg.max_num_batched_tokens:
+            engine["max_num_batched_tokens"] = profile_bs
+            notes.append(f"every engine ran with max_num_batched_tokens = the block size ({profile_bs}), so "
+                         "the cold run's steps end at every boundary the consumer can restore")
+            return
+    mamba2 = any(a.startswith(MAMBA2_ARCHITECTURES) for a in _architectures(model)) \
+        or cfg.profile in ("mamba2", "mamba2-hybrid")
+    if asked and profile_bs and asked != profile_bs and mamba2 and _on_cpu():
+        engine["max_num_batched_tokens"] = profile_bs
+        notes.append(f"ran at max_num_batched_tokens {profile_bs} (one block per step), not {asked}: vLLM "
+                     "CPU's Mamba2 kernels fail on a step that spans a block boundary")
+
+
+def _local_reference(engine_run: Any, producer: list[int], consumer: list[int]) -> Completion:
+    """The consumer's prompt served by an engine without the connector from its own prefix
+    cache: it computes the producer's prompt first, keeping a state at every step end."""
+    _, result = engine_run("cold", producer, more=(), sequence=[consumer], dense=True)
+    return completions(result)[1]
+
+
+def _control(cfg: ReproConfig, engine_run: Any, consumer: list[int], ref: Completion, hit: int,
+             problems: list[str]) -> ControlResult:
+    """A consumer that restores zeros for every state must part from the reference."""
+    if hit == 0:
+        problems.append("the negative control needs a restored boundary; the consumer restored nothing")
+        return ControlResult(0, False, False, 0.0)
+    wrong, result = engine_run("kv_consumer", consumer, control=True)
+    zeroed = bool(result.get("control_zeroed", 0))
+    diverged = not identical(ref, wrong)
+    part = divergence(ref, wrong)
+    if not zeroed:
+        problems.append("the negative control restored no state to make wrong (a model without "
+                        "recurrent state cannot be judged this way)")
+    elif not diverged:
+        problems.append("the negative control did not diverge: a wrong restored state leaves this model's "
+                        "output unchanged, so the comparison cannot judge it (more --max-tokens, a longer "
+                        "prompt, or real weights)")
+    return ControlResult(wrong.cached_tokens, zeroed, diverged, part.drift,
+                         part.at if part.margin is not None else None)
 
 
 def _conversation(cfg: ReproConfig, model: str, engine: dict[str, Any], store: str, namespace: str,
@@ -297,10 +439,21 @@ def render(result: ReproResult, console: Any) -> None:
         ),
         ("cold text", repr(result.cold_text)),
         ("consumer text", repr(result.consumer_text)),
+        ("compared with", result.reference),
         ("generated tokens equal", str(result.tokens_equal)),
         ("per-token logprobs equal (top-k, bit for bit)", str(result.logprobs_equal)),
         ("max |Δlogprob|", f"{result.max_abs_logprob_diff:.6g}"),
     ]
+    if result.reference != "cold" and not result.reference.startswith("a cold run"):
+        rows.append(("also equal to cold", str(result.cold_equal)))
+    if result.control is not None:
+        ctl = result.control
+        rows.append(("negative control (zeroed states restored)",
+                     f"hit {ctl.hit}, {'diverged' if ctl.diverged else 'did NOT diverge'} "
+                     f"(max |Δlogprob| {ctl.max_abs_logprob_diff:.3g}"
+                     + (f", token ids part at {ctl.parted_at})" if ctl.parted_at is not None else ")")
+                     if ctl.states_zeroed
+                     else "no state to make wrong"))
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
@@ -312,10 +465,19 @@ def render(result: ReproResult, console: Any) -> None:
             tt.add_row(str(n), str(turn.prompt_tokens), str(turn.hit), str(turn.longest) if n > 1 else "-",
                        str(turn.identical), f"{turn.max_abs_logprob_diff:.6g}")
         console.print(tt)
+    for note in result.notes:
+        console.print(f"note: {note}")
     if result.ok:
-        console.print("[green]OK[/]: the consumer matches cold exactly")
-    else:
+        hit = result.external_hit_tokens
+        console.print(f"[green]OK[/]: the consumer restored {hit} tokens (the longest resumable boundary) "
+                      f"and equals {result.reference}, bit for bit"
+                      + ("; the negative control diverged" if result.control else ""))
+    elif not (result.tokens_equal and result.logprobs_equal):
         console.print("[red]DIVERGED[/]: " + "; ".join(result.problems))
+    elif result.control is not None and not result.control.diverged:
+        console.print("[yellow]INCONCLUSIVE[/]: " + "; ".join(result.problems))
+    else:
+        console.print("[red]FAILED[/]: " + "; ".join(result.problems))
 
 
 def to_json(result: ReproResult) -> str:

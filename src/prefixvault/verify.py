@@ -161,13 +161,12 @@ def report_pair(
 
 def load_requests(path: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``{"producer": [...], "consumer": [...]}`` or a list of consumer requests."""
+    from prefixvault.inputs import InputError, load_json
+
     try:
-        with open(path) as f:
-            data = json.loads(f.read())
-    except OSError as e:
-        raise VerifyError(f"cannot read {path}: {e.strerror}") from None
-    except ValueError as e:
-        raise VerifyError(f"{path} is not JSON: {e}") from None
+        data = load_json(path, "--requests")
+    except InputError as e:
+        raise VerifyError(str(e)) from None
     if isinstance(data, dict) and "consumer" in data:
         prod, cons = data.get("producer", []), data["consumer"]
     elif isinstance(data, dict):
