@@ -4,7 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test contract lint bench clean
+
+# The scheduler contract suite (tests/contract) runs under every supported vLLM: the installed
+# CPU build (0.32) in the main pytest run, and these versions' Python sources, fetched once
+# (hash-pinned) into .vllm-versions/ and put first on PYTHONPATH (tools/vllm_versions.py).
+CONTRACT_VERSIONS := 0.33.0 0.34.0
 
 $(STAMP): pyproject.toml constraints.txt tools/debian-deps.sh
 	./tools/debian-deps.sh
@@ -19,12 +24,18 @@ demo: $(STAMP)
 	$(BIN)/prefixvault repro
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench tools
 	$(BIN)/mypy
+	$(BIN)/python tools/vllm_versions.py fetch $(CONTRACT_VERSIONS)
 	$(BIN)/python -m pytest -q --durations=25
+	$(BIN)/python tools/vllm_versions.py run -j 2 $(CONTRACT_VERSIONS)
+
+# The contract suite alone, once per version (0.32 included); the last line sums it up.
+contract: $(STAMP)
+	$(BIN)/python bench/vllm_versions.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/store_bandwidth.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis .vllm-versions

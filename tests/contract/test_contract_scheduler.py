@@ -1,0 +1,213 @@
+"""The connector's scheduler side against vLLM's real scheduler, for this process's vLLM.
+
+Every step of every scenario is checked (``scheduler_harness.Engine``): (a) each boundary the
+connector plans is its request's chunk end, or the checkpoint vLLM's own rule says the chunk
+exported and only where the platform's kernels export them (not vLLM CPU's), with the blocks
+vLLM's tables and offers name; (b) each lookup answer is the longest boundary published in the
+store for that prompt, leaving a token to compute; (c) nothing raises into the scheduler and
+the connector's guard counts no error; (d) a request vLLM will not read an external cache for
+is answered (0, False) without a store lookup. Scenarios: concurrent requests sharing
+prefixes under three chunk budgets, preemption, skipped reads and prompt logprobs,
+speculative decoding, and the checkpoints each version offers from inside a chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from scheduler_harness import (
+    GEOMETRIES,
+    VERSION,
+    Engine,
+    Engines,
+    Geometry,
+    make_request,
+    prompts,
+    skips_external_by_vllm,
+)
+
+BY_ID = {g.id: g for g in GEOMETRIES}
+CHECKPOINTING = [g for g in GEOMETRIES if g.checkpoint_blocks]
+
+
+def _geo(ids: list[Geometry]) -> Any:
+    return pytest.mark.parametrize("geo", ids, ids=[g.id for g in ids])
+
+
+def _budget(geo: Geometry, kind: str) -> int:
+    """A chunk budget (``max_num_batched_tokens``): a multiple of the block size, not a
+    multiple, or smaller than one block (big hybrid blocks under vLLM's default budget)."""
+    bs = geo.block_size
+    return {"multiple": 2 * bs, "unaligned": bs + bs // 2 + 7, "sub-block": max(8, bs * 2 // 3 + 1)}[kind]
+
+
+def _family(geo: Geometry, seed: int) -> tuple[list[int], list[list[int]]]:
+    """A shared prefix of 2.4 blocks and prompts over it: shorter than a block past it, a
+    block past it, over two blocks past it, and one ending exactly on a block boundary."""
+    bs = geo.block_size
+    shared = prompts(seed, bs * 12 // 5)[0]
+    tails = prompts(seed + 1, bs // 2 + 1, bs, 2 * bs + 1)
+    aligned = shared[: 2 * bs] + prompts(seed + 2, bs)[0]
+    return shared, [shared + t for t in tails] + [aligned]
+
+
+@_geo(list(GEOMETRIES))
+@pytest.mark.parametrize("budget", ["multiple", "unaligned", "sub-block"])
+def test_concurrent_requests_sharing_prefixes(engines: Engines, geo: Geometry, budget: str) -> None:
+    """Requests arriving together and later on one engine; then a fresh engine on the same
+    store (its own prefix cache empty) restores what the first published."""
+    bs = geo.block_size
+    shared, family = _family(geo, seed=bs)
+    a = engines(geo, budget=_budget(geo, budget))
+    arrivals = {0: [make_request(f"a{i}", p, bs) for i, p in enumerate(family)],
+                3: [make_request("a-late", shared + prompts(7, bs + 3)[0], bs),
+                    make_request("a-late-same", family[1], bs)]}
+    a.run(arrivals)
+    b = engines(geo, a.store, budget=_budget(geo, budget))
+    b.run({0: [make_request("b-same", family[2], bs),
+               make_request("b-longer", family[2] + prompts(9, bs // 3 + 2)[0], bs),
+               make_request("b-new-tail", shared + prompts(11, 2 * bs)[0], bs),
+               make_request("b-salted", family[2], bs, cache_salt="another tenant")]})
+    assert a.steps and b.steps
+    assert b.hits > 0, "the second engine restored nothing: the scenario proves no lookup"
+    assert any(x.answer[0] == 0 for x in b.asks if x.req_id == "b-salted"), "a salted prompt hit"
+
+
+#: KV cache sizes (blocks, every group drawing from one pool) tried in turn until vLLM
+#: preempts: six requests that need about 8 blocks each, so two to three fit at once.
+TIGHT_POOLS = (16, 18, 14, 12, 20)
+
+
+@_geo(list(GEOMETRIES))
+def test_preemption(engines: Engines, geo: Geometry) -> None:
+    """A KV cache too small for the requests running together: vLLM preempts some while they
+    decode and later recomputes them (prompt and outputs in one prefill); nothing of a
+    state holding outputs is published, and their lookups asked again still answer right."""
+    bs = geo.block_size
+    family = prompts(3 * bs, bs * 16 // 5, bs * 13 // 5, bs * 37 // 10, bs * 21 // 10, bs * 5 // 2)
+    tried = []
+    for blocks in TIGHT_POOLS:  # every run is checked step by step, preempting or not
+        e = engines(geo, budget=_budget(geo, "unaligned"), num_blocks=blocks)
+        e.run({0: [make_request(f"p{i}", p, bs, max_tokens=bs // 2 + 2) for i, p in enumerate(family)]})
+        tried.append((blocks, e.preemptions))
+        if e.preemptions:
+            break
+    else:
+        pytest.fail(f"vLLM preempted no request with any pool tried (blocks, preemptions): {tried}")
+    again = engines(geo, e.store, budget=_budget(geo, "multiple"))
+    again.run({0: [make_request("p-again", family[3], bs)]})
+    assert again.hits > 0
+
+
+SKIP_CASES: list[tuple[str, dict[str, Any]]] = [
+    ("skip-reading-prefix-cache", {"skip_reading_prefix_cache": True}),
+    ("prompt-logprobs", {"prompt_logprobs": 1}),
+    # Reading the prefix cache asked for explicitly: 0.32/0.33 read the external cache for it;
+    # 0.34 bounds any prompt-logprob request's hits (``prefix_cache_hit_limit``) and so never
+    # reads an external cache for it.
+    ("prompt-logprobs-reading-allowed", {"prompt_logprobs": 1, "skip_reading_prefix_cache": False}),
+]
+
+
+@_geo([BY_ID["qwen3-next-gdn-bs544-ckpt0"], BY_ID["lfm2-shortconv-bs16-ckpt0"],
+       BY_ID["zamba2-mamba2-bs48-ckpt1"]])
+@pytest.mark.parametrize("case", [c for c, _ in SKIP_CASES])
+def test_requests_that_skip_the_external_cache(engines: Engines, geo: Geometry, case: str) -> None:
+    """vLLM does not read an external cache for these requests (0.32/0.33: the request's
+    ``skip_reading_prefix_cache``; 0.34: ``skip_reading_external_kv``, set for prompt-logprob
+    requests too): the connector answers (0, False) and looks nothing up. A request with the
+    same prompt that reads is the control: it hits."""
+    bs = geo.block_size
+    params = dict(SKIP_CASES)[case]
+    prompt = _family(geo, seed=5 * bs)[1][2]
+    a = engines(geo, budget=_budget(geo, "multiple"))
+    a.run({0: [make_request("writer", prompt, bs)]})
+    b = engines(geo, a.store, budget=_budget(geo, "multiple"))
+    skipping = make_request("skipping", prompt, bs, **params)
+    b.run({0: [skipping]})
+    asked = [x for x in b.asks if x.req_id == "skipping"]
+    assert asked, "vLLM never asked the connector about the skipping request"
+    if not skips_external_by_vllm(skipping):  # this version lets it read the external cache
+        assert case == "prompt-logprobs-reading-allowed" and VERSION < (0, 34), (case, VERSION)
+        assert b.hits > 0, "a request allowed to read the external cache did not hit"
+    control = engines(geo, a.store, budget=_budget(geo, "multiple"))
+    control.run({0: [make_request("control", prompt, bs)]})
+    assert control.hits > 0, "the control request did not hit: nothing shows the skipping one could have"
+
+
+@_geo([BY_ID["qwen3-next-gdn-bs544-ckpt0"], BY_ID["granite-4.0-h-mamba2-bs528-ckpt1"],
+       BY_ID["lfm2-shortconv-bs16-ckpt0"]])
+def test_speculative_decoding(engines: Engines, geo: Geometry) -> None:
+    """Draft tokens scheduled with decode steps (n-gram drafter, 2 per step, half accepted):
+    no boundary over a draft, nor over an output, is planned; restores still hit."""
+    bs = geo.block_size
+    family = _family(geo, seed=7 * bs)[1]
+    a = engines(geo, budget=_budget(geo, "unaligned"), spec_tokens=2)
+    a.run({0: [make_request(f"s{i}", p, bs, max_tokens=12) for i, p in enumerate(family)]})
+    assert a.drafted > 0, "no draft token was scheduled"
+    b = engines(geo, a.store, budget=_budget(geo, "unaligned"), spec_tokens=2)
+    b.run({0: [make_request("s-again", family[2] + prompts(13, 5)[0], bs, max_tokens=6)]})
+    assert b.hits > 0
+
+
+def _checkpoint_run(engines: Engines, geo: Geometry, exporting: bool
+                    ) -> tuple[Engine, set[int], dict[str, int]]:
+    """A prompt of 3.3 blocks under a budget of 2.5 blocks: chunks [0, 2 blocks) and [2 blocks,
+    prompt end), the last running through vLLM's prompt checkpoint at 3 blocks where the state
+    layers reserve a checkpoint block. Returns the engine, the boundaries of the prompt it
+    published, and what fresh engines (empty prefix caches) then restore for the same prompt
+    and for one sharing its first 3 blocks."""
+    bs = geo.block_size
+    prompt = prompts(17 * bs, bs * 33 // 10)[0]
+    branch = prompt[: 3 * bs] + prompts(19, bs // 2 + 1)[0]
+    budget = bs * 5 // 2
+    a = engines(geo, budget=budget, exporting=exporting)
+    a.run({0: [make_request("ckpt", prompt, bs)]})
+    published = {b for b in range(bs, len(prompt), bs) if a.published.has(None, prompt[:b])}
+    restored = {}
+    for name, tokens in (("ckpt-same", prompt), ("ckpt-branch", branch)):
+        b = engines(geo, a.store, budget=budget, exporting=exporting)
+        b.run({0: [make_request(name, tokens, bs)]})
+        restored[name] = max((x.computed + x.answer[0] for x in b.asks if x.answer[0]), default=0)
+    return a, published, restored
+
+
+@_geo(list(GEOMETRIES))
+def test_checkpoint_offers_inside_a_chunk_are_refused_on_cpu(engines: Engines, geo: Geometry) -> None:
+    """vLLM CPU's kernels export no state from inside a chunk, whatever vLLM offers there:
+    only chunk ends are published (checked each step). Where the layers reserve checkpoint
+    blocks, vLLM's rule fires and the checkpoint block is offered inside the last chunk;
+    the prompt then publishes only its first chunk's end."""
+    bs = geo.block_size
+    a, published, restored = _checkpoint_run(engines, geo, exporting=False)
+    assert a.inside_published == 0
+    if geo.checkpoint_blocks:
+        assert a.checkpoints_valid > 0, "vLLM's rule found no in-chunk checkpoint: the scenario is wrong"
+        assert a.offers_inside > 0, "vLLM offered no state from inside a chunk"
+        assert published == {2 * bs}, published
+    else:
+        assert a.checkpoints_valid == 0
+        assert published == {2 * bs, 3 * bs}, published  # vLLM ends a chunk at the checkpoint
+    assert restored == {"ckpt-same": max(published), "ckpt-branch": max(published)}, restored
+
+
+@_geo(CHECKPOINTING)
+def test_checkpoint_offers_are_published_where_the_platform_exports_them(
+        engines: Engines, geo: Geometry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a platform whose kernels export the checkpoint state (CUDA), vLLM's valid
+    in-chunk checkpoint is published, and fresh engines restore it. Here the CPU platform
+    is marked exporting through the connector's compatibility seam."""
+    compat = pytest.importorskip("prefixvault.vllm.compat")
+    if not hasattr(compat, "EXPORTING_PLATFORMS") or not hasattr(compat, "internal_checkpoints"):
+        pytest.skip("prefixvault.vllm.compat has no EXPORTING_PLATFORMS / internal_checkpoints hook yet")
+    from vllm.platforms import current_platform
+
+    monkeypatch.setattr(compat, "EXPORTING_PLATFORMS",
+                        frozenset(compat.EXPORTING_PLATFORMS) | {current_platform.device_type})
+    bs = geo.block_size
+    a, published, restored = _checkpoint_run(engines, geo, exporting=True)
+    assert a.checkpoints_valid > 0 and a.offers_inside > 0
+    assert a.inside_published > 0, "vLLM's valid in-chunk checkpoint was not published"
+    assert published == {2 * bs, 3 * bs}, published
+    assert restored == {"ckpt-same": 3 * bs, "ckpt-branch": 3 * bs}, restored
