@@ -285,3 +285,62 @@ def test_a_private_store_is_owner_only_and_refuses_directories_others_control(tm
         store.put_many([("k", [bytes(MiB)])])
     assert all(stat.S_IMODE(p.stat().st_mode) & 0o060 == 0o060 for p in shared.iterdir() if p.is_file()
                and p.name.startswith(("index.db", "slab-")))
+
+
+def test_a_new_store_on_a_full_filesystem_serves_cold_and_comes_back(
+        small_fs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 31: an engine whose new local store found its filesystem 100% full failed to
+    start (an IndexFull traceback); it must serve cold with one warning, and use the store
+    once there is room."""
+    import logging
+
+    from prefixvault.stores import open_store_or_retry
+    from prefixvault.stores.base import StoreUnavailable
+
+    filler = small_fs / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):
+        while True:
+            os.write(fd, bytes(4096))
+    os.close(fd)
+    uri = f"local://{small_fs}/new?capacity=1MiB"
+    with caplog.at_level(logging.ERROR):
+        store = open_store_or_retry(uri)  # must not raise
+    assert len([r for r in caplog.records if "unavailable" in r.getMessage()]) == 1
+    with pytest.raises(StoreUnavailable):  # calls fail fast: the connector counts a miss
+        store.put_many([("k", [b"v"])])
+    store.close()
+    filler.unlink()
+    with LocalStore(small_fs / "new", capacity=1 << 20) as fresh:  # room again: it works
+        assert fresh.put_many([("k", [b"v"])]) == [True]
+
+
+@pytest.mark.parametrize("row", ["key", "free slot"])
+def test_a_slot_number_out_of_range_is_a_miss_and_heals_never_a_value_error(tmp_path: Path, row: str) -> None:
+    """Issue 31: an index row naming a slot past its slab's end made every later put raise
+    ValueError. Now the slab whose rows disagree with it is set aside: a miss, then normal."""
+    import sqlite3
+
+    path = tmp_path / "s"
+    big = bytes(range(256)) * 1200  # ~300 KiB: a slab object
+    with LocalStore(path, capacity=64 * MiB) as store:
+        assert store.put_many([("a", [big]), ("b", [big])]) == [True, True]
+        conn = sqlite3.connect(path / "index.db")
+        if row == "key":
+            conn.execute("UPDATE keys SET slot = 1000000 WHERE key = 'a'")
+            conn.execute("UPDATE slots SET slot = 1000000 WHERE (slab, slot) IN"
+                         " (SELECT slab, 0 FROM keys WHERE key = 'a') AND slot = 0")
+        else:
+            conn.execute("UPDATE slots SET slot = slot + 1000000 WHERE state = 0")
+        conn.commit()
+        conn.close()
+        got = store.get_many(["a"])
+        assert got in ([None], [big])  # never a ValueError; never other bytes
+        # The put that finds the damage is refused (False: a skipped save), the ones after work:
+        # the damaged slab's slots are never handed out again.
+        assert store.put_many([("first", [big])]) in ([True], [False])
+        for i in range(40):
+            assert store.put_many([(f"k{i}", [big])]) == [True], i
+            assert store.get_many([f"k{i}"]) == [big]
+        assert store.get_many(["a"]) in ([None], [big])
+        assert store.put_many([("a", [big])]) == [True] and store.get_many(["a"]) == [big]

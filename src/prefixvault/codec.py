@@ -65,6 +65,7 @@ class ObjectKind(IntEnum):
     STATE = 2  # recurrent state at a boundary
     RECORD = 3  # boundary record
     LAYOUT = 4  # a layout description
+    DENY = 5  # a namespace's deny-list: digests of bytes proved wrong (``denylist``)
 
 
 class IntegrityError(Exception):
@@ -95,6 +96,26 @@ class ObjectHeader:
 
 def checksum(data: Buffer) -> int:
     return xxhash.xxh3_64_intdigest(data)
+
+
+def is_sealed(blob: Buffer) -> bool:
+    """Whether ``blob`` claims to be sealed (its flag byte; proves nothing about who wrote it,
+    only that a reader needs the namespace's key for it)."""
+    view = memoryview(blob).cast("B")
+    return len(view) >= HEADER_SIZE and bytes(view[:4]) == MAGIC and view[_FLAGS_AT] == FLAG_SEALED
+
+
+def content_digest(header: ObjectHeader, payload: Buffer) -> bytes:
+    """What an object *says*, apart from how it was sealed: xxh3-128 over its identity and its
+    payload. A sealed object's nonce and tag differ on every write of the same content, so
+    the deny-list names content by this digest: the same wrong bytes are refused whether they
+    are replayed as stored or computed and sealed again. (Not collision-resistant against a
+    writer who means harm; it need not be: a digest only ever *refuses* bytes, and the MAC
+    still decides what verifies.)"""
+    h = xxhash.xxh3_128()
+    h.update(_fields(header, 0))
+    h.update(memoryview(payload).cast("B"))
+    return h.digest()
 
 
 def gmac(key: bytes, nonce: bytes, *parts: Buffer) -> bytes:

@@ -120,6 +120,8 @@ def summarize(store: Store) -> StoreSummary:
                 kind = "state" if rest[0] == "s" else "attention"
         elif rest == ["layout"]:
             kind = "layout"
+        elif rest == ["deny"]:
+            kind = "deny-list"
         elif rest[0] == "v" and len(rest) == 2:
             kind = "sample"
         else:

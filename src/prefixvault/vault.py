@@ -12,10 +12,16 @@ touched afterwards).
 Load: every object is checked against the header the reader expects and its checksum
 (its MAC, in a namespace with a secret) before its payload is handed out; bad objects are
 counted and removed (invariant 3).
+A record is the marker that a boundary's objects were all stored; a lookup reads a hit's
+record only where the deny-list names it (a replayed copy of a quarantined record is refused,
+removed, and the lookup answers from what is left): every object is verified where it is
+loaded. Bytes proved wrong (``quarantine``) are listed in the namespace's deny-list
+(``denylist``) and refused by loads, saves and lookups until they expire.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -28,11 +34,20 @@ from enum import StrEnum
 import numpy as np
 
 from prefixvault.boundary import Refusal, SavePlan, choose_hit, max_resume_tokens, needed_blocks
-from prefixvault.codec import HEADER_SIZE, IntegrityError, ObjectHeader, ObjectKind, decode, encode
+from prefixvault.codec import (
+    HEADER_SIZE,
+    IntegrityError,
+    ObjectHeader,
+    ObjectKind,
+    content_digest,
+    decode,
+    encode,
+)
+from prefixvault.denylist import DENY_REFRESH_S, DENY_TTL_S, DenyList
 from prefixvault.keys import ExtraKeys, KeySpace, chain_hashes
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind
 from prefixvault.records import BoundaryRecord
-from prefixvault.stores.base import Buffer, Store
+from prefixvault.stores.base import Buffer, Store, StoreError
 from prefixvault.tenancy import NamespaceKey
 
 #: How often a publishing vault reads its stored layout back to check it (seconds).
@@ -41,6 +56,10 @@ LAYOUT_VERIFY_S = 300.0
 #: boundary beside the records (one round trip instead of two) when they are at most this many
 #: keys: the extra keys a miss then checks cost less than a second round trip.
 SPECULATIVE_KEYS = 512
+
+#: A lookup whose hit's record does not verify answers again from what is left, at most this
+#: many times (each bad record is removed first), then reports a miss.
+RECORD_RETRIES = 3
 
 #: Keys to touch after a lookup answered, and which of them (``Store.touch_many``'s arguments).
 _Touch = tuple[list[str], list[bool]]
@@ -109,6 +128,7 @@ class VaultCounters:
     put_bytes: int = 0
     put_failed: int = 0
     put_skipped: int = 0  # already in the store
+    put_denied: int = 0  # bytes this producer computed are in the deny-list: not stored
     get_keys: int = 0
     get_bytes: int = 0
     get_failed: int = 0
@@ -163,6 +183,12 @@ class Vault:
         self._hash_key = key.hash_key if key is not None else b""
         self.counters = VaultCounters()
         self._layout_verified: float | None = None  # monotonic time the stored layout was last read
+        # Bytes proved wrong in this namespace and layout: only ever grows between reads of
+        # the stored list (merged, never replaced), so a deleted list cannot undo a quarantine
+        # this vault has seen.
+        self.deny = DenyList()
+        self._deny_read: float | None = None  # monotonic time the stored list was last read
+        self._deny_blob: bytes | None = None  # the stored list as last read
 
     # -- naming -----------------------------------------------------------------------------
 
@@ -293,8 +319,10 @@ class Vault:
         read_into: Callable[[ObjectRef, int, memoryview], None] | None,
     ) -> set[str]:
         items = sorted(items, key=lambda item: chain_order(item[0]))  # the store ranks them so
+        self.refresh_deny()
         blocks = [ref.key for ref, _ in items]
         present = {k for k, e in zip(blocks, self.store.exists_many(blocks), strict=True) if e}
+        present -= self._recheck_present([ref for ref, _ in items if ref.key in present])
         self.counters.put_skipped += len(present)
         todo = [(ref, bid) for ref, bid in items if ref.key not in present]
         headers = [self.expected_header(ref) for ref, _ in todo]
@@ -302,19 +330,32 @@ class Vault:
         if read_into is not None and todo:
             lent = self.store.staging_buffer(sum(HEADER_SIZE + h.length for h in headers))
         batch: list[tuple[str, Sequence[Buffer]]] = []
+        sent: list[tuple[ObjectRef, ObjectHeader]] = []
         off = 0
         for (ref, block_id), header in zip(todo, headers, strict=True):
             if lent is not None and read_into is not None:  # build the object in place
-                payload = lent[off + HEADER_SIZE : off + HEADER_SIZE + header.length]
-                read_into(ref, block_id, payload)
-                lent[off : off + HEADER_SIZE] = encode(header, payload, self.key)[0]
-                batch.append((ref.key, [lent[off : off + HEADER_SIZE + header.length]]))
+                into = lent[off + HEADER_SIZE : off + HEADER_SIZE + header.length]
+                read_into(ref, block_id, into)
+                payload: Buffer = into
+                parts: Sequence[Buffer] = [lent[off : off + HEADER_SIZE + header.length]]
+                denied = self._is_denied(ref.key, header, payload)
+                if not denied:
+                    lent[off : off + HEADER_SIZE] = encode(header, payload, self.key)[0]
                 off += HEADER_SIZE + header.length
             else:
-                batch.append((ref.key, encode(header, read(ref, block_id), self.key)))
+                payload = read(ref, block_id)
+                denied = self._is_denied(ref.key, header, payload)
+                parts = encode(header, payload, self.key)
+            if denied:  # this engine computed the bytes proved wrong again: no record follows
+                self.counters.put_denied += 1
+                self.counters.put_failed += 1
+                self.counters.rejected["denied"] += 1
+                continue
+            batch.append((ref.key, parts))
+            sent.append((ref, header))
         results = self.store.put_many(batch) if batch else []
         ok = set(present)
-        for (ref, _), header, stored in zip(todo, headers, results, strict=True):
+        for (ref, header), stored in zip(sent, results, strict=True):
             if stored:
                 ok.add(ref.key)
                 self.counters.put_keys += 1
@@ -322,6 +363,144 @@ class Vault:
             else:
                 self.counters.put_failed += 1
         return ok
+
+    def _recheck_present(self, refs: list[ObjectRef]) -> set[str]:
+        """Of objects a save found present, the keys it must write again (removed here): a
+        state, or any object of a key the deny-list names, is read and verified before the
+        put is skipped. A state is what a boundary alone relies on, and one found present is
+        rare (another producer saved the same boundary), so reading it costs less than the
+        write it saves; KV blocks are shared by many prefixes and found present on most
+        saves, so they are left to the load that needs them (which removes a bad one, and
+        the next save writes it again)."""
+        suspect = [r for r in refs if r.kind is ObjectKind.STATE or self._suffix(r.key) in self.deny]
+        if not suspect:
+            return set()
+        bad: list[str] = []
+        gone: set[str] = set()
+        for ref, blob in zip(suspect, self.store.get_many([r.key for r in suspect]), strict=True):
+            if blob is None:
+                gone.add(ref.key)  # evicted since the existence check
+                continue
+            header = self.expected_header(ref)
+            try:
+                _, payload = decode(blob, header, self.key)
+            except IntegrityError as e:
+                self.counters.rejected[e.reason] += 1
+                bad.append(ref.key)
+                continue
+            if self._is_denied(ref.key, header, payload):
+                self.counters.rejected["denied"] += 1
+                bad.append(ref.key)
+        if bad:
+            self.store.delete_many(bad)
+        return gone | set(bad)
+
+    # -- the deny-list ---------------------------------------------------------------------------
+
+    def _suffix(self, key: str) -> str:
+        """A key of this namespace and layout, as the deny-list names it."""
+        return key[len(self.keys.prefix):]
+
+    def deny_key(self) -> str:
+        return self.keys.prefix + "deny"
+
+    def _is_denied(self, key: str, header: ObjectHeader, payload: Buffer) -> bool:
+        """Whether these bytes for ``key`` were proved wrong (a digest only where the key is
+        listed: an empty or unrelated list costs a dict lookup)."""
+        suffix = self._suffix(key)
+        return suffix in self.deny and self.deny.denied(suffix, content_digest(header, payload))
+
+    def _deny_due(self) -> bool:
+        return self._deny_read is None or time.monotonic() - self._deny_read >= DENY_REFRESH_S
+
+    def refresh_deny(self, force: bool = False) -> None:
+        """Read the stored deny-list when it is due (every ``DENY_REFRESH_S``)."""
+        if force or self._deny_due():
+            self._take_deny(self.store.get_many([self.deny_key()])[0])
+
+    def _take_deny(self, blob: bytes | None) -> None:
+        """Merge the stored list into this vault's; write the union back where the stored
+        one lacks entries this vault holds (deleted, evicted, or lost to a racing writer)."""
+        self._deny_read = time.monotonic()
+        if blob is not None and blob == self._deny_blob:
+            return  # unchanged since the last read (the common case): nothing to merge
+        self._deny_blob = blob
+        stored = DenyList()
+        if blob is not None:
+            try:
+                stored = DenyList.decode(blob, self.fingerprint, self.key)
+            except IntegrityError as e:  # forged, or of another key: ours replaces it
+                self.counters.rejected[f"deny-list {e.reason}"] += 1
+        self.deny.merge(stored)
+        self.deny.prune()
+        if len(self.deny) and DenyList(dict(stored.entries)).merge(self.deny):
+            mine = self.deny.encode(self.fingerprint, self.key)
+            with contextlib.suppress(StoreError):  # read-only: this vault still refuses what it holds
+                if self.store.put_many([(self.deny_key(), [mine])])[0]:
+                    self._deny_blob = mine
+
+    def deny_objects(self, digests: Sequence[tuple[str, bytes]], ttl: float = DENY_TTL_S) -> None:
+        """List (key, content digest) pairs as proved wrong, and store the list at once."""
+        expires = time.time() + ttl
+        for key, digest in digests:
+            self.deny.add(self._suffix(key), digest, expires)
+        self.refresh_deny(force=True)  # merges what is stored and writes the union back
+
+    def quarantine(self, record_key: str) -> list[str]:
+        """Take out a boundary proved wrong (``watch``): its record and every object it names
+        (the states at its boundary, the KV blocks of its segment, on every rank) are listed
+        in the deny-list, then removed. Returns the keys removed. A record that is gone or does
+        not verify names no blocks: the states at its boundary (named by its key) still go."""
+        prefix = self.keys.record_prefix()
+        hexed = record_key[len(prefix):] if record_key.startswith(prefix) else ""
+        try:
+            boundary = bytes.fromhex(hexed)
+        except ValueError:
+            boundary = b""
+        if len(boundary) != len(self.fingerprint):
+            raise ValueError(f"{record_key[:200]!r} is not a record key of this namespace and layout")
+        blob = self.store.get_many([record_key])[0]
+        record: BoundaryRecord | None = None
+        digests: list[tuple[str, bytes]] = []
+        if blob is not None:
+            try:
+                header, body = decode(blob, key=self.key)
+                record = BoundaryRecord.decode(blob, self.fingerprint, self.key)
+                if record.boundary_hash != boundary or record.block_size != self.layout.block_size:
+                    record = None
+                else:
+                    digests.append((record_key, content_digest(header, body)))
+            except IntegrityError:
+                record = None
+        refs: list[ObjectRef] = []
+        bs, ranks = self.layout.block_size, range(self.layout.world_size)
+        states = [(gi, r) for gi, g in enumerate(self.layout.groups) if g.is_state for r in ranks]
+        if record is not None:
+            segment = list(enumerate(record.hashes, record.first_block))
+            refs.extend(self.state_ref(gi, r, boundary, record.tokens // bs - 1) for gi, r in states)
+            refs.extend(self.block_ref(gi, r, h, i) for gi, g in enumerate(self.layout.groups)
+                        if not g.is_state for r in ranks for i, h in segment)
+        else:  # the boundary's token count is unknown: its states say it
+            keys = [self.keys.state(gi, r, boundary) for gi, r in states]
+            for (gi, r), found in zip(states, self.store.get_many(keys), strict=True):
+                with contextlib.suppress(IntegrityError):
+                    h = decode(found, key=self.key)[0] if found is not None else None
+                    if h is not None and h.tokens > 0 and h.tokens % bs == 0:
+                        refs.append(self.state_ref(gi, r, boundary, h.tokens // bs - 1))
+        for ref, got in zip(refs, self.store.get_many([r.key for r in refs]), strict=True):
+            if got is None:
+                continue
+            header = self.expected_header(ref)
+            try:
+                _, body = decode(got, header, self.key)
+            except IntegrityError:
+                continue  # refused by every load anyway; removed below
+            digests.append((ref.key, content_digest(header, body)))
+        if digests:
+            self.deny_objects(digests)
+        keys = list(dict.fromkeys([record_key, *(r.key for r in refs)]))
+        self.store.delete_many(keys)
+        return keys
 
     # -- publish ------------------------------------------------------------------------------
 
@@ -495,6 +674,16 @@ class Vault:
         further call: made before this returns, or, with ``touch_later``, appended to it for
         the caller to make after it has used the answers (``touch``)."""
         later: list[_Touch] = []
+        results = self._verified(asks, self._lookup_rounds(asks, later), later)
+        if touch_later is not None:
+            touch_later += later
+        else:
+            self.touch(later)
+        return results
+
+    def _lookup_rounds(self, asks: Sequence[tuple[Sequence[bytes], int, int]],
+                       later: list[_Touch]) -> list[LookupResult]:
+        """The lookups' round trips, all asks together (their hits not yet verified)."""
         steps = [self._lookup_steps(h, n, m, later) for h, n, m in asks]
         results: list[LookupResult | None] = [None] * len(steps)
         pending: dict[int, tuple[list[str], list[bool]]] = {}
@@ -516,17 +705,82 @@ class Vault:
                 except StopIteration as done:
                     results[i] = done.value
         assert all(r is not None for r in results)
-        if touch_later is not None:
-            touch_later += later
-        else:
-            self.touch(later)
         return [r for r in results if r is not None]
 
+    def _verified(self, asks: Sequence[tuple[Sequence[bytes], int, int]], results: list[LookupResult],
+                  later: list[_Touch]) -> list[LookupResult]:
+        """Refuse hits whose record is a copy of one a quarantine proved wrong. Only records the
+        deny-list names are read (one batched read; none at all in the common case): a record
+        is only a marker that a boundary's objects were all stored, and every object is
+        verified again where it is loaded, so junk at a record key costs a load that fails,
+        never wrong bytes, while reading every hit's record would add a round trip to every
+        lookup over a network store. A refused record is removed and counted
+        (``rejected["record ..."]``), and that lookup answers again from what is left."""
+        bs = self.layout.block_size
+        if self._deny_read is None and any(r.hit for r in results):
+            self.refresh_deny()  # once per vault; later reads follow the answers (``touch``)
+        for attempt in range(RECORD_RETRIES + 1):
+            hits = [i for i, r in enumerate(results) if r.hit]
+            names = {i: self.keys.record(asks[i][0][results[i].hit // bs - 1]) for i in hits}
+            listed = [i for i in hits if self._suffix(names[i]) in self.deny]
+            if not listed:
+                break
+            unique = list(dict.fromkeys(names[i] for i in listed))
+            blobs = dict(zip(unique, self.store.get_many(unique), strict=True))
+            bad: dict[str, bool] = {}  # record key -> whether to remove it
+            for i in listed:
+                why = self._record_problem(names[i], blobs[names[i]], asks[i][0], results[i].hit)
+                if why is not None:
+                    bad[names[i]] = why != "gone"
+                    if why != "gone":
+                        self.counters.rejected[f"record {why}"] += 1
+            if not bad:
+                break
+            if any(bad.values()):
+                self.store.delete_many([k for k, remove in bad.items() if remove])
+            redo = [i for i in listed if names[i] in bad]
+            for i in redo:  # answered again: counted again
+                self._uncount(results[i])
+            if attempt == RECORD_RETRIES:
+                for i in redo:
+                    results[i] = self._result(0, results[i].longest, Miss.EVICTED)
+                    self.counters.lookups += 1
+                break
+            for i, r in zip(redo, self._lookup_rounds([asks[i] for i in redo], later), strict=True):
+                results[i] = r
+        return results
+
+    def _record_problem(self, name: str, blob: bytes | None, hashes: Sequence[bytes], hit: int) -> str | None:
+        """Why the record ``blob`` stored at ``name`` cannot publish boundary ``hit`` of
+        ``hashes`` (None: it can)."""
+        if blob is None:
+            return "gone"  # removed since the existence check: evicted, or quarantined
+        try:
+            record = BoundaryRecord.decode(blob, self.fingerprint, self.key)
+            if self._suffix(name) in self.deny:
+                header, body = decode(blob, key=self.key)
+                if self.deny.denied(self._suffix(name), content_digest(header, body)):
+                    return "denied"
+        except IntegrityError as e:
+            return e.reason
+        bs = self.layout.block_size
+        if record.tokens != hit or record.boundary_hash != hashes[hit // bs - 1] or record.block_size != bs:
+            return "identity"
+        return None
+
+    def _uncount(self, result: LookupResult) -> None:
+        self.counters.lookups -= 1
+        self.counters.hit_tokens -= result.hit
+        if result.miss is not None:
+            self.counters.misses[result.miss.value] -= 1
+
     def touch(self, touches: Sequence[_Touch]) -> None:
-        """Touch what lookups answered early use, all in one call (order kept)."""
+        """Touch what lookups answered early use, all in one call (order kept); and, once the
+        answers are out, read the deny-list when it is due (a lookup never waits for it)."""
         keys = [k for ks, _ in touches for k in ks]
         if keys:
             self.store.touch_many(keys, [t for _, ts in touches for t in ts])
+        self.refresh_deny()
 
     def _lookup_steps(
         self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int, later: list[_Touch]
@@ -687,6 +941,7 @@ class Vault:
         for s in sizes:
             views.append(buf[off : off + s])
             off += s
+        self.refresh_deny()
         got = self.store.get_into([r.key for r in refs], views)
         payloads: dict[ObjectRef, memoryview] = {}
         failed: dict[ObjectRef, str] = {}
@@ -700,6 +955,8 @@ class Vault:
                 if size != len(view):
                     raise IntegrityError("length", f"object has {size} bytes, expected {len(view)}")
                 _, payload = decode(view, header, self.key)
+                if self._is_denied(ref.key, header, payload):  # a copy of bytes proved wrong
+                    raise IntegrityError("denied", "bytes a quarantine proved wrong")
             except IntegrityError as e:
                 failed[ref] = e.reason
                 self.counters.rejected[e.reason] += 1

@@ -10,9 +10,11 @@ cache loses nothing it cannot recompute.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import sqlite3
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -150,6 +152,26 @@ def _check_private(path: Path) -> None:
                 os.chmod(entry.path, 0o600)
 
 
+#: The index and the files SQLite keeps beside it: each one's mode is the store's file mode.
+INDEX_FILES = (INDEX_NAME, f"{INDEX_NAME}-wal", f"{INDEX_NAME}-shm", f"{INDEX_NAME}.lock")
+
+
+def own_index_files(root: Path, mode: int) -> None:
+    """Give the index and its log files the store's mode (0600, or 0660 shared) whatever
+    the umask: the index is made here first with that mode, as SQLite gives its WAL and
+    shared-memory files the mode of the database they belong to; files of ours made
+    before (by an older version, under another umask) are set to it. Files of another owner
+    are left as they are."""
+    index = root / INDEX_NAME
+    fd = os.open(index, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+    os.close(fd)
+    for name in INDEX_FILES:
+        with contextlib.suppress(FileNotFoundError):
+            st = os.lstat(root / name)
+            if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and stat.S_IMODE(st.st_mode) != mode:
+                os.chmod(root / name, mode)
+
+
 def set_aside(root: Path) -> tuple[Path, int, int | None, StateBudget | None]:
     """Move a damaged index aside and remove the slab files it named: (where the index went,
     slab files removed, the old capacity and states' budget where they could still be read)."""
@@ -187,7 +209,9 @@ def prepare(path: Path, shared: bool = False) -> None:
         _prepare(path, shared)
     except OSError as exc:  # a name too long, a parent that is a file, no permission, ...
         shown = str(path) if len(str(path)) <= 200 else str(path)[:200] + "..."
-        raise StoreError(f"cannot use local store directory {shown!r}: {exc.strerror or exc}") from None
+        # A full filesystem is a state that passes: a store that is down, not a wrong config.
+        error = StoreUnavailable if exc.errno in (errno.ENOSPC, errno.EDQUOT) else StoreError
+        raise error(f"cannot use local store directory {shown!r}: {exc.strerror or exc}") from None
 
 
 def _prepare(path: Path, shared: bool) -> None:
@@ -197,6 +221,9 @@ def _prepare(path: Path, shared: bool) -> None:
         path.mkdir(mode=0o770 if shared else 0o700, parents=True, exist_ok=True)
     except OSError as exc:
         raise StoreError(f"cannot create local store directory {path}: {exc.strerror or exc}") from None
+    if shared and os.stat(path).st_uid == os.geteuid():
+        # The umask took group bits from mkdir's mode: a shared store's directory is 0770.
+        os.chmod(path, (os.stat(path).st_mode & 0o7000) | 0o770)
     if not os.access(path, os.W_OK | os.X_OK):
         raise StoreError(f"local store directory {path} is not writable")
     if not shared:

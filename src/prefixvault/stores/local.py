@@ -30,7 +30,8 @@ import sqlite3
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -57,7 +58,15 @@ from prefixvault.stores._index import (
     state_bytes,
 )
 from prefixvault.stores._writers import WriterToken
-from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, check_distinct, check_key
+from prefixvault.stores.base import (
+    Buffer,
+    Store,
+    StoreError,
+    StoreStats,
+    StoreUnavailable,
+    check_distinct,
+    check_key,
+)
 from prefixvault.units import parse_size
 
 #: Recency from gets is written back at most this often (and before any eviction).
@@ -69,13 +78,19 @@ RANK_TICK = 1e-6
 #: A read that loses a race with slot reuse is retried this many times in all.
 READ_ATTEMPTS = 3
 
+#: How long a fork waits for a thread of this process to finish a store call before it forks
+#: anyway; a store still busy then is unusable in the child (a clear error, never a hang).
+FORK_WAIT_S = 5.0
+
 __all__ = ["IndexFull", "LocalStore", "LocalUsage", "StoreDamaged"]
 
 _T = TypeVar("_T")
 
 
-class IndexFull(StoreError):
-    """The store's filesystem has no room left for the index to grow."""
+class IndexFull(StoreUnavailable):
+    """The store's filesystem has no room left for the index to grow: like a store that is
+    down, it costs hits until room comes back (an engine that opens it then serves cold, with
+    one warning, and its breaker tries again later), never an engine that fails to start."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +121,12 @@ def _state_budget(text: str) -> StateBudget:
                          "(use a size such as 8GiB, or a share of the capacity such as 25%)") from None
 
 
+def _fits(slot: int, cls: int, size: int, slab_bytes: int) -> bool:
+    """Whether an index row's slot lies inside its slab (a damaged index can say otherwise:
+    such a row is the slab's damage, a store error's worth, never a ValueError)."""
+    return slot >= 0 and 0 <= size <= cls and (slot + 1) * cls <= slab_bytes
+
+
 def _u8(part: Buffer) -> Bytes:
     """A flat uint8 view of any contiguous buffer, without copying."""
     return np.frombuffer(part, dtype=np.uint8)
@@ -129,6 +150,9 @@ class LocalStore(Store):
         if existing or readonly:
             if not (self.path / INDEX_NAME).is_file():
                 raise StoreError(f"no local store at {self.path}: it has no {INDEX_NAME}")
+            # Maintenance opens (no ``?shared=``) keep the store as it was made: shared or not.
+            with contextlib.suppress(OSError):
+                self._mode = 0o600 | (os.stat(self.path / INDEX_NAME).st_mode & 0o060)
             capacity = None
             states = None
         else:
@@ -145,6 +169,8 @@ class LocalStore(Store):
         self._lost: set[int] = set()  # slabs given up to free filesystem space, not yet out of the index
         self._writer = WriterToken(self.path, self._mode)
         self._closed = False
+        self._torn_by_fork = False  # forked while another thread was inside a call: unusable here
+        _OPEN.add(self)
         with self._guard("open"):
             if readonly:
                 self._check_index()
@@ -202,6 +228,9 @@ class LocalStore(Store):
         """This process's connection (a forked child opens its own)."""
         if self._closed:
             raise StoreError(f"local store {self.path} is closed")
+        if self._torn_by_fork and self._pid != os.getpid():
+            raise StoreError(f"local store {self.path}: this process was forked while another thread "
+                             "was inside a call on it; open the store again in this process")
         if self._pid != os.getpid():
             if self._conn is not None:
                 self._inherited.append(self._conn)
@@ -270,8 +299,9 @@ class LocalStore(Store):
                 os.fchmod(fd, self._mode)  # the umask may have taken group bits a shared store needs
             fcntl.flock(fd, fcntl.LOCK_EX)
             with self._lock:
+                _directory.own_index_files(self.path, self._mode)  # before SQLite makes its log files
                 _directory.create_or_check(self._db(), self.path, capacity, states)
-                os.chmod(self.path / INDEX_NAME, self._mode)  # SQLite's log files follow it
+                _directory.own_index_files(self.path, self._mode)
         finally:
             os.close(fd)
 
@@ -387,6 +417,7 @@ class LocalStore(Store):
         sizes: list[int | None] = [None] * len(keys)
         todo = list(range(len(keys)))
         broken: dict[int, int] = {}  # slab id -> bytes, for slabs whose file is gone or short
+        damaged: set[int] = set()  # of those, slabs whose index rows point outside them
         with self._guard("get"):
             for _ in range(READ_ATTEMPTS):
                 found = self._locate([keys[i] for i in todo])
@@ -409,6 +440,11 @@ class LocalStore(Store):
                             retry.append(i)
                             continue
                         start = loc.slot * loc.cls
+                        if not _fits(loc.slot, loc.cls, loc.size, view.nbytes):
+                            broken[loc.slab] = loc.nbytes  # a row that disagrees with its slab
+                            damaged.add(loc.slab)
+                            retry.append(i)
+                            continue
                         take(i, view[start : start + loc.size])
                         copied.append((i, loc))
                     else:
@@ -425,17 +461,19 @@ class LocalStore(Store):
             for i in todo:
                 sizes[i] = None
             if broken and not self._readonly:
-                self._forget_slabs(broken)
+                self._forget_slabs(broken, damaged)
             self._touch(keys[i] for i in range(len(keys)) if sizes[i] is not None)
         return sizes
 
-    def _forget_slabs(self, slabs: dict[int, int]) -> None:
-        """Drop slabs whose file is gone or cut short, with every key they hold (best effort):
-        lookups stop finding those keys, and the next save writes them again."""
+    def _forget_slabs(self, slabs: dict[int, int], damaged: Collection[int] = ()) -> None:
+        """Drop slabs whose file is gone or cut short, or (``damaged``) whose index rows point
+        outside them, with every key they hold (best effort): lookups stop finding those keys,
+        and the next save writes them again."""
         with contextlib.suppress(sqlite3.Error, OSError), self._write() as tx:
             for slab_id in slabs:
                 known = tx.conn.execute("SELECT nbytes FROM slabs WHERE id = ?", (slab_id,)).fetchone()
-                if known is None or self._maps.view(slab_id, int(known[0])) is not None:
+                if known is None or (slab_id not in damaged
+                                     and self._maps.view(slab_id, int(known[0])) is not None):
                     continue  # dropped already, or whole
                 tx.lose_slab(slab_id, int(known[0]))
 
@@ -679,13 +717,16 @@ class LocalStore(Store):
         """Fill claimed slots (no index lock held, so readers and other writers proceed);
         return the items whose slab file is gone or cut short (those slabs are forgotten)."""
         lost: dict[int, int] = {}
+        damaged: set[int] = set()
         failed: set[int] = set()
         for i, claim in claims.items():
             with self._lock:
                 view = self._maps.view(claim.slab, claim.nbytes)
-            if view is None:
+            if view is None or not _fits(claim.slot, claim.cls, sizes[i], view.nbytes):
                 lost[claim.slab] = claim.nbytes
                 failed.add(i)
+                if view is not None:  # a slot row outside its slab: the slab's rows are damaged
+                    damaged.add(claim.slab)
                 continue
             start = claim.slot * claim.cls
             dst = view[start : start + sizes[i]]
@@ -696,7 +737,7 @@ class LocalStore(Store):
                     np.copyto(dst[pos : pos + n], part)
                     pos += n
         if lost:
-            self._forget_slabs(lost)
+            self._forget_slabs(lost, damaged)
         return failed
 
     def _abandon(self, claims: list[Claim]) -> None:
@@ -729,3 +770,40 @@ class LocalStore(Store):
             self._maps.clear()
             self._writer.release()
             self._closed = True
+
+
+# -- fork ------------------------------------------------------------------------------------
+# Invariant: no thread of this process is inside a store call (its lock held, maybe inside
+# SQLite) at the instant of a fork. Every call on the index holds ``_lock``, so the forking
+# thread takes every open store's lock first (in one order, waiting at most FORK_WAIT_S
+# each), and the child starts with fresh locks and opens its own connection (``_db``). A
+# store whose lock could not be had is marked: the child gets a StoreError from it, not a
+# lock that nobody will ever release.
+
+_OPEN: weakref.WeakSet[LocalStore] = weakref.WeakSet()
+_HELD: list[LocalStore] = []
+
+
+def _before_fork() -> None:
+    _HELD.clear()
+    for store in sorted(list(_OPEN), key=id):
+        if store._lock.acquire(timeout=FORK_WAIT_S):
+            _HELD.append(store)
+
+
+def _after_fork_in_parent() -> None:
+    for store in _HELD:
+        store._lock.release()
+    _HELD.clear()
+
+
+def _after_fork_in_child() -> None:
+    held = {id(s) for s in _HELD}
+    for store in list(_OPEN):
+        store._lock = threading.RLock()
+        store._torn_by_fork = id(store) not in held
+    _HELD.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)

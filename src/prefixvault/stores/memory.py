@@ -5,7 +5,9 @@ Meant for tests and single-process experiments; nothing here is shared between p
 
 from __future__ import annotations
 
+import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from typing import ClassVar
@@ -34,6 +36,7 @@ class MemoryStore(Store):
         self._bytes = 0
         self._evictions = 0
         self._lock = threading.Lock()
+        _STORES.add(self)
 
     @classmethod
     def named(cls, name: str = "", capacity: str | int | None = None, **params: str) -> MemoryStore:
@@ -163,3 +166,37 @@ class MemoryStore(Store):
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(len(self._data), self._bytes, self.capacity, self._evictions)
+
+
+# -- fork ------------------------------------------------------------------------------------
+# A child forked while another thread held a store's lock would wait on it forever: the
+# forking thread takes every lock first (the dict is never seen half-changed), and the child
+# starts with fresh ones.
+
+_STORES: weakref.WeakSet[MemoryStore] = weakref.WeakSet()
+_HELD: list[MemoryStore] = []
+
+
+def _before_fork() -> None:
+    MemoryStore._registry_lock.acquire()
+    _HELD[:] = sorted(list(_STORES), key=id)
+    for store in _HELD:
+        store._lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    for store in _HELD:
+        store._lock.release()
+    _HELD.clear()
+    MemoryStore._registry_lock.release()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_STORES):
+        store._lock = threading.Lock()
+    _HELD.clear()
+    MemoryStore._registry_lock = threading.Lock()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)
