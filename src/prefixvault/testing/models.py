@@ -136,7 +136,73 @@ PROFILES: dict[str, Profile] = {
         state="mamba1",
         vllm_cpu=False,
         engine=_engine(mamba_block_size=BLOCK_SIZE),
-        notes="vLLM has no CPU prefill kernel for Mamba1; config only, for GPU users.",
+        notes="vLLM CPU has no Mamba1 kernels (selective_scan_fwd); the tests run it with a "
+        "reference kernel of their own (tests/vllm_support/mamba1_ops.py).",
+    ),
+    "nemotron-h": Profile(
+        name="nemotron-h",
+        architecture="NemotronHForCausalLM",
+        model_type="nemotron_h",
+        layers=("mamba", "mlp", "mamba", "attention"),
+        state="mamba2",
+        vllm_cpu=True,
+        engine=_engine(),
+        notes="Nemotron-H: Mamba2, MLP and attention layers, one kind per layer "
+        "(hybrid_override_pattern 'M-M*').",
+    ),
+    "granite-4-h": Profile(
+        name="granite-4-h",
+        architecture="GraniteMoeHybridForCausalLM",
+        model_type="granitemoehybrid",
+        layers=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+        state="mamba2",
+        vllm_cpu=True,
+        engine=_engine(),
+        notes="Granite-4.0-H: Mamba2 + attention layers, each with a tiny MoE (4 experts, "
+        "top 2) and a shared MLP.",
+    ),
+    "falcon-h1": Profile(
+        name="falcon-h1",
+        architecture="FalconH1ForCausalLM",
+        model_type="falcon_h1",
+        layers=("parallel", "parallel", "parallel", "parallel"),
+        state="mamba2",
+        vllm_cpu=True,
+        engine=_engine(),
+        notes="Falcon-H1: attention and Mamba2 side by side in every layer.",
+    ),
+    "lfm2-moe": Profile(
+        name="lfm2-moe",
+        architecture="Lfm2MoeForCausalLM",
+        model_type="lfm2_moe",
+        layers=("conv", "full_attention", "conv", "full_attention"),
+        state="shortconv",
+        vllm_cpu=True,
+        engine=_engine(),
+        notes="LFM2-MoE: ShortConv + attention, layer 0 dense, the others a tiny MoE "
+        "(4 experts, top 2); recency heads as in shortconv-hybrid.",
+    ),
+    "qwen3.5": Profile(
+        name="qwen3.5",
+        architecture="Qwen3_5ForCausalLM",
+        model_type="qwen3_5_text",
+        layers=("linear_attention", "full_attention", "linear_attention", "full_attention"),
+        state="gdn",
+        vllm_cpu=True,
+        engine=_engine(dtype="bfloat16"),
+        notes="Qwen3.5 (dense, text only). vLLM's qwen3_5.py imports the Qwen3-VL code, "
+        "which needs torchvision importable.",
+    ),
+    "jamba": Profile(
+        name="jamba",
+        architecture="JambaForCausalLM",
+        model_type="jamba",
+        layers=("mamba", "attention", "mamba", "attention"),
+        state="mamba1",
+        vllm_cpu=False,
+        engine=_engine(),
+        notes="Jamba: Mamba1 + attention, MoE in layers 1 and 3. vLLM CPU has no Mamba1 "
+        "kernels; the tests run it with a reference kernel of their own.",
     ),
 }
 
@@ -379,12 +445,153 @@ def _mamba1_config() -> dict[str, Any]:
     }
 
 
+def _nemotron_h_config() -> dict[str, Any]:
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "hybrid_override_pattern": "M-M*",
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "mamba_num_heads": 8,
+        "mamba_head_dim": 32,
+        "n_groups": 1,
+        "ssm_state_size": 32,
+        "conv_kernel": 4,
+        "expand": 2,
+        "chunk_size": 256,
+        "max_position_embeddings": 4096,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+    }
+
+
+def _granite_hybrid_config() -> dict[str, Any]:
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "layer_types": list(PROFILES["granite-4-h"].layers),
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "shared_intermediate_size": 128,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 32,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 32,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 256,
+        "position_embedding_type": "rope",
+        "max_position_embeddings": 4096,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+    }
+
+
+def _falcon_h1_config() -> dict[str, Any]:
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "head_dim": 64,
+        "mamba_d_ssm": 256,
+        "mamba_n_heads": 8,
+        "mamba_d_head": 32,
+        "mamba_n_groups": 1,
+        "mamba_d_state": 32,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_chunk_size": 256,
+        "max_position_embeddings": 4096,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+    }
+
+
+def _lfm2_moe_config() -> dict[str, Any]:
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "moe_intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "layer_types": list(PROFILES["lfm2-moe"].layers),
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "num_dense_layers": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "max_position_embeddings": 4096,
+        "conv_L_cache": 3,
+        "initializer_range": 0.1,
+    }
+
+
+def _qwen3_5_config() -> dict[str, Any]:
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "layer_types": list(PROFILES["qwen3.5"].layers),
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,  # as gdn-hybrid: the attention page must hold the GDN state
+        "head_dim": 64,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 64,
+        "linear_value_head_dim": 64,
+        "linear_conv_kernel_dim": 4,
+        "max_position_embeddings": 4096,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+    }
+
+
+def _jamba_config() -> dict[str, Any]:
+    return {
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "attn_layer_period": 2,
+        "attn_layer_offset": 1,
+        "expert_layer_period": 2,
+        "expert_layer_offset": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 2,
+        "mamba_d_state": 16,
+        "mamba_d_conv": 4,
+        "mamba_expand": 2,
+        "mamba_dt_rank": 8,
+        "max_position_embeddings": 4096,
+        "initializer_range": 0.1,
+        "tie_word_embeddings": False,
+    }
+
+
 _CONFIGS: dict[str, tuple[str, str, Callable[[], dict[str, Any]]]] = {
     "gdn-hybrid": ("Qwen3NextConfig", "Qwen3NextForCausalLM", _qwen3_next_config),
     "shortconv-hybrid": ("Lfm2Config", "Lfm2ForCausalLM", _lfm2_config),
     "mamba2": ("Mamba2Config", "Mamba2ForCausalLM", _mamba2_config),
     "mamba2-hybrid": ("Zamba2Config", "Zamba2ForCausalLM", _zamba2_config),
     "mamba1": ("MambaConfig", "MambaForCausalLM", _mamba1_config),
+    "nemotron-h": ("NemotronHConfig", "NemotronHForCausalLM", _nemotron_h_config),
+    "granite-4-h": ("GraniteMoeHybridConfig", "GraniteMoeHybridForCausalLM", _granite_hybrid_config),
+    "falcon-h1": ("FalconH1Config", "FalconH1ForCausalLM", _falcon_h1_config),
+    "lfm2-moe": ("Lfm2MoeConfig", "Lfm2MoeForCausalLM", _lfm2_moe_config),
+    "qwen3.5": ("Qwen3_5TextConfig", "Qwen3_5ForCausalLM", _qwen3_5_config),
+    "jamba": ("JambaConfig", "JambaForCausalLM", _jamba_config),
 }
 
 
@@ -398,6 +605,12 @@ _FINAL_NORM = {
     "mamba2": ("backbone.norm_f.weight", False),
     "mamba2-hybrid": ("model.final_layernorm.weight", False),
     "mamba1": ("backbone.norm_f.weight", False),
+    "nemotron-h": ("model.norm_f.weight", False),
+    "granite-4-h": ("model.norm.weight", False),
+    "falcon-h1": ("model.final_layernorm.weight", False),
+    "lfm2-moe": ("model.embedding_norm.weight", False),
+    "qwen3.5": ("model.norm.weight", True),
+    "jamba": ("model.final_layernorm.weight", False),
 }
 #: Recurrent memory: per-head decay time constants, log-spaced over this range (tokens).
 TAU_RANGE = (30.0, 10000.0)
@@ -421,7 +634,18 @@ def _tune(model: Any, profile: str, seed: int) -> None:
         for name in sorted(params):
             param = params[name]
             leaf = name.rsplit(".", 1)[-1]
-            if leaf == "A_log" and param.dim() == 1:
+            if leaf == "A_log" and param.dim() == 2:
+                # Mamba1: A is (channels, states); decay per token exp(-dt * exp(A_log)).
+                tau = torch.logspace(math.log10(TAU_RANGE[0]), math.log10(TAU_RANGE[1]),
+                                     param.numel(), dtype=torch.float64)
+                tau = tau[torch.randperm(param.numel(), generator=gen)].reshape(param.shape)
+                param.copy_(torch.log(1.0 / (DT_MEDIAN * tau)).to(param.dtype))
+            elif name.endswith("dt_proj.bias"):  # Mamba1: dt = softplus(dt_proj(x) + bias)
+                param.fill_(math.log(math.expm1(DT_MEDIAN)))
+            elif name.endswith("dt_proj.weight"):
+                rows = torch.randn(param.shape, generator=gen)
+                param.copy_(rows * (DT_STD / math.sqrt(param.shape[1])))
+            elif leaf == "A_log" and param.dim() == 1:
                 heads = param.numel()
                 tau = torch.logspace(
                     math.log10(TAU_RANGE[0]), math.log10(TAU_RANGE[1]), heads, dtype=torch.float64
@@ -431,12 +655,12 @@ def _tune(model: Any, profile: str, seed: int) -> None:
                 param.copy_(torch.log(1.0 / (DT_MEDIAN * tau)).to(param.dtype))
             elif leaf == "dt_bias" and param.dim() == 1:
                 param.fill_(math.log(math.expm1(DT_MEDIAN)))
-            elif profile.startswith("mamba2") and name.endswith("in_proj.weight"):
+            elif PROFILES[profile].state == "mamba2" and name.endswith("in_proj.weight"):
                 # Mamba2 in_proj rows are [z, x, B, C, dt]: the last n_heads rows give dt.
-                heads = param.shape[0] - 2 * _mamba2_inner(config) - _mamba2_bc(config)
+                heads = params[name.removesuffix("in_proj.weight") + "A_log"].numel()
                 rows = torch.randn(heads, param.shape[1], generator=gen)
                 param[-heads:] = rows * (DT_STD / math.sqrt(param.shape[1]))
-        if profile == "shortconv-hybrid":
+        if PROFILES[profile].state == "shortconv":
             _recency_heads(params, config)
 
 
@@ -467,6 +691,8 @@ def _recency_heads(params: dict[str, Any], config: Any) -> None:
     for name, param in params.items():
         if name.endswith(("out_proj.weight", "w2.weight")):
             param[0] = 0.0  # nothing writes to the constant dimension
+        elif name.endswith("experts.down_proj"):  # (experts, hidden, intermediate)
+            param[:, 0] = 0.0
         elif name.endswith(("self_attn.q_proj.weight", "self_attn.k_proj.weight")):
             param[:head_dim] = 0.0
             param[pair, 0] = 1.0
@@ -474,17 +700,6 @@ def _recency_heads(params: dict[str, Any], config: Any) -> None:
         elif name.endswith(("q_layernorm.weight", "k_layernorm.weight")):
             param[pair] = gain
             param[pair + half] = gain
-
-
-def _mamba2_inner(config: Any) -> int:
-    expand = getattr(config, "expand", None) or config.mamba_expand
-    return int(expand * config.hidden_size)
-
-
-def _mamba2_bc(config: Any) -> int:
-    groups = getattr(config, "n_groups", None) or config.mamba_ngroups
-    state = getattr(config, "state_size", None) or config.mamba_d_state
-    return int(2 * groups * state)
 
 
 def build_model(profile: str, path: Path | str, seed: int = 0) -> Path:
