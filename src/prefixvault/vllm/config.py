@@ -179,13 +179,17 @@ def _text(extra: dict[str, Any], key: str) -> None:
                          f"{str(extra[key])[:100]!r}")
 
 
-def _whole(value: Any, name: str) -> int:
-    """A whole number of tokens (JSON null, inf, fractions, lists and huge values refused)."""
+def _whole_number(value: Any) -> int:
+    """``value`` as a whole number, or -1 (JSON null, booleans, inf, fractions, lists)."""
     try:
-        ok = not isinstance(value, bool) and float(value) == int(value)
-        n = int(value) if ok else -1
+        return int(value) if not isinstance(value, bool) and float(value) == int(value) else -1
     except (TypeError, ValueError, OverflowError):
-        n = -1
+        return -1
+
+
+def _whole(value: Any, name: str) -> int:
+    """A whole number of tokens (huge values refused too)."""
+    n = _whole_number(value)
     if not 0 <= n <= 1 << 40:
         raise ValueError(f"prefixvault: {name} must be a whole number of tokens >= 0, "
                          f"got {str(value)[:100]!r}")
@@ -214,10 +218,7 @@ def _seconds(value: Any, name: str) -> float:
 
 
 def _mib(value: Any, name: str) -> int:
-    try:
-        mib = int(value) if not isinstance(value, bool) and float(value) == int(value) else -1
-    except (TypeError, ValueError, OverflowError):
-        mib = -1
+    mib = _whole_number(value)
     if not 0 <= mib <= 1 << 20:
         raise ValueError(f"prefixvault: {name} must be a whole number of MiB in [0, 1048576], "
                          f"got {str(value)[:100]!r}")
