@@ -246,6 +246,11 @@ def test_vllms_rule_names_the_checkpoint_of_the_prompts_last_chunk() -> None:
     coarse = compat.InternalCheckpoints(hash_block_size=BS, block_size=BS, alignment=8,
                                         drop_eagle_block=False)
     assert coarse.position(0, 10, 10) == 8 and coarse.position(4, 10, 10) is None
+    # partial hits: vLLM puts the checkpoint on the hash block (96 of 100), not a block of ours
+    fine = compat.InternalCheckpoints(hash_block_size=16, block_size=64, alignment=1, drop_eagle_block=False,
+                                      granularity=16)
+    assert fine.position(0, 100, 100) is None
+    assert fine.position(0, 130, 130) == 128  # where the hash block is also a block boundary
 
 
 def test_a_platform_whose_kernels_do_not_export_gets_no_checkpoint_rule() -> None:
@@ -254,7 +259,7 @@ def test_a_platform_whose_kernels_do_not_export_gets_no_checkpoint_rule() -> Non
     cfg = _config((["a"], replace(BASE, block_size=16)), (["s"], mamba))
     vcfg = _vllm_config()
     assert compat.internal_checkpoints(vcfg, cfg, "cpu") is None
-    assert compat.internal_checkpoints(vcfg, cfg, "cuda") == compat.InternalCheckpoints(16, 16, 1, False)
+    assert compat.internal_checkpoints(vcfg, cfg, "cuda") == compat.InternalCheckpoints(16, 16, 1, False, 16)
     assert compat.relies_on_internal_checkpoints(cfg) == [1]
     none = _config((["a"], replace(BASE, block_size=16)),
                    (["s"], replace(mamba, num_prefill_checkpoint_blocks=0)))

@@ -123,16 +123,19 @@ class InternalCheckpoints:
     block_size: int
     alignment: int
     drop_eagle_block: bool
+    # Where vLLM places the prompt's checkpoint (its ``cache_hit_alignment_tokens``: the hash
+    # block with partial hits, else the block); only one that is also a block boundary of ours
+    # can be published.
+    granularity: int = 0
 
     def position(self, start: int, end: int, prefill_end: int) -> int | None:
         if end < prefill_end:  # only the chunk that reaches the prompt's end exports one
             return None
-        for granularity in dict.fromkeys((self.block_size, self.hash_block_size)):
-            pos = checkpoint_position(prefill_end, granularity, self.drop_eagle_block)
-            if pos % self.block_size == 0 and checkpoint_valid(
-                    start, end, pos, self.hash_block_size, self.block_size, self.alignment):
-                return pos
-        return None
+        pos = checkpoint_position(prefill_end, self.granularity or self.block_size, self.drop_eagle_block)
+        if pos % self.block_size or not checkpoint_valid(start, end, pos, self.hash_block_size,
+                                                         self.block_size, self.alignment):
+            return None
+        return pos
 
 
 def internal_checkpoints(vllm_config: Any, kv_cache_config: Any, device_type: str
@@ -153,9 +156,10 @@ def internal_checkpoints(vllm_config: Any, kv_cache_config: Any, device_type: st
     block_size = int(specs[0].block_size)
     cache = vllm_config.cache_config
     hash_bs = int(getattr(cache, "hash_block_size", None) or block_size)
+    granularity = int(getattr(cache, "cache_hit_alignment_tokens", None) or block_size)
     spec_cfg = getattr(vllm_config, "speculative_config", None)
     drop = bool(spec_cfg is not None and getattr(spec_cfg, "use_eagle_block_drop", lambda: False)())
-    return InternalCheckpoints(hash_bs, block_size, int(alignment), drop)
+    return InternalCheckpoints(hash_bs, block_size, int(alignment), drop, granularity)
 
 
 def relies_on_internal_checkpoints(kv_cache_config: Any) -> list[int]:
