@@ -163,6 +163,13 @@ def store_kind(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture
+def store_spec(store_kind: str) -> StoreKind:
+    """What the conformance suite knows of ``store_kind`` (a fixture, not ``from conftest
+    import``: with tests/contract/conftest.py collected too, ``conftest`` names either)."""
+    return STORE_KINDS[store_kind]
+
+
+@pytest.fixture
 def shared_store_kind(store_kind: str) -> str:
     """A kind whose store other processes can open; the others are skipped."""
     if not STORE_KINDS[store_kind].shared:

@@ -51,10 +51,8 @@ def versioned_size(writer: int, seq: int) -> int:
 # -- round trips -------------------------------------------------------------------------
 
 
-def test_round_trip_every_size(store_kind: str, any_store: Store) -> None:
-    from conftest import STORE_KINDS
-
-    items = [(f"obj/{n}", pattern(n, n)) for n in SIZES if n or STORE_KINDS[store_kind].empty_objects]
+def test_round_trip_every_size(store_spec: Any, any_store: Store) -> None:
+    items = [(f"obj/{n}", pattern(n, n)) for n in SIZES if n or store_spec.empty_objects]
     assert any_store.put_many([(k, [v]) for k, v in items]) == [True] * len(items)
     assert any_store.get_many([k for k, _ in items]) == [v for _, v in items]
     bufs = [bytearray(len(v) + 10) for _, v in items]
@@ -127,11 +125,9 @@ def test_empty_batches(any_store: Store) -> None:
     assert any_store.delete_many([]) == 0
 
 
-def test_overwrite_across_sizes(store_kind: str, any_store: Store) -> None:
-    from conftest import STORE_KINDS
-
+def test_overwrite_across_sizes(store_spec: Any, any_store: Store) -> None:
     sizes = [10, 500_000, 0, 2_000_000, 70_000, 9 << 20, 5]
-    for i, size in enumerate(n for n in sizes if n or STORE_KINDS[store_kind].empty_objects):
+    for i, size in enumerate(n for n in sizes if n or store_spec.empty_objects):
         data = pattern(i, size)
         assert any_store.put_many([("k", [data])]) == [True]
         assert any_store.get_many(["k"]) == [data]
@@ -155,10 +151,8 @@ def test_delete_and_exists(any_store: Store) -> None:
     assert any_store.get_many(["d/1"]) == [b"again"]
 
 
-def test_zero_length_objects(store_kind: str, any_store: Store) -> None:
-    from conftest import STORE_KINDS
-
-    if not STORE_KINDS[store_kind].empty_objects:
+def test_zero_length_objects(store_spec: Any, any_store: Store) -> None:
+    if not store_spec.empty_objects:
         # Refused cleanly: False, never an exception, and nothing half-stored afterwards.
         refused = any_store.put_many([("empty/a", []), ("empty/b", [b""]), ("x", [b"1"])])
         assert refused == [False, False, True]
