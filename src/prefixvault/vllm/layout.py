@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from prefixvault.identity import model_content
-from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, StateFamily, TensorSpec
+from prefixvault.layout import DTYPE_SIZES, CacheGroup, CacheLayout, GroupKind, StateFamily, TensorSpec
 from prefixvault.vllm.compat import unwrap
 
 log = logging.getLogger("vllm.prefixvault")
 
 #: Bump when the way bytes are gathered from vLLM's tensors changes.
-#: 2: attention objects described by vLLM's page (heads x states x content bytes, uint8).
+#: 2: attention objects described by vLLM's page (heads x states x content; bytes where packed).
 ADAPTER_LAYOUT_VERSION = "2"
 
 #: Spec classes (by exact name) whose resume rule prefixvault knows, and the kind each gives.
@@ -90,8 +90,13 @@ def _object_tensors(spec: Any, kind: GroupKind) -> list[TensorSpec]:
             raise Unsupported(f"state pages with padding between states ({int(content)} bytes for "
                               f"{sum(t.nbytes for t in tensors)} bytes of state) are not supported")
         return tensors
-    return [TensorSpec((int(spec.num_heads), int(spec.num_states), int(spec.state_content_size_bytes)),
-                       "uint8")]
+    heads, states, content = int(spec.num_heads), int(spec.num_states), int(spec.state_content_size_bytes)
+    dtype = dtype_name(spec.dtype)
+    itemsize = DTYPE_SIZES.get(dtype)
+    if getattr(spec, "state_content_bytes", None) is None and itemsize and content % itemsize == 0:
+        # dense K/V content: the same bytes, described in their own dtype (tools compare values)
+        return [TensorSpec((heads, states, content // itemsize), dtype)]
+    return [TensorSpec((heads, states, content), "uint8")]  # packed: scales inline, nvfp4, ...
 
 
 def _describe(spec: Any, kind: GroupKind) -> str:
