@@ -447,10 +447,14 @@ class Vault:
         self.refresh_deny(force=True)  # merges what is stored and writes the union back
 
     def quarantine(self, record_key: str) -> list[str]:
-        """Take out a boundary proved wrong (``watch``): its record and every object it names
-        (the states at its boundary, the KV blocks of its segment, on every rank) are listed
-        in the deny-list, then removed. Returns the keys removed. A record that is gone or does
-        not verify names no blocks: the states at its boundary (named by its key) still go."""
+        """Take out a boundary proved wrong (``watch``): its record and the states at its
+        boundary (every state group, every rank) are listed in the deny-list, then removed.
+        Returns the keys removed. The KV blocks of its segment stay: a block is named by its
+        tokens alone and shared by every prefix through it (a boundary published with no
+        parent names every block from the first), so a wrong restore at one boundary proves
+        nothing against them, and listing them would refuse the right bytes of every other
+        boundary for as long as the entry lives. What a wrong restore implicates, and what the
+        seed bug's class of errors gets wrong, is the state at the boundary."""
         prefix = self.keys.record_prefix()
         hexed = record_key[len(prefix):] if record_key.startswith(prefix) else ""
         try:
@@ -476,10 +480,7 @@ class Vault:
         bs, ranks = self.layout.block_size, range(self.layout.world_size)
         states = [(gi, r) for gi, g in enumerate(self.layout.groups) if g.is_state for r in ranks]
         if record is not None:
-            segment = list(enumerate(record.hashes, record.first_block))
             refs.extend(self.state_ref(gi, r, boundary, record.tokens // bs - 1) for gi, r in states)
-            refs.extend(self.block_ref(gi, r, h, i) for gi, g in enumerate(self.layout.groups)
-                        if not g.is_state for r in ranks for i, h in segment)
         else:  # the boundary's token count is unknown: its states say it
             keys = [self.keys.state(gi, r, boundary) for gi, r in states]
             for (gi, r), found in zip(states, self.store.get_many(keys), strict=True):

@@ -5,8 +5,9 @@ completion of the same prompt token ids. Tokens are compared position by positio
 first difference. A difference where the cold server ranks the restored token within
 ``tolerance`` of its own top choice is a near tie (engines that are not batch-invariant move
 logprobs in the last digits) and passes; any other difference quarantines the boundary that
-published the restored hit (``Vault.quarantine``): its record and every object it names are
-listed in the namespace's deny-list and removed, counted and logged with the sample's
+published the restored hit (``Vault.quarantine``): its record and the states at its boundary
+are listed in the namespace's deny-list and removed (KV blocks, shared by every prefix through
+them, stay), counted and logged with the sample's
 provenance. The sample is removed either way.
 
 What a sample may make a watcher touch (invariant 7: nobody can aim a tool of ours at a
