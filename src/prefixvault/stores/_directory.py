@@ -163,8 +163,17 @@ def own_index_files(root: Path, mode: int) -> None:
     before (by an older version, under another umask) are set to it. Files of another owner
     are left as they are."""
     index = root / INDEX_NAME
-    fd = os.open(index, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
-    os.close(fd)
+    # Only a file that does not exist yet is opened here: closing any descriptor of a database
+    # file drops every POSIX lock this process holds on it, so opening and closing the index
+    # while a connection of this process has it open (an engine's scheduler and worker each
+    # open the store) would strip that connection's locks, and other processes would then
+    # recover the database under it (a reader that no longer sees new rows; "disk I/O error").
+    try:
+        fd = os.open(index, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
+    except FileExistsError:
+        pass
+    else:
+        os.close(fd)
     for name in INDEX_FILES:
         with contextlib.suppress(FileNotFoundError):
             st = os.lstat(root / name)
