@@ -82,11 +82,13 @@ def test_a_consumer_restores_the_previous_answer_with_capture_outputs(
     assert kept == states["last"], (sorted(kept), sorted(states["last"]))
 
     # The same prefix computed by prefill: every decode-computed object is the object at its
-    # key up to bfloat16 rounding (a wrong state or block would be off by about 1).
+    # key up to how decode and prefill round (a wrong state or block would be off by about 1).
+    # That rounding is the host's: under 0.1 relative on AVX2 hosts, up to 0.25 for a KV block
+    # on an AVX512-BF16 host (vLLM CPU picks its bf16 kernels by ISA).
     prefill = {"namespace": "prefill"}
     run_with_metrics(seed, spec(seed, "kv_producer", [turn2], [""], store_uri, extra_config=prefill,
                                 max_tokens=1), root / "prefill")
     compared = compare_namespaces(store, "every", "prefill")
     matches = [m for m in compared if m.error is not None]
     assert {m.is_state for m in matches} == {True, False}, matches
-    assert all(m.error < 0.1 for m in matches), [(m.suffix[:12], m.error) for m in matches]
+    assert all(m.error < 0.5 for m in matches), [(m.suffix[:12], m.error) for m in matches]
