@@ -38,7 +38,7 @@ test: $(STAMP)
 contract: $(STAMP)
 	$(BIN)/python bench/vllm_versions.py
 
-# The seed scenario on every hybrid architecture profile (make test runs three of them).
+# The seed scenario on every hybrid architecture profile (make test runs two of them).
 test-architectures: $(STAMP)
 	PREFIXVAULT_ARCHITECTURES=all $(BIN)/python -m pytest -q tests/test_vllm_architectures.py
 
