@@ -93,25 +93,26 @@ class EngineHost:
         request = {"module": module, "argv": argv, "log": str(log_path), "cwd": os.getcwd(),
                    "env": {k: env.get(k) for k in PER_RUN}}
         conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        lines = _Lines(conn)
         try:
             try:
                 conn.connect(self.socket_path)
                 conn.sendall(json.dumps(request).encode() + b"\n")
-                first = _read_line(conn, 60)
+                first = lines.read(60)
             except (OSError, EOFError) as e:  # nothing was forked: a fresh process may run instead
                 raise HostGone(f"engine host did not take the run: {e!r}") from e
             if first is None:
                 raise RuntimeError(f"engine host took the run but named no process in 60 s; log {log_path}")
             pid = int(json.loads(first)["pid"])
             try:
-                last = _read_line(conn, timeout)
+                last = lines.read(timeout)
                 if last is None:
                     raise subprocess.TimeoutExpired(f"{module} {argv}", timeout)
             except BaseException:
                 with contextlib.suppress(ProcessLookupError, PermissionError):
                     os.killpg(pid, signal.SIGKILL)  # the run leads its own process group
                 with contextlib.suppress(Exception):
-                    _read_line(conn, 30)  # its waiter reports once it is gone
+                    lines.read(30)  # its waiter reports once it is gone
                 raise
             return int(json.loads(last)["rc"])
         finally:
@@ -131,23 +132,31 @@ class EngineHost:
             os.unlink(self.socket_path + ".env")
 
 
-def _read_line(conn: socket.socket, timeout: float) -> bytes | None:
-    """One line from ``conn`` within ``timeout`` s (None past it); EOFError if it closes first."""
-    deadline = time.monotonic() + timeout
-    data = b""
-    while not data.endswith(b"\n"):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return None
-        conn.settimeout(left)
-        try:
-            chunk = conn.recv(4096)
-        except TimeoutError:
-            return None
-        if not chunk:
-            raise EOFError("connection closed")
-        data += chunk
-    return data
+class _Lines:
+    """Lines from ``conn``, one at a time: the host may send the run's pid and its exit code
+    together (a run that ends at once), so what one read brings past a line is kept."""
+
+    def __init__(self, conn: socket.socket) -> None:
+        self.conn = conn
+        self.buf = b""
+
+    def read(self, timeout: float) -> bytes | None:
+        """One line within ``timeout`` s (None past it); EOFError if the connection closes first."""
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self.buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            self.conn.settimeout(left)
+            try:
+                chunk = self.conn.recv(4096)
+            except TimeoutError:
+                return None
+            if not chunk:
+                raise EOFError("connection closed")
+            self.buf += chunk
+        line, _, self.buf = self.buf.partition(b"\n")
+        return line + b"\n"
 
 
 # --------------------------------------------------------------------------- host side
