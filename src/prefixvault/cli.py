@@ -148,7 +148,11 @@ def _rebuild_if_damaged(uri: str) -> None:
         return
     path = Path(parts.path) if parts.path else default_local_dir()
     try:
-        LocalStore(path, existing=True).close()
+        opened = LocalStore(path, existing=True)
+        try:
+            opened.check_integrity()
+        finally:
+            opened.close()
     except OSError:
         return  # a path the system refuses (too long, ...): reported by the open that follows
     except StoreDamaged as e:
@@ -174,12 +178,15 @@ def audit(
     Records of a namespace with a secret are checked only when its secret is given (with
     --namespace); otherwise they are reported unverifiable and kept."""
     from prefixvault.inventory import audit as run_audit
+    from prefixvault.stores.local import LocalStore
 
     key = _namespace_key(namespace, secret_file, secret_env)
     if repair:
         _rebuild_if_damaged(store)
     s = _open_existing(store, readonly=not repair)
     try:
+        if repair and isinstance(s, LocalStore):
+            console.print(f"index: {s.heal()}", highlight=False)
         report = run_audit(s, repair=repair, keys={key.namespace: key} if key else None)
     except StoreError as e:
         raise _fail(str(e)) from None
@@ -189,13 +196,17 @@ def audit(
         console.print(f"[red]broken[/] {f.record_key}: {f.problem} {f.object_key}".rstrip(), highlight=False)
     for f in report.unverifiable:
         console.print(f"[yellow]unverifiable[/] {f.record_key}: {f.problem} (kept)", highlight=False)
+    for k in report.unreached_bad:
+        console.print(f"[red]bad[/] {k} (no record names it)", highlight=False)
     broken = len(report.broken_records)
     console.print(
         f"records: {report.records}  objects checked: {report.objects_checked}  "
         f"broken records: {broken}  unverifiable: {len(report.unverifiable)}"
         + (f"  removed: {report.repaired}" if repair else "")
     )
-    raise typer.Exit(1 if broken and not repair else 0)
+    console.print(f"objects no record names: {report.unreached}  bad: {len(report.unreached_bad)}"
+                  + (" (removed)" if repair and report.unreached_bad else ""), highlight=False)
+    raise typer.Exit(1 if (broken or report.unreached_bad) and not repair else 0)
 
 
 @app.command()

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prefixvault.boundary import needed_blocks
-from prefixvault.codec import IntegrityError, decode
+from prefixvault.codec import IntegrityError, ObjectKind, decode
 from prefixvault.layout import CacheLayout, GroupKind
 from prefixvault.records import BoundaryRecord
 from prefixvault.stores.base import Store
@@ -48,6 +48,10 @@ class AuditReport:
     findings: list[AuditFinding] = field(default_factory=list)
     unverifiable: list[AuditFinding] = field(default_factory=list)
     repaired: int = 0
+    #: KV blocks and states no record reaches, checked on their own (``audit``'s last pass):
+    #: how many, and the keys of those that are bad (removed by a repair).
+    unreached: int = 0
+    unreached_bad: list[str] = field(default_factory=list)
 
     @property
     def broken_records(self) -> set[str]:
@@ -255,6 +259,63 @@ class _ScopeAudit:
         return None
 
 
+def _check_unreached(store: Store, layouts: Mapping[tuple[str, str], CacheLayout | None],
+                     sealed: set[tuple[str, str]], keys: Mapping[str, NamespaceKey],
+                     checked: set[str], report: AuditReport, batch: int) -> None:
+    """Check every KV block and state no record's check read: a corrupt one would otherwise
+    stay, and a later producer that finds it present would publish a record over it. Each is
+    checked against all its key tells (kind, layout, hash, group, rank; with the layout its
+    dtype, shape and length; a boundary that is a whole number of blocks) and its checksum or
+    MAC. Objects of a sealed namespace whose key was not given are left alone."""
+    todo: list[tuple[str, str, str, list[str]]] = []
+    for key, _ in store.scan():
+        sp = _split(key)
+        if sp is None or key in checked:
+            continue
+        ns, fp, rest = sp
+        if rest[0] in ("b", "s") and len(rest) == 4 and (ns, fp) not in sealed:
+            todo.append((key, ns, fp, rest))
+    vaults: dict[tuple[str, str], Vault] = {}
+    for i in range(0, len(todo), batch):
+        part = todo[i : i + batch]
+        for (key, ns, fp, rest), blob in zip(part, store.get_many([t[0] for t in part]), strict=True):
+            if blob is None:
+                continue  # gone since the scan
+            report.unreached += 1
+            layout = layouts.get((ns, fp))
+            vault = None
+            if layout is not None:
+                vault = vaults.get((ns, fp))
+                if vault is None:
+                    vault = vaults[(ns, fp)] = Vault(store, layout, ns, keys.get(ns))
+            if _sound_alone(blob, fp, rest, key, vault, keys.get(ns)) is False:
+                report.unreached_bad.append(key)
+
+
+def _sound_alone(blob: bytes, fp: str, rest: list[str], key: str, vault: Vault | None,
+                 ns_key: NamespaceKey | None) -> bool | None:
+    """Whether an object no record names verifies by what its key and layout say of it; None
+    when it cannot be known (sealed with a secret that was not given: never removed)."""
+    kind = ObjectKind.BLOCK if rest[0] == "b" else ObjectKind.STATE
+    try:
+        header, _ = decode(blob, key=ns_key)
+    except IntegrityError as e:
+        return None if e.reason == "sealed" else False
+    if (header.kind is not kind or header.fingerprint.hex() != fp or header.key_hash.hex() != rest[3]
+            or str(header.group) != rest[1] or str(header.rank) != rest[2]):
+        return False
+    if vault is None:
+        return True  # no layout to check more against: its checksum and key agree
+    layout = vault.layout
+    if not (0 <= header.group < len(layout.groups) and 0 <= header.rank < layout.world_size
+            and layout.groups[header.group].is_state == (kind is ObjectKind.STATE)
+            and header.tokens > 0 and header.tokens % layout.block_size == 0):
+        return False
+    i = header.tokens // layout.block_size - 1
+    ref = ObjectRef(key, kind, header.group, header.rank, header.key_hash, header.tokens, i)
+    return header.identity() == vault.expected_header(ref).identity()
+
+
 def audit(store: Store, repair: bool = False, batch: int = 64,
           keys: Mapping[str, NamespaceKey] | None = None) -> AuditReport:
     """Verify every record's objects (presence, header, checksum or MAC); optionally remove
@@ -269,6 +330,7 @@ def audit(store: Store, repair: bool = False, batch: int = 64,
     for rkey, ns, fp in _records(store):
         scopes.setdefault((ns, fp), []).append(rkey)
     bad_objects: set[str] = set()
+    checked: set[str] = set()
     for (ns, fp), rkeys in sorted(scopes.items()):
         layout = layouts.get((ns, fp))
         if layout is None:
@@ -280,6 +342,9 @@ def audit(store: Store, repair: bool = False, batch: int = 64,
         scope = _ScopeAudit(store, layout, ns, report, batch, keys.get(ns))
         scope.run(sorted(rkeys))
         bad_objects |= scope.bad_objects
+        checked.update(scope.checked)
+    _check_unreached(store, layouts, sealed, keys, checked, report, batch)
+    bad_objects.update(report.unreached_bad)
     if repair:
         broken = sorted(report.broken_records)
         report.repaired = store.delete_many(broken) if broken else 0

@@ -10,8 +10,11 @@ SIGBUS or ENOSPC later) and mapped once per process with MAP_POPULATE, then reus
 from __future__ import annotations
 
 import contextlib
+import errno
 import mmap
 import os
+import shutil
+import stat
 import threading
 import time
 from pathlib import Path
@@ -106,8 +109,40 @@ def create_slab_file(root: Path, nbytes: int) -> Path:
 
 
 def remove_file(path: Path) -> None:
+    """Remove whatever is at ``path``: a file, a link (not what it points to), or a directory
+    that damage put where the store keeps a file of its own (a store directory holds only
+    what the store made, so nothing else is lost)."""
     with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+        try:
+            os.unlink(path)
+        except (IsADirectoryError, PermissionError):
+            if not stat.S_ISDIR(os.lstat(path).st_mode):
+                raise
+            shutil.rmtree(path)
+
+
+#: Errors opening a slab file that mean the file is damaged (not a regular file, a link, no
+#: longer readable): its slab is lost, as one whose file is gone. Others (EMFILE, ENOMEM, EIO)
+#: pass and are the store's errors.
+DAMAGE_ERRNOS = frozenset({errno.ELOOP, errno.EISDIR, errno.ENOTDIR, errno.EACCES, errno.EPERM,
+                           errno.ENXIO, errno.ENODEV, errno.EROFS, errno.ETXTBSY})
+
+
+def open_own_file(path: Path) -> int | None:
+    """A read-write descriptor of the regular file at ``path``; None if nothing is there or
+    what is there is damage (a directory, a link, a device, a file it may no longer open)."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno in DAMAGE_ERRNOS:
+            return None
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
 
 
 def stray_files(root: Path, known: set[int]) -> list[Path]:
@@ -133,6 +168,17 @@ def stray_files(root: Path, known: set[int]) -> list[Path]:
     return found
 
 
+def is_whole(root: Path, slab_id: int, nbytes: int) -> bool:
+    """Whether the slab's file is a regular file of ours of at least ``nbytes`` (not mapped)."""
+    fd = open_own_file(slab_path(root, slab_id))
+    if fd is None:
+        return False
+    try:
+        return os.fstat(fd).st_size >= nbytes
+    finally:
+        os.close(fd)
+
+
 class Mappings:
     """This process's mappings of slab files, made once and reused; not thread-safe.
 
@@ -147,7 +193,8 @@ class Mappings:
         self._maps: dict[int, tuple[int, Bytes]] = {}  # slab id -> (descriptor, mapping)
 
     def view(self, slab_id: int, nbytes: int) -> Bytes | None:
-        """The slab's bytes as a writable uint8 array, or None if its file is gone or short."""
+        """The slab's bytes as a writable uint8 array, or None if its file is gone, short or
+        damaged (see ``open_own_file``)."""
         found = self._maps.get(slab_id)
         if found is not None and found[1].nbytes >= nbytes:
             fd, arr = found
@@ -155,10 +202,10 @@ class Mappings:
                 return arr
             self.forget(slab_id)  # cut short under us: never touch that mapping again
             return None
-        try:
-            fd = os.open(slab_path(self.root, slab_id), os.O_RDWR | os.O_CLOEXEC)
-        except FileNotFoundError:
+        opened = open_own_file(slab_path(self.root, slab_id))
+        if opened is None:
             return None
+        fd = opened
         try:
             if os.fstat(fd).st_size < nbytes:
                 os.close(fd)

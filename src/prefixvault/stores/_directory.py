@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import shutil
 import sqlite3
@@ -23,6 +24,8 @@ from prefixvault.stores import _arena
 from prefixvault.stores._index import INDEX_NAME, META_NAMES, SCHEMA, SCHEMA_VERSION, add_pools, state_bytes
 from prefixvault.stores._writers import WRITERS_DIR
 from prefixvault.stores.base import StoreError, StoreUnavailable
+
+log = logging.getLogger("prefixvault.stores.local")
 
 #: Share of the filesystem's free space a new store takes when no capacity is given.
 DEFAULT_CAPACITY_SHARE = 0.25
@@ -105,8 +108,7 @@ def create_or_check(conn: sqlite3.Connection, path: Path, capacity: int | None,
         meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
         if not meta:
             if capacity is None:
-                free = shutil.disk_usage(path).free
-                capacity = int(free * DEFAULT_CAPACITY_SHARE)
+                capacity = _default_capacity(path)
             conn.executemany(
                 "INSERT INTO meta (name, value) VALUES (?, ?)",
                 [
@@ -121,12 +123,26 @@ def create_or_check(conn: sqlite3.Connection, path: Path, capacity: int | None,
             )
         else:
             check_meta(path, meta)
+            if capacity is None and int(meta["capacity"]) <= 0:
+                # Damage (no store is made that way): a store that keeps nothing, forever and
+                # silently, is worse than one that takes its default share again.
+                capacity = _default_capacity(path)
+                log.warning("local store %s: its stored capacity was %s; it is %d bytes again (a "
+                            "quarter of the free space; give ?capacity= to choose)", path,
+                            meta["capacity"], capacity)
+            elif not _arena.SLAB_MIN <= int(meta["slab_size"]) <= _arena.SLAB_MAX:
+                conn.execute("UPDATE meta SET value = ? WHERE name = 'slab_size'",
+                             (_arena.slab_size_for(int(meta["capacity"])),))
         if meta and capacity is not None and capacity != meta["capacity"]:
             # New slabs follow the new capacity; existing ones keep their size.
             conn.executemany(
                 "UPDATE meta SET value = ? WHERE name = ?",
                 [(capacity, "capacity"), (_arena.slab_size_for(capacity), "slab_size")],
             )
+        kept = int(conn.execute("SELECT value FROM meta WHERE name = 'capacity'").fetchone()[0])
+        if kept < _arena.SLAB_MIN:
+            log.warning("local store %s: its capacity is %d bytes: it keeps no object larger than that",
+                        path, kept)
         apply_state_budget(conn, path, states)
         held = state_bytes(conn)  # counted afresh at every writer's open
         conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('state_bytes', ?)", (held,))
@@ -135,6 +151,10 @@ def create_or_check(conn: sqlite3.Connection, path: Path, capacity: int | None,
         if conn.in_transaction:
             conn.execute("ROLLBACK")
         raise
+
+
+def _default_capacity(path: Path) -> int:
+    return max(int(shutil.disk_usage(path).free * DEFAULT_CAPACITY_SHARE), _arena.SLAB_MIN)
 
 
 def _check_private(path: Path) -> None:
@@ -181,12 +201,34 @@ def own_index_files(root: Path, mode: int) -> None:
                 os.chmod(root / name, mode)
 
 
+def check_index_files(root: Path) -> None:
+    """StoreDamaged if the index, its log or its shared-memory file is there as anything but a
+    regular file (a directory, a link): SQLite cannot open it as the store's, and what it held
+    cannot be trusted. A lock file that is not one is replaced (it holds nothing)."""
+    for name in INDEX_FILES:
+        where = root / name
+        try:
+            mode = os.lstat(where).st_mode
+        except FileNotFoundError:
+            continue
+        if stat.S_ISREG(mode):
+            continue
+        what = "a directory" if stat.S_ISDIR(mode) else "a link" if stat.S_ISLNK(mode) else "not a file"
+        if name.endswith(".lock"):
+            _arena.remove_file(where)
+            continue
+        raise damaged(root, f"{name} is {what}")
+
+
 def set_aside(root: Path) -> tuple[Path, int, int | None, StateBudget | None]:
     """Move a damaged index aside and remove the slab files it named: (where the index went,
     slab files removed, the old capacity and states' budget where they could still be read)."""
     capacity: int | None = None
     states: StateBudget | None = None
+    index_is_file = os.path.isfile(root / INDEX_NAME) and not os.path.islink(root / INDEX_NAME)
     with contextlib.suppress(sqlite3.Error, TypeError, ValueError, KeyError):
+        if not index_is_file:
+            raise KeyError(INDEX_NAME)  # nothing of ours to read the old settings from
         conn = sqlite3.connect(root / INDEX_NAME)
         try:
             row = conn.execute("SELECT value FROM meta WHERE name = 'capacity'").fetchone()
@@ -197,8 +239,11 @@ def set_aside(root: Path) -> tuple[Path, int, int | None, StateBudget | None]:
     aside = root / f"{INDEX_NAME}.damaged-{int(time.time())}"
     for suffix in ("", "-wal", "-shm"):
         src = root / f"{INDEX_NAME}{suffix}"
-        if src.exists():
+        if os.path.lexists(src):  # a link or a directory moves aside as it is
             os.replace(src, Path(f"{aside}{suffix}"))
+    lock = root / f"{INDEX_NAME}.lock"
+    if os.path.lexists(lock) and not (os.path.isfile(lock) and not os.path.islink(lock)):
+        _arena.remove_file(lock)
     removed = 0
     for entry in os.scandir(root):
         if entry.name.startswith("slab-"):

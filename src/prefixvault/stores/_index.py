@@ -78,6 +78,14 @@ CREATE TABLE IF NOT EXISTS keys (
 CREATE INDEX IF NOT EXISTS keys_lru ON keys (cls, last_used);
 CREATE INDEX IF NOT EXISTS keys_slab ON keys (slab, last_used);
 """
+#: Invariant: a key's row (``keys k``) agrees with what it names: a slab object's slot row is
+#: live, of its generation and class (and an inline object holds its size in bytes). Every write
+#: keeps it, but damage to the index may not: a row that breaks it names nothing (a miss), never
+#: bytes, and the next read or ``LocalStore.heal`` drops it. ``CONSISTENT`` is the check on
+#: ``keys k`` joined by ``SLOT_JOIN`` (one primary-key lookup per key); an inline row's length is
+#: checked where it is read.
+SLOT_JOIN = "LEFT JOIN slots t ON t.slab = k.slab AND t.slot = k.slot"
+CONSISTENT = f"(k.slab IS NULL OR (t.gen = k.gen AND t.state = {LIVE} AND t.cls = k.cls))"
 #: ``keys.pool``: 1 for a recurrent state (budgeted on its own), 0 for anything else.
 STATES, OTHER = 1, 0
 #: The space an object takes (of ``keys k``, its slab ``s``): its share of its slab (a slab
@@ -127,6 +135,7 @@ class Location(NamedTuple):
     cls: int
     data: bytes | None
     nbytes: int | None
+    sound: bool  # the row keeps ``CONSISTENT`` (and its slab is in the slab table)
 
 
 class Claim(NamedTuple):
@@ -152,9 +161,16 @@ def is_full(exc: BaseException) -> bool:
     return isinstance(exc, sqlite3.Error) and getattr(exc, "sqlite_errorcode", 0) == sqlite3.SQLITE_FULL
 
 
+def _lenient_text(raw: bytes) -> str:
+    return raw.decode("utf-8", "surrogateescape")
+
+
 def connect(path: Path) -> sqlite3.Connection:
     """A connection to the index at ``path``, set up as every process of the store needs it."""
     conn = sqlite3.connect(path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+    # A key the store wrote is ASCII; damage can leave bytes that are not UTF-8. Such a row must
+    # read as a key no caller can name (dropped by ``LocalStore.heal``), not fail every query.
+    conn.text_factory = _lenient_text
     conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
     conn.execute("PRAGMA journal_mode = WAL")
     conn.execute("PRAGMA synchronous = NORMAL")
@@ -216,6 +232,10 @@ class Transaction:
             self.conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('state_bytes', ?)",
                               (self._states,))
 
+    def recount_states(self) -> None:
+        """Count the states' space afresh from their keys (after rows were dropped by hand)."""
+        self._states = state_bytes(self.conn)
+
     def gen(self) -> int:
         self.next_gen += 1
         return self.next_gen
@@ -272,7 +292,14 @@ class Transaction:
     # -- keys ------------------------------------------------------------------------
 
     def exists(self, key: str) -> bool:
-        return self.conn.execute("SELECT 1 FROM keys WHERE key = ?", (key,)).fetchone() is not None
+        """Whether ``key`` names an object (a row that breaks ``CONSISTENT`` names none)."""
+        return self.conn.execute(f"SELECT 1 FROM keys k {SLOT_JOIN} WHERE k.key = ? AND {CONSISTENT}",
+                                 (key,)).fetchone() is not None
+
+    def remove_if(self, key: str, gen: int) -> bool:
+        """``remove`` the key only if its row is still the one of generation ``gen``."""
+        row = self.conn.execute("SELECT gen FROM keys WHERE key = ?", (key,)).fetchone()
+        return row is not None and int(row[0]) == gen and self.remove(key)
 
     def remove(self, key: str) -> bool:
         """Delete a key and release what it held."""
@@ -440,7 +467,13 @@ class Transaction:
             ).lastrowid
             assert slab_id is not None
             final = _arena.slab_path(self.root, slab_id)
-            os.rename(tmp, final)
+            try:
+                os.rename(tmp, final)
+            except (IsADirectoryError, NotADirectoryError):
+                # Damage at a slab path the index has never named (ids are never reused):
+                # nothing of the store's is there, so it goes.
+                _arena.remove_file(final)
+                os.rename(tmp, final)
         except BaseException:
             _arena.remove_file(tmp)
             raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import stat
 from pathlib import Path
 
 from prefixvault.stores import _arena
@@ -17,12 +18,21 @@ from prefixvault.stores import _arena
 WRITERS_DIR = "writers"
 
 
+def _is_dir(path: Path) -> bool:
+    """A real directory (a link to one is not: the store never follows links it did not make)."""
+    try:
+        return stat.S_ISDIR(os.lstat(path).st_mode)
+    except FileNotFoundError:
+        return False
+
+
 def owner_alive(writers: Path, owner: str) -> bool:
     """Whether the process behind ``owner`` still holds the flock on its owner file."""
     path = writers / owner
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
-    except FileNotFoundError:
+    fd = _arena.open_own_file(path)
+    if fd is None:  # gone, or not an owner file at all (a directory, a link): no writer
+        if os.path.lexists(path):
+            _arena.remove_file(path)
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -51,7 +61,9 @@ class WriterToken:
             return self.token
         self.after_fork()
         dir_mode = 0o770 if self.mode & 0o060 else 0o700
-        if not self.writers.is_dir():
+        if not _is_dir(self.writers):
+            if os.path.lexists(self.writers):  # damage: a file or a link where the directory goes
+                _arena.remove_file(self.writers)
             self.writers.mkdir(mode=dir_mode, exist_ok=True)
             with contextlib.suppress(OSError):  # the umask may have taken bits; another may own it
                 os.chmod(self.writers, dir_mode)
@@ -86,7 +98,7 @@ class WriterToken:
 
     def sweep(self) -> None:
         """Remove owner files of writers that are gone."""
-        if not self.writers.is_dir():
+        if not _is_dir(self.writers):
             return
         for entry in os.scandir(self.writers):
             if entry.name != self.token:

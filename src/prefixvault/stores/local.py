@@ -43,9 +43,11 @@ from prefixvault.stores._arena import Bytes, Mappings
 from prefixvault.stores._directory import StateBudget, StoreDamaged
 from prefixvault.stores._index import (
     BUSY_TIMEOUT_S,
+    CONSISTENT,
     FREE,
     INDEX_NAME,
     LIVE,
+    SLOT_JOIN,
     WRITING,
     Claim,
     Location,
@@ -82,7 +84,7 @@ READ_ATTEMPTS = 3
 #: anyway; a store still busy then is unusable in the child (a clear error, never a hang).
 FORK_WAIT_S = 5.0
 
-__all__ = ["IndexFull", "LocalStore", "LocalUsage", "StoreDamaged"]
+__all__ = ["IndexFull", "IndexRepair", "LocalStore", "LocalUsage", "StoreDamaged"]
 
 _T = TypeVar("_T")
 
@@ -107,6 +109,20 @@ class LocalUsage:
     slab_size: int
 
 
+@dataclass(frozen=True)
+class IndexRepair:
+    """What ``LocalStore.heal`` set right."""
+
+    slabs_lost: int  # slab files gone, cut short, damaged, or whose rows do not fit them
+    rows_dropped: int  # key rows that named nothing, or a slot another key names too
+    slots_freed: int  # live slots no key names, and slot rows of no slab
+    strays_removed: int  # files in the directory no index row names
+
+    def __str__(self) -> str:
+        return (f"slabs lost: {self.slabs_lost}  index rows dropped: {self.rows_dropped}  "
+                f"slots freed: {self.slots_freed}  stray files removed: {self.strays_removed}")
+
+
 def _state_budget(text: str) -> StateBudget:
     """``states=``: a size (``8GiB``) or a share of the capacity (``25%``); ``0`` for none."""
     try:
@@ -125,6 +141,15 @@ def _fits(slot: int, cls: int, size: int, slab_bytes: int) -> bool:
     """Whether an index row's slot lies inside its slab (a damaged index can say otherwise:
     such a row is the slab's damage, a store error's worth, never a ValueError)."""
     return slot >= 0 and 0 <= size <= cls and (slot + 1) * cls <= slab_bytes
+
+
+def _nameable(key: object) -> bool:
+    """Whether an index row's key is one a caller could name (damage can leave others)."""
+    try:
+        check_key(key)  # type: ignore[arg-type]
+    except ValueError:
+        return False
+    return True
 
 
 def _u8(part: Buffer) -> Bytes:
@@ -148,7 +173,7 @@ class LocalStore(Store):
         self._readonly = readonly
         self._mode = 0o660 if shared else 0o600
         if existing or readonly:
-            if not (self.path / INDEX_NAME).is_file():
+            if not os.path.lexists(self.path / INDEX_NAME):
                 raise StoreError(f"no local store at {self.path}: it has no {INDEX_NAME}")
             # Maintenance opens (no ``?shared=``) keep the store as it was made: shared or not.
             with contextlib.suppress(OSError):
@@ -156,6 +181,9 @@ class LocalStore(Store):
             capacity = None
             states = None
         else:
+            if capacity is not None and capacity <= 0:
+                raise StoreError(f"local store {self.path}: capacity={capacity} keeps nothing; give a "
+                                 "size such as 64GiB, or none for a quarter of the free space")
             _directory.prepare(self.path, shared)
         self._lock = threading.RLock()
         self._pid = os.getpid()
@@ -171,7 +199,10 @@ class LocalStore(Store):
         self._closed = False
         self._torn_by_fork = False  # forked while another thread was inside a call: unusable here
         _OPEN.add(self)
-        with self._guard("open"):
+        # A store that is there but cannot be opened now (its files damaged, an I/O error) is
+        # down, not misconfigured: an engine serves cold with one warning and tries again later.
+        with self._guard("open", down=True):
+            _directory.check_index_files(self.path)
             if readonly:
                 self._check_index()
             else:
@@ -205,12 +236,22 @@ class LocalStore(Store):
     # -- plumbing --------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def _guard(self, what: str) -> Iterator[None]:
-        """Turn index and filesystem failures into one clear StoreError line."""
+    def _guard(self, what: str, down: bool = False) -> Iterator[None]:
+        """Turn index and filesystem failures into one clear StoreError line (``down``: a
+        StoreUnavailable, for a store that is there but cannot be used now)."""
+        error = StoreUnavailable if down else StoreError
         try:
             yield
         except StoreError:
             raise
+        except UnicodeDecodeError:  # SQLite quoting damaged schema text in its message
+            raise _directory.damaged(self.path, "text in it is not UTF-8") from None
+        except (TypeError, ValueError, KeyError, IndexError) as exc:
+            if not down:
+                raise
+            # Opening reads rows every index has (meta's counters): one missing, or of the
+            # wrong type, is an index whose pages answer wrongly.
+            raise _directory.damaged(self.path, f"{type(exc).__name__}: {exc}"[:200]) from None
         except (sqlite3.Error, OSError) as exc:
             if is_full(exc):
                 raise IndexFull(f"local store {self.path}: {what} failed: no space left on its "
@@ -219,10 +260,10 @@ class LocalStore(Store):
                     exc, (sqlite3.OperationalError, sqlite3.ProgrammingError, sqlite3.IntegrityError)):
                 raise _directory.damaged(self.path, str(exc)) from None
             if isinstance(exc, sqlite3.Error):
-                raise StoreError(f"local store {self.path}: {what} failed: {exc}") from None
+                raise error(f"local store {self.path}: {what} failed: {exc}") from None
             detail = exc.strerror or str(exc)
             where = f" ({exc.filename})" if exc.filename else ""
-            raise StoreError(f"local store {self.path}: {what} failed: {detail}{where}") from None
+            raise error(f"local store {self.path}: {what} failed: {detail}{where}") from None
 
     def _db(self) -> sqlite3.Connection:
         """This process's connection (a forked child opens its own)."""
@@ -293,7 +334,8 @@ class LocalStore(Store):
         # Switching a fresh index to WAL while another process does the same can fail at
         # once with "database is locked" (SQLite does not wait there), so first opens queue
         # on an flock.
-        fd = os.open(self.path / f"{INDEX_NAME}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, self._mode)
+        fd = os.open(self.path / f"{INDEX_NAME}.lock",
+                     os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, self._mode)
         try:
             if os.fstat(fd).st_uid == os.geteuid():
                 os.fchmod(fd, self._mode)  # the umask may have taken group bits a shared store needs
@@ -306,7 +348,7 @@ class LocalStore(Store):
             os.close(fd)
 
         def housekeeping() -> None:
-            with self._guard("open"), self._write() as tx:
+            with self._guard("open", down=True), self._write() as tx:
                 tx.reclaim(None, set())
                 known = {int(r[0]) for r in tx.conn.execute("SELECT id FROM slabs").fetchall()}
                 tx.doomed.extend(_arena.stray_files(self.path, known))
@@ -334,6 +376,64 @@ class LocalStore(Store):
         cls(root, capacity, states=states).close()
         return aside, removed
 
+    def check_integrity(self) -> None:
+        """StoreDamaged unless SQLite finds the index whole (reads all of it: for repairs)."""
+        with self._guard("check", down=True), self._lock:
+            problems = [str(r[0]) for r in self._db().execute("PRAGMA integrity_check(5)").fetchall()]
+        if problems != ["ok"]:
+            raise _directory.damaged(self.path, "; ".join(problems)[:300])
+
+    def heal(self) -> IndexRepair:
+        """Bring the index back in line with itself and with its files (``audit --repair``):
+        slabs whose file is not whole or whose slot rows do not fit them are lost with their
+        keys; key rows that name nothing, or that share a slot, are dropped; live slots no key
+        names are freed; counters are counted afresh; stray files go. Every object left is
+        one a read would find whole; none of them is removed."""
+        self._writable()
+        with self._guard("repair"), self._lock:
+            conn = self._db()
+            lost: dict[int, int] = {}
+            for slab_id, nbytes in conn.execute("SELECT id, nbytes FROM slabs").fetchall():
+                if not _arena.is_whole(self.path, int(slab_id), int(nbytes)):
+                    lost[int(slab_id)] = int(nbytes)
+            for slab_id, nbytes in conn.execute(
+                "SELECT DISTINCT s.id, s.nbytes FROM slots t JOIN slabs s ON s.id = t.slab"
+                " WHERE t.slot < 0 OR t.cls <= 0 OR t.cls != s.cls OR (t.slot + 1) * t.cls > s.nbytes"
+            ).fetchall():
+                lost[int(slab_id)] = int(nbytes)
+            with self._write() as tx:
+                for slab_id, nbytes in lost.items():
+                    tx.lose_slab(slab_id, nbytes)
+                orphan_slots = tx.conn.execute(
+                    "DELETE FROM slots WHERE slab NOT IN (SELECT id FROM slabs)").rowcount
+                shared = [r[0] for r in tx.conn.execute(
+                    "SELECT key FROM keys WHERE (slab, slot) IN (SELECT slab, slot FROM keys"
+                    " WHERE slab IS NOT NULL GROUP BY slab, slot HAVING COUNT(*) > 1)")]
+                stale = [r[0] for r in tx.conn.execute(
+                    f"SELECT k.key FROM keys k {SLOT_JOIN} WHERE NOT {CONSISTENT}"
+                    " OR (k.slab IS NULL AND COALESCE(length(k.data), 0) != k.size)")]
+                nameless = [k for (k,) in tx.conn.execute("SELECT key FROM keys") if not _nameable(k)]
+                rows = list(dict.fromkeys([*shared, *stale, *nameless]))
+                for key in rows:  # matched as bytes: a damaged key need not be text
+                    tx.conn.execute("DELETE FROM keys WHERE CAST(key AS BLOB) = ?",
+                                    (str(key).encode("utf-8", "surrogateescape"),))
+                freed = tx.conn.execute(
+                    "UPDATE slots SET state = ?, owner = NULL WHERE state = ? AND NOT EXISTS (SELECT 1"
+                    " FROM keys k WHERE k.slab = slots.slab AND k.slot = slots.slot AND k.gen = slots.gen)",
+                    (FREE, LIVE)).rowcount
+                tx.inline_bytes = int(tx.conn.execute(
+                    "SELECT COALESCE(SUM(size), 0) FROM keys WHERE slab IS NULL").fetchone()[0])
+                tx.recount_states()
+                top = tx.conn.execute("SELECT MAX(COALESCE((SELECT MAX(gen) FROM keys), 0),"
+                                      " COALESCE((SELECT MAX(gen) FROM slots), 0))").fetchone()[0]
+                tx.next_gen = max(tx.next_gen, int(top or 0))  # generations are never reused
+                known = {int(r[0]) for r in tx.conn.execute("SELECT id FROM slabs").fetchall()}
+                strays = _arena.stray_files(self.path, known)
+                tx.doomed.extend(strays)
+        self._writer.sweep()
+        return IndexRepair(slabs_lost=len(lost), rows_dropped=len(rows),
+                           slots_freed=max(freed, 0) + max(orphan_slots, 0), strays_removed=len(strays))
+
     def _writable(self) -> None:
         if self._readonly:
             raise StoreError(f"local store {self.path} was opened read-only")
@@ -348,12 +448,15 @@ class LocalStore(Store):
             unique = list(dict.fromkeys(keys))
             for chunk in chunks(unique):
                 for row in conn.execute(
-                    "SELECT k.key, k.size, k.slab, k.slot, k.gen, k.cls, k.data, s.nbytes"
-                    " FROM keys k LEFT JOIN slabs s ON s.id = k.slab"
+                    "SELECT k.key, k.size, k.slab, k.slot, k.gen, k.cls, k.data, s.nbytes,"
+                    f" {CONSISTENT} AND (k.slab IS NULL OR s.id IS NOT NULL)"
+                    f" FROM keys k LEFT JOIN slabs s ON s.id = k.slab {SLOT_JOIN}"
                     f" WHERE k.key IN ({marks(len(chunk))})",
                     chunk,
                 ):
-                    found[row[0]] = Location(*row[1:])
+                    size, slab, slot, gen, cls, data, nbytes, sound = row[1:]
+                    sound = sound and (slab is not None or len(data or b"") == size)
+                    found[row[0]] = Location(size, slab, slot, gen, cls, data, nbytes, bool(sound))
             epoch = conn.execute("SELECT value FROM meta WHERE name = 'epoch'").fetchone()[0]
             if epoch != self._epoch:
                 self._sync_maps(conn, epoch)
@@ -418,6 +521,7 @@ class LocalStore(Store):
         todo = list(range(len(keys)))
         broken: dict[int, int] = {}  # slab id -> bytes, for slabs whose file is gone or short
         damaged: set[int] = set()  # of those, slabs whose index rows point outside them
+        stale: dict[str, int] = {}  # key -> generation, for rows that name nothing (damage)
         with self._guard("get"):
             for _ in range(READ_ATTEMPTS):
                 found = self._locate([keys[i] for i in todo])
@@ -426,6 +530,9 @@ class LocalStore(Store):
                 for i in todo:
                     loc = found.get(keys[i])
                     if loc is None:
+                        sizes[i] = None
+                    elif not loc.sound:
+                        stale[keys[i]] = loc.gen
                         sizes[i] = None
                     elif loc.size > room(i):
                         sizes[i] = loc.size
@@ -462,8 +569,17 @@ class LocalStore(Store):
                 sizes[i] = None
             if broken and not self._readonly:
                 self._forget_slabs(broken, damaged)
+            if stale and not self._readonly:
+                self._drop_rows(stale)
             self._touch(keys[i] for i in range(len(keys)) if sizes[i] is not None)
         return sizes
+
+    def _drop_rows(self, rows: dict[str, int]) -> None:
+        """Drop key rows that name nothing (best effort; a row written again since stays):
+        lookups stop finding those keys, and the next save writes them again."""
+        with contextlib.suppress(sqlite3.Error, OSError, StoreError), self._write() as tx:
+            for key, gen in rows.items():
+                tx.remove_if(key, gen)
 
     def _forget_slabs(self, slabs: dict[int, int], damaged: Collection[int] = ()) -> None:
         """Drop slabs whose file is gone or cut short, or (``damaged``) whose index rows point
@@ -539,7 +655,9 @@ class LocalStore(Store):
             for chunk in chunks(list(dict.fromkeys(keys))):
                 present.update(
                     r[0]
-                    for r in conn.execute(f"SELECT key FROM keys WHERE key IN ({marks(len(chunk))})", chunk)
+                    for r in conn.execute(
+                        f"SELECT k.key FROM keys k {SLOT_JOIN} WHERE k.key IN ({marks(len(chunk))})"
+                        f" AND {CONSISTENT}", chunk)
                 )
         return [key in present for key in keys]
 
@@ -561,7 +679,7 @@ class LocalStore(Store):
                 )
                 .fetchall()
             )
-        return iter([(str(k), int(n)) for k, n in rows])
+        return iter([(str(k), int(n)) for k, n in rows if _nameable(k)])
 
     def stats(self) -> StoreStats:
         with self._guard("stats"), self._lock:
