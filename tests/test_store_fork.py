@@ -96,10 +96,13 @@ def _use(store: Store) -> int:
     return OK
 
 
-@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("kind", ["local", "memory", "local behind its breaker"])
 def test_forking_while_threads_use_the_store_never_hangs_the_child(
         tmp_path: Path, busy: Callable[[Store], None], kind: str) -> None:
-    store: Store = LocalStore(tmp_path / "s", capacity=256 << 20) if kind == "local" else MemoryStore()
+    from prefixvault.stores import open_store_or_retry
+
+    store: Store = (LocalStore(tmp_path / "s", capacity=256 << 20) if kind == "local" else MemoryStore()
+                    if kind == "memory" else open_store_or_retry(f"local://{tmp_path / 's'}?capacity=256MiB"))
     busy(store)
     time.sleep(0.2)
     codes = []

@@ -302,3 +302,61 @@ def test_sleep_mode_is_refused_with_this_connector() -> None:
     from prefixvault.vllm.connector import PrefixVaultConnector
 
     assert PrefixVaultConnector.supports_sleep_mode(None) is False
+
+
+# -- fork -------------------------------------------------------------------------------------------
+
+
+def test_a_forked_child_gets_a_clear_error_from_the_connector_never_a_hang() -> None:
+    """Issue 31: a child forked while the connector's threads run (one holding a lock) has none
+    of those threads; every call that reaches a side says so at once, and shutdown returns."""
+    import os
+    import signal
+    import threading
+    import time
+
+    from prefixvault.vllm.connector import ForkedConnector, PrefixVaultConnector
+
+    conn = PrefixVaultConnector(_vllm_config(), KVConnectorRole.SCHEDULER, _config((["a"], BASE)))
+    side = conn.scheduler
+    assert side is not None
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a connector thread inside a critical section at the fork
+        with side._queue_lock:
+            held.set()
+            release.wait(30)
+
+    threading.Thread(target=hold, daemon=True).start()
+    assert held.wait(10)
+    request = SimpleNamespace(request_id="r", prompt_token_ids=list(range(64)), num_tokens=64)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports by its exit code
+        code = 3
+        try:
+            conn.get_num_new_matched_tokens(request, 0)
+        except ForkedConnector as e:
+            code = 0 if "fork" in str(e) else 4
+        except BaseException:
+            code = 5
+        try:
+            conn.shutdown()
+        except BaseException:
+            code = 6
+        os._exit(code)
+    deadline = time.monotonic() + 20
+    status = None
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung")
+    release.set()
+    assert status is not None and os.waitstatus_to_exitcode(status) == 0
+    # The parent is untouched: its lookup runs as usual.
+    assert conn.get_num_new_matched_tokens(request, 0) in ((None, False), (0, False))
+    conn.shutdown()

@@ -19,8 +19,10 @@ about availability (a key too long, a value refused) pass through and change not
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -58,7 +60,8 @@ class CircuitBreaker:
         self.policy = policy
         self.name = name
         self._clock = clock
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # held for a state change only, never across a store call
+        _BREAKERS.add(self)
         self.state = BreakerState.CLOSED
         self._failures = 0  # consecutive, while closed
         self._wait = policy.open_s
@@ -222,3 +225,32 @@ class BreakerStore(Store):
     def close(self) -> None:
         if self._store is not None:
             self._store.close()
+
+
+# -- fork: a breaker's lock is held only for a state change, so the forking thread takes every
+# breaker's lock first (no thread is mid-change at the fork) and the child starts with fresh ones.
+
+_BREAKERS: weakref.WeakSet[CircuitBreaker] = weakref.WeakSet()
+_FORK_HELD: list[CircuitBreaker] = []
+
+
+def _before_fork() -> None:
+    _FORK_HELD[:] = sorted(list(_BREAKERS), key=id)
+    for breaker in _FORK_HELD:
+        breaker._lock.acquire()
+
+
+def _after_fork_in_parent() -> None:
+    for breaker in _FORK_HELD:
+        breaker._lock.release()
+    _FORK_HELD.clear()
+
+
+def _after_fork_in_child() -> None:
+    for breaker in list(_BREAKERS):
+        breaker._lock = threading.Lock()
+    _FORK_HELD.clear()
+
+
+os.register_at_fork(before=_before_fork, after_in_parent=_after_fork_in_parent,
+                    after_in_child=_after_fork_in_child)

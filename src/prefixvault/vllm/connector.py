@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections import Counter
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +52,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.prefixvault")
 
 
+class ForkedConnector(RuntimeError):
+    """A connector used in a forked child of the process that made it."""
+
+
 class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     """Saves exact KV blocks and recurrent states; restores only boundaries that resume."""
 
@@ -63,8 +68,13 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         # included): an error of ours becomes a miss, a skipped save or a recomputed load,
         # never an exception into the engine.
         self.guard = Guard()
-        self.scheduler: SchedulerSide | None = None
-        self.worker: WorkerSide | None = None
+        # Invariant: the sides' threads, queues and locks live in the process that made them.
+        # A forked child has none of those threads, and a lock one of them held at the fork is
+        # never released there: the child gets ``ForkedConnector`` from every call that reaches
+        # a side (before any lock), and its ``shutdown`` is a no-op, never a hang.
+        self._pid = os.getpid()
+        self._scheduler: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
         self.vault: Vault | None = None
         refused = self._refusal(vllm_config, kv_cache_config, role, ktc.kv_role)
         if refused:
@@ -85,13 +95,13 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             if ktc.kv_load_failure_policy != "recompute" and ktc.is_kv_consumer:
                 # A bad or missing object must cost a recompute, never a failed request.
                 ktc.kv_load_failure_policy = "recompute"
-            self.scheduler = SchedulerSide(self.settings, self.layout, self.vault,
+            self._scheduler = SchedulerSide(self.settings, self.layout, self.vault,
                                            load=ktc.is_kv_consumer, save=ktc.is_kv_producer, guard=self.guard)
             device = current_platform.device_type
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
                                             enabled=self.layout.has_state,
                                             rewrite=resets_cpu_block_size(device, running_version()))
-            self.scheduler.checkpoints = internal_checkpoints(vllm_config, kv_cache_config, device)
+            self._scheduler.checkpoints = internal_checkpoints(vllm_config, kv_cache_config, device)
             log.info("prefixvault: %s on %s, namespace %s%s, layout %s, block size %d, capture %s",
                      ktc.kv_role, redact(self.settings.store), self.settings.namespace,
                      " (keyed: secret from " + (self.settings.namespace_secret_file
@@ -104,11 +114,27 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             groups = [g.layer_names for g in kv_cache_config.kv_cache_groups]
             hold_outputs = (self.settings.capture_outputs
                             and self.settings.output_boundaries is OutputBoundaries.LAST)
-            self.worker = WorkerSide(self.layout, self.vault, get_tensor_model_parallel_rank(), groups,
+            self._worker = WorkerSide(self.layout, self.vault, get_tensor_model_parallel_rank(), groups,
                                      staging_bytes=staging_bytes(self.settings, self.layout, vllm_config),
                                      hold_bytes=self.settings.save_hold_mib << 20 if hold_outputs else 0,
                                      drain_timeout=self.settings.save_drain_timeout,
                                      num_blocks=int(kv_cache_config.num_blocks))
+
+    @property
+    def scheduler(self) -> SchedulerSide | None:
+        self._check_process()
+        return self._scheduler
+
+    @property
+    def worker(self) -> WorkerSide | None:
+        self._check_process()
+        return self._worker
+
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise ForkedConnector(
+                f"prefixvault: this connector was made in process {self._pid} and this is process "
+                f"{os.getpid()}, a fork of it: its threads are not here; make a connector in this process")
 
     def _refusal(self, vllm_config: Any, kv_cache_config: Any, role: Any, kv_role: str) -> str | None:
         """Why this engine cannot be served exactly (one line; the connector stays inert), or
@@ -287,6 +313,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         return PrefixVaultPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
+        if os.getpid() != self._pid:
+            return  # a forked child: the threads and what they hold are the parent's to close
         drained = self.scheduler.close() if self.scheduler is not None else True
         if self.worker is not None:
             self.worker.close()
