@@ -66,6 +66,7 @@ class Scenario:
 SCENARIOS = [
     Scenario("gdn-hybrid", 512, 7),
     Scenario("shortconv-hybrid", 128, 7),
+    Scenario("lfm2-moe", 128, 7),
     Scenario("mamba2", 256, 5),
 ]
 

@@ -58,6 +58,20 @@ NONCE_SIZE, TAG_SIZE = 12, 16
 _TAG_AT = HEADER_SIZE - TAG_SIZE
 _NONCE_AT = _TAG_AT - NONCE_SIZE
 assert _PAYLOAD_SUM_AT + _SUM.size <= _HEADER_SUM_AT and _FIELDS.size <= _NONCE_AT
+_FORMAT = struct.Struct("<4sH")  # the first fields of every version's header: magic, version
+_VERSION_END = _FORMAT.size
+_OURS = _FORMAT.pack(MAGIC, VERSION)
+
+
+#: ``IntegrityError`` reasons that prove bytes wrong for the key they sit under: only those
+#: make a reader remove them. Not among them: ``version`` (an object of this codec's family in
+#: another version: a writer of another release, whose bytes are its own) and ``sealed`` (a
+#: secret this reader lacks). ``format`` is bytes that are no object at all (no magic) or a
+#: header that verifies yet makes no sense: wrong.
+PROVED_WRONG = frozenset({"format", "truncated", "header checksum", "payload checksum", "mac",
+                          "identity", "length", "unsealed", "denied"})
+#: The first bytes of every version's objects.
+MAGIC_FAMILY = b"PVO"
 
 
 class ObjectKind(IntEnum):
@@ -189,6 +203,14 @@ def decode(
     must be sealed with it; without, it must be plain.
     """
     view = memoryview(data).cast("B")
+    # What format the bytes claim comes first: a header of another version may put its
+    # checksums elsewhere, and bytes of another format are not wrong, only not ours to read.
+    if len(view) >= _VERSION_END and bytes(view[:_VERSION_END]) != _OURS:
+        magic, version = _FORMAT.unpack(view[:_VERSION_END])
+        if magic.startswith(MAGIC_FAMILY):
+            raise IntegrityError("version", f"an object of format {magic!r} version {version}, this "
+                                 f"release reads {MAGIC!r} version {VERSION}")
+        raise IntegrityError("format", f"not an object (magic {magic!r})")
     if len(view) < HEADER_SIZE:
         raise IntegrityError("truncated", f"{len(view)} bytes, header needs {HEADER_SIZE}")
     sealed = view[_FLAGS_AT] == FLAG_SEALED

@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prefixvault.boundary import needed_blocks
-from prefixvault.codec import IntegrityError, ObjectKind, decode
+from prefixvault.codec import PROVED_WRONG, IntegrityError, ObjectKind, decode
 from prefixvault.layout import CacheLayout, GroupKind
 from prefixvault.records import BoundaryRecord
 from prefixvault.stores.base import Store
@@ -84,11 +84,11 @@ def load_layouts(
             continue
         ns, fp, rest = sp
         found.setdefault((ns, fp), None)
-        if rest == ["layout"]:
+        if _is_named(rest, "layout"):
             layout_keys.append(((ns, fp), key))
     blobs = store.get_many([k for _, k in layout_keys])
     for (scope, _), blob in zip(layout_keys, blobs, strict=True):
-        if blob is None:
+        if blob is None or found[scope] is not None:
             continue
         try:
             _, payload = decode(blob, key=keys.get(scope[0]))
@@ -122,9 +122,9 @@ def summarize(store: Store) -> StoreSummary:
                 kind = layout.groups[g].kind.value
             else:
                 kind = "state" if rest[0] == "s" else "attention"
-        elif rest == ["layout"]:
+        elif _is_named(rest, "layout"):
             kind = "layout"
-        elif rest == ["deny"]:
+        elif _is_named(rest, "deny"):
             kind = "deny-list"
         elif rest[0] == "v" and len(rest) == 2:
             kind = "sample"
@@ -133,6 +133,11 @@ def summarize(store: Store) -> StoreSummary:
         s.by_kind[kind] += 1
         s.bytes_by_kind[kind] += size
     return s
+
+
+def _is_named(rest: list[str], name: str) -> bool:
+    """``rest`` is the key of a namespace's ``name`` object: plain, or keyed (``name.{tag}``)."""
+    return len(rest) == 1 and (rest[0] == name or rest[0].startswith(name + "."))
 
 
 def _records(store: Store) -> Iterator[tuple[str, str, str]]:
@@ -167,7 +172,10 @@ class _ScopeAudit:
                 try:
                     record = BoundaryRecord.decode(blob, self.vault.fingerprint, self.vault.key)
                 except IntegrityError as e:
-                    self.report.findings.append(AuditFinding(rkey, f"unreadable record ({e})"))
+                    if e.reason in PROVED_WRONG:
+                        self.report.findings.append(AuditFinding(rkey, f"unreadable record ({e})"))
+                    else:  # another format, or sealed with a secret not given: not ours to judge
+                        self.report.unverifiable.append(AuditFinding(rkey, f"cannot be read here ({e})"))
                     continue
                 if self.vault.keys.record(record.boundary_hash) != rkey:
                     self.report.findings.append(AuditFinding(rkey, "record stored under another key"))
@@ -251,7 +259,8 @@ class _ScopeAudit:
                     self.checked[ref.key] = None
                 except IntegrityError as e:
                     self.checked[ref.key] = e.reason
-                    self.bad_objects.add(ref.key)
+                    if e.reason in PROVED_WRONG:
+                        self.bad_objects.add(ref.key)
         for ref in refs:
             problem = self.checked.get(ref.key)
             if problem is not None:
@@ -300,7 +309,7 @@ def _sound_alone(blob: bytes, fp: str, rest: list[str], key: str, vault: Vault |
     try:
         header, _ = decode(blob, key=ns_key)
     except IntegrityError as e:
-        return None if e.reason == "sealed" else False
+        return False if e.reason in PROVED_WRONG else None
     if (header.kind is not kind or header.fingerprint.hex() != fp or header.key_hash.hex() != rest[3]
             or str(header.group) != rest[1] or str(header.rank) != rest[2]):
         return False

@@ -98,11 +98,15 @@ class KeySpace:
     ``{ns}/{layout}/b/{group}/{rank}/{h_i}``  KV block i of an attention group
     ``{ns}/{layout}/s/{group}/{rank}/{h_i}``  state of a state group at boundary (i+1)*block_size
     ``{ns}/{layout}/r/{h_i}``                 boundary record for boundary (i+1)*block_size
-    ``{ns}/{layout}/layout``                  the layout itself (for audits)
+    ``{ns}/{layout}/layout``                  the layout itself (for audits); ``layout.{tag}`` keyed
+    ``{ns}/{layout}/deny``                    bytes proved wrong (``denylist``); ``deny.{tag}`` keyed
     """
 
     namespace: str
     fingerprint: bytes
+    #: ``NamespaceKey.tag`` for a keyed namespace ("" otherwise): the layout and deny-list of
+    #: a keyed namespace are named ``layout.{tag}`` and ``deny.{tag}``.
+    tag: str = ""
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
@@ -132,4 +136,7 @@ class KeySpace:
         return self.record_prefix() + boundary_hash.hex()
 
     def layout(self) -> str:
-        return f"{self.prefix}layout"
+        return f"{self.prefix}layout" + (f".{self.tag}" if self.tag else "")
+
+    def deny(self) -> str:
+        return f"{self.prefix}deny" + (f".{self.tag}" if self.tag else "")

@@ -180,7 +180,12 @@ class CacheLayout:
             extra=tuple((k, v) for k, v in data["extra"]),
         )
 
-    def fingerprint(self) -> bytes:
-        """16 bytes naming this exact layout; stable across processes and machines."""
-        canon = json.dumps(self.to_json(), sort_keys=True, separators=(",", ":"))
+    def fingerprint(self, formats: tuple[int, ...] = ()) -> bytes:
+        """16 bytes naming this exact layout; stable across processes and machines. ``formats``:
+        the versions objects of it are stored in (the vault's codec and record versions), so
+        a new format names everything anew and never meets the old one's bytes."""
+        described = self.to_json()
+        if formats:
+            described["formats"] = list(formats)
+        canon = json.dumps(described, sort_keys=True, separators=(",", ":"))
         return hashlib.blake2b(canon.encode(), digest_size=16, person=b"pv-layout").digest()

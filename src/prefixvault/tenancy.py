@@ -52,6 +52,13 @@ class NamespaceKey:
 
         return cls(namespace, sub(b"pv-ns-hash"), sub(b"pv-ns-mac"))
 
+    @property
+    def tag(self) -> str:
+        """16 hex digits naming this key (not the secret): in the names of the few objects a
+        namespace keeps under fixed names (its layout, its deny-list), so an engine without the
+        secret, or with another one, never writes over the keyed namespace's copies."""
+        return hashlib.blake2b(b"pv-ns-tag", key=self.hash_key, digest_size=8).hexdigest()
+
     def __repr__(self) -> str:
         return f"NamespaceKey({self.namespace!r}, <secret>)"
 

@@ -36,6 +36,7 @@ import numpy as np
 from prefixvault.boundary import Refusal, SavePlan, choose_hit, max_resume_tokens, needed_blocks
 from prefixvault.codec import (
     HEADER_SIZE,
+    PROVED_WRONG,
     IntegrityError,
     ObjectHeader,
     ObjectKind,
@@ -43,10 +44,11 @@ from prefixvault.codec import (
     decode,
     encode,
 )
+from prefixvault.codec import VERSION as CODEC_VERSION
 from prefixvault.denylist import DENY_REFRESH_S, DENY_TTL_S, DenyList
 from prefixvault.keys import ExtraKeys, KeySpace, chain_hashes
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind
-from prefixvault.records import BoundaryRecord
+from prefixvault.records import RECORD_VERSION, BoundaryRecord
 from prefixvault.stores.base import Buffer, Store, StoreError
 from prefixvault.tenancy import NamespaceKey
 
@@ -177,8 +179,10 @@ class Vault:
             raise ValueError(f"namespace key for {key.namespace!r} given to namespace {namespace!r}")
         self.store = store
         self.layout = layout
-        self.fingerprint = layout.fingerprint()
-        self.keys = KeySpace(namespace, self.fingerprint)
+        # The formats objects and records are written in are part of the name of everything
+        # stored: engines of two versions on one store use disjoint keys, never each other's.
+        self.fingerprint = layout.fingerprint(formats=(CODEC_VERSION, RECORD_VERSION))
+        self.keys = KeySpace(namespace, self.fingerprint, key.tag if key is not None else "")
         self.key = key
         self._hash_key = key.hash_key if key is not None else b""
         self.counters = VaultCounters()
@@ -402,7 +406,7 @@ class Vault:
         return key[len(self.keys.prefix):]
 
     def deny_key(self) -> str:
-        return self.keys.prefix + "deny"
+        return self.keys.deny()
 
     def _is_denied(self, key: str, header: ObjectHeader, payload: Buffer) -> bool:
         """Whether these bytes for ``key`` were proved wrong (a digest only where the key is
@@ -962,12 +966,13 @@ class Vault:
                 failed[ref] = e.reason
                 self.counters.rejected[e.reason] += 1
                 self.counters.get_failed += 1
-                bad_keys.append(ref.key)
+                if e.reason in PROVED_WRONG:
+                    bad_keys.append(ref.key)
                 continue
             payloads[ref] = payload
             self.counters.get_keys += 1
             self.counters.get_bytes += size
-        if bad_keys:
+        if bad_keys:  # proved wrong only: bytes of another format or key are someone else's
             self.store.delete_many(bad_keys)
         return Loaded(payloads, failed)
 

@@ -100,14 +100,16 @@ class _Scopes:
         return self.key if self.key is not None and scope.split("/")[0] == self.key.namespace else None
 
     def keyed(self, scope: str, record: str) -> bool:
-        """Whether the scope belongs to a namespace with a secret: its layout or the record
-        (what a plain sample could make a watcher remove) is sealed."""
+        """Whether the scope belongs to a namespace with a secret: its plain-named layout or the
+        record (what a plain sample could make a watcher remove) is sealed. (A keyed namespace
+        names its layout ``layout.{tag}``; its records are sealed all the same.)"""
         return any(b is not None and is_sealed(b) for b in self.store.get_many([scope + "layout", record]))
 
     def vault(self, scope: str) -> Vault | None:
         if scope not in self.vaults:
             ns, fp = scope.split("/")[:2]
-            blob = self.store.get_many([scope + "layout"])[0]
+            key = self.key_for(scope)
+            blob = self.store.get_many([scope + "layout" + (f".{key.tag}" if key is not None else "")])[0]
             vault: Vault | None = None
             if blob is not None:
                 try:
