@@ -360,3 +360,23 @@ def test_a_forked_child_gets_a_clear_error_from_the_connector_never_a_hang() -> 
     # The parent is untouched: its lookup runs as usual.
     assert conn.get_num_new_matched_tokens(request, 0) in ((None, False), (0, False))
     conn.shutdown()
+
+
+def test_the_store_stays_open_while_a_worker_call_is_still_running(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32: the connector closed the store whatever its worker said; a put still running
+    in memory the store lent (Mooncake) would then write into memory given back."""
+    import vllm.distributed.parallel_state as parallel_state
+
+    from prefixvault.vllm.connector import PrefixVaultConnector
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    conn = PrefixVaultConnector(_vllm_config(), KVConnectorRole.WORKER, _config((["a"], BASE)))
+    assert conn.worker is not None and conn.vault is not None
+    closed: list[bool] = []
+    monkeypatch.setattr(conn.vault.store, "close", lambda: closed.append(True))
+    monkeypatch.setattr(conn.worker, "close", lambda: False)  # a save still in the store's hands
+    conn.shutdown()
+    assert closed == []
+    monkeypatch.setattr(conn.worker, "close", lambda: True)
+    conn.shutdown()
+    assert closed == [True]

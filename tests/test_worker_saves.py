@@ -165,7 +165,7 @@ def test_a_stopping_worker_stores_its_queued_saves() -> None:
     for i, prompt in enumerate(prompts):
         worker.save([spec(vault, f"r{i}", prompt)], step=i)
     threading.Timer(0.2, store.gate.set).start()
-    worker.close()  # waits for the five
+    assert worker.close()  # waits for the five: drained
     assert worker.counters.published == 5
     for prompt in prompts:
         assert vault.lookup(vault.hashes(prompt), 3 * BS + 1) == 3 * BS
@@ -218,9 +218,50 @@ def test_a_stopping_worker_waits_no_longer_than_its_drain_timeout(caplog: pytest
     worker.save([spec(vault, "r2", [*TOKENS[: 2 * BS], *range(500, 500 + BS)])], step=1)
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="vllm.prefixvault"):
-        worker.close()
+        drained = worker.close()
     assert time.monotonic() - t0 < 2
     assert "saves not stored at shutdown" in caplog.text
+    assert not drained  # a put is still running: whoever owns the store must not close it
+    store.gate.set()
+
+
+class StuckGets(MemoryStore):
+    """A store whose reads hang (a server that stopped answering) until ``gate`` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        self.gate.wait(30)
+        return super().get_into(keys, buffers)
+
+
+def test_a_stopping_worker_abandons_a_stuck_load_within_its_deadline_and_says_so(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 32: the load thread's shutdown had no deadline, so one stuck load hung engine
+    shutdown; and close() never said whether its threads were done."""
+    import prefixvault.vllm.worker as worker_module
+
+    monkeypatch.setattr(worker_module, "LOAD_DRAIN_S", 0.3)
+    store = StuckGets()
+    store.gate.set()
+    vault = Vault(store, layout())
+    worker, _ = engine(vault, staging=1 << 20)
+    worker.save([spec(vault)], step=1)
+    deadline = time.monotonic() + 5
+    while worker.counters.published < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    store.gate.clear()
+    hashes = vault.hashes(TOKENS)
+    back = LoadSpec("back", hashes, 3 * BS, 0, ([11, 12, 13], [0, 12, 13], [0, 0, 14]))
+    worker.load([back, LoadSpec("queued", hashes, 3 * BS, 0, ([11, 12, 13], [0, 12, 13], [0, 0, 14]))])
+    time.sleep(0.1)  # the first load is inside the store now
+    t0 = time.monotonic()
+    with caplog.at_level(logging.WARNING, logger="vllm.prefixvault"):
+        drained = worker.close()
+    assert time.monotonic() - t0 < 2 and not drained
+    assert "load still running at shutdown" in caplog.text
     store.gate.set()
 
 

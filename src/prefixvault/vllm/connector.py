@@ -317,6 +317,11 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             return  # a forked child: the threads and what they hold are the parent's to close
         drained = self.scheduler.close() if self.scheduler is not None else True
         if self.worker is not None:
-            self.worker.close()
-        if self.vault is not None and drained:  # (a write still running keeps its store open)
+            drained = self.worker.close() and drained
+        if self.vault is None:
+            return
+        if drained:
             self.vault.store.close()
+        else:  # a call still running keeps its store open (memory it lent, a connection)
+            log.warning("prefixvault: a store call was still running at shutdown: the store is left "
+                        "open for it and goes with the process")

@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,9 @@ log = logging.getLogger("vllm.prefixvault")
 
 #: Pinned host memory one worker keeps for loads into CUDA caches (a larger load goes in pieces).
 LOAD_STAGING_BYTES = 32 << 20
+#: How long a stopping worker waits for a load already running (loads queued are dropped: the
+#: engine they were for is stopping).
+LOAD_DRAIN_S = 5.0
 
 #: A save's objects copied into staging: its reservation, payloads by key, copies in flight.
 Staged = tuple[Reservation, dict[str, memoryview], list[Done]]
@@ -99,6 +102,7 @@ class WorkerSide:
         # Loads into CUDA caches go through this pinned buffer, one load at a time (under the lock).
         self._load_host: Any = None
         self._load_lock = threading.Lock()
+        self._load_futures: set[Future[None]] = set()  # queued or running loads; under _lock
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-load",
                                           initializer=self._on_load_thread)
         # No staging budget: saves are stored in the step, as they are copied. Allocated once the
@@ -121,17 +125,27 @@ class WorkerSide:
         self._drain_timeout = drain_timeout
         self.counters = WorkerCounters()
 
-    def close(self) -> None:
-        """Store the saves still queued (up to ``drain_timeout``), then stop the threads."""
+    def close(self) -> bool:
+        """Store the saves still queued (up to ``drain_timeout``), drop the loads not started,
+        wait for a running one (up to ``LOAD_DRAIN_S``), then stop the threads. Returns whether
+        both threads are done: if not, one may still be inside a store call, and the store must
+        stay open under it (the caller closes it only when every side drained)."""
         with self._idle:
             if self._in_flight:
                 log.info("prefixvault: storing %d queued saves before shutting down", self._in_flight)
-            drained = self._idle.wait_for(lambda: self._in_flight == 0, timeout=self._drain_timeout)
-            if not drained:
+            saves_done = self._idle.wait_for(lambda: self._in_flight == 0, timeout=self._drain_timeout)
+            if not saves_done:
                 log.warning("prefixvault: %d saves not stored at shutdown (save_drain_timeout %.0f s)",
                             self._in_flight, self._drain_timeout)
-        self._saver.shutdown(wait=drained, cancel_futures=True)
-        self._loader.shutdown(wait=True, cancel_futures=True)
+        self._saver.shutdown(wait=saves_done, cancel_futures=True)
+        self._loader.shutdown(wait=False, cancel_futures=True)  # a load now is for a stopping engine
+        with self._lock:
+            loads = [f for f in self._load_futures if not f.cancelled()]
+        _, running = wait(loads, timeout=min(LOAD_DRAIN_S, self._drain_timeout))
+        if running:
+            log.warning("prefixvault: a load still running at shutdown after %.0f s is abandoned",
+                        min(LOAD_DRAIN_S, self._drain_timeout))
+        return saves_done and not running
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Block I/O for every cache group, checked against the layout, and the memory the
@@ -539,7 +553,14 @@ class WorkerSide:
             return
         marks = [io.mark() for io in self._io]
         for spec in specs:
-            self._loader.submit(self._load_and_report, spec, marks)
+            future = self._loader.submit(self._load_and_report, spec, marks)
+            with self._lock:
+                self._load_futures.add(future)
+            future.add_done_callback(self._load_done)
+
+    def _load_done(self, future: Future[None]) -> None:
+        with self._lock:
+            self._load_futures.discard(future)
 
     def _load_and_report(self, spec: LoadSpec, marks: Sequence[Any] = ()) -> None:
         ok = False
