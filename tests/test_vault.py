@@ -393,3 +393,33 @@ def test_a_hit_is_answered_after_one_round_trip_and_touched_after() -> None:
     store.remote = False
     assert vault.lookup_many([(hashes, 51, 0)], touch_later=later) == [NOT_LONGEST]
     assert store.calls == ["touch", "touch"] and later == []
+
+
+def test_counts_from_many_threads_are_never_lost() -> None:
+    """Issue 32: the lookup, load and save threads count into one vault; ``x += 1`` from two
+    threads loses counts. Switching threads as often as the interpreter can makes it show."""
+    import sys
+    import threading
+
+    store = MemoryStore()
+    vault = Vault(store, layout())
+    store.put_many([("k", [b"x"])])
+    threads, rounds = 8, 3000
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        def work() -> None:
+            for _ in range(rounds):
+                vault.counters.add(get_keys=1, get_bytes=2)
+                vault.counters.tally("misses", "store_error")
+
+        pool = [threading.Thread(target=work) for _ in range(threads)]
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    c = vault.counters
+    assert (c.get_keys, c.get_bytes, c.misses["store_error"]) == (threads * rounds, 2 * threads * rounds,
+                                                                  threads * rounds)

@@ -25,6 +25,7 @@ import contextlib
 import json
 import os
 import socket
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -142,6 +143,19 @@ class VaultCounters:
     lookups: int = 0
     hit_tokens: int = 0
     misses: Counter[str] = field(default_factory=Counter)  # lookups short of the longest prefix, by Miss
+    # Invariant: every change goes through ``add`` or ``tally``, under this lock: the lookup,
+    # load and save threads count into one vault (``x += 1`` from two threads loses counts).
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self, name, getattr(self, name) + n)
+
+    def tally(self, name: str, key: str, n: int = 1) -> None:
+        """Count ``n`` under ``key`` in the Counter field ``name``."""
+        with self._lock:
+            getattr(self, name)[key] += n
 
 
 @dataclass(frozen=True)
@@ -327,7 +341,7 @@ class Vault:
         blocks = [ref.key for ref, _ in items]
         present = {k for k, e in zip(blocks, self.store.exists_many(blocks), strict=True) if e}
         present -= self._recheck_present([ref for ref, _ in items if ref.key in present])
-        self.counters.put_skipped += len(present)
+        self.counters.add(put_skipped=len(present))
         todo = [(ref, bid) for ref, bid in items if ref.key not in present]
         headers = [self.expected_header(ref) for ref, _ in todo]
         lent = None
@@ -351,9 +365,9 @@ class Vault:
                 denied = self._is_denied(ref.key, header, payload)
                 parts = encode(header, payload, self.key)
             if denied:  # this engine computed the bytes proved wrong again: no record follows
-                self.counters.put_denied += 1
-                self.counters.put_failed += 1
-                self.counters.rejected["denied"] += 1
+                self.counters.add(put_denied=1)
+                self.counters.add(put_failed=1)
+                self.counters.tally("rejected", "denied", 1)
                 continue
             batch.append((ref.key, parts))
             sent.append((ref, header))
@@ -362,10 +376,10 @@ class Vault:
         for (ref, header), stored in zip(sent, results, strict=True):
             if stored:
                 ok.add(ref.key)
-                self.counters.put_keys += 1
-                self.counters.put_bytes += HEADER_SIZE + header.length
+                self.counters.add(put_keys=1)
+                self.counters.add(put_bytes=HEADER_SIZE + header.length)
             else:
-                self.counters.put_failed += 1
+                self.counters.add(put_failed=1)
         return ok
 
     def _recheck_present(self, refs: list[ObjectRef]) -> set[str]:
@@ -389,11 +403,11 @@ class Vault:
             try:
                 _, payload = decode(blob, header, self.key)
             except IntegrityError as e:
-                self.counters.rejected[e.reason] += 1
+                self.counters.tally("rejected", e.reason, 1)
                 bad.append(ref.key)
                 continue
             if self._is_denied(ref.key, header, payload):
-                self.counters.rejected["denied"] += 1
+                self.counters.tally("rejected", "denied", 1)
                 bad.append(ref.key)
         if bad:
             self.store.delete_many(bad)
@@ -434,7 +448,7 @@ class Vault:
             try:
                 stored = DenyList.decode(blob, self.fingerprint, self.key)
             except IntegrityError as e:  # forged, or of another key: ours replaces it
-                self.counters.rejected[f"deny-list {e.reason}"] += 1
+                self.counters.tally("rejected", f"deny-list {e.reason}", 1)
         self.deny.merge(stored)
         self.deny.prune()
         if len(self.deny) and DenyList(dict(stored.entries)).merge(self.deny):
@@ -581,25 +595,25 @@ class Vault:
                 if early and not all(self.store.exists_many(early)):
                     for b in todo:
                         out[b] = Refusal.MISSING_OBJECT
-                        self.counters.refused[Refusal.MISSING_OBJECT] += 1
+                        self.counters.tally("refused", Refusal.MISSING_OBJECT, 1)
                     continue
                 parent = 0
             for b in todo:
                 if not all(present[k] for k in checks.get(b, ())):
                     out[b] = Refusal.MISSING_RANK
-                    self.counters.refused[Refusal.MISSING_RANK] += 1
+                    self.counters.tally("refused", Refusal.MISSING_RANK, 1)
                     continue
                 key, blob = self._record(hashes, b, parent)
                 if key in records:  # another prefix of this batch publishes the same boundary
-                    self.counters.records_existing += 1
+                    self.counters.add(records_existing=1)
                 else:
                     records[key] = blob
                 out[b] = None
                 parent = b
         if records:
             stored = self.store.put_if_absent_many(list(records.items()))
-            self.counters.records_published += sum(stored)
-            self.counters.records_existing += len(stored) - sum(stored)
+            self.counters.add(records_published=sum(stored))
+            self.counters.add(records_existing=len(stored) - sum(stored))
             self.keep_layout()  # after the records: never older than a record that needs it
         return outs
 
@@ -614,7 +628,7 @@ class Vault:
 
     def refuse(self, reason: Refusal, count: int = 1) -> None:
         """Count boundaries the boundary rule refused (for metrics)."""
-        self.counters.refused[reason] += count
+        self.counters.tally("refused", reason, count)
 
     # -- the layout object ---------------------------------------------------------------------
 
@@ -645,7 +659,7 @@ class Vault:
             self.store.put_many([(key, [self.layout_object()])])
         elif not present:
             self.store.put_if_absent(key, self.layout_object())
-        self.counters.layout_writes += corrupt or not present
+        self.counters.add(layout_writes=corrupt or not present)
 
     # -- lookup ----------------------------------------------------------------------------------
 
@@ -738,7 +752,7 @@ class Vault:
                 if why is not None:
                     bad[names[i]] = why != "gone"
                     if why != "gone":
-                        self.counters.rejected[f"record {why}"] += 1
+                        self.counters.tally("rejected", f"record {why}", 1)
             if not bad:
                 break
             if any(bad.values()):
@@ -749,7 +763,7 @@ class Vault:
             if attempt == RECORD_RETRIES:
                 for i in redo:
                     results[i] = self._result(0, results[i].longest, Miss.EVICTED)
-                    self.counters.lookups += 1
+                    self.counters.add(lookups=1)
                 break
             for i, r in zip(redo, self._lookup_rounds([asks[i] for i in redo], later), strict=True):
                 results[i] = r
@@ -774,10 +788,10 @@ class Vault:
         return None
 
     def _uncount(self, result: LookupResult) -> None:
-        self.counters.lookups -= 1
-        self.counters.hit_tokens -= result.hit
+        self.counters.add(lookups=-1)
+        self.counters.add(hit_tokens=-result.hit)
         if result.miss is not None:
-            self.counters.misses[result.miss.value] -= 1
+            self.counters.tally("misses", result.miss.value, -1)
 
     def touch(self, touches: Sequence[_Touch]) -> None:
         """Touch what lookups answered early use, all in one call (order kept); and, once the
@@ -803,7 +817,7 @@ class Vault:
         On a network store, where every candidate's objects are at most ``SPECULATIVE_KEYS``
         keys, they are checked (not touched) in the first round trip, the answer comes from it,
         and the second round trip's touches go to ``later`` instead."""
-        self.counters.lookups += 1
+        self.counters.add(lookups=1)
         bs = self.layout.block_size
         limit = min(max_resume_tokens(prompt_tokens, bs), len(hashes) * bs)
         candidates = range(limit, min_tokens, -bs)
@@ -881,7 +895,7 @@ class Vault:
             return True
 
         hit = choose_hit(published, prompt_tokens, bs, resumable)
-        self.counters.hit_tokens += hit
+        self.counters.add(hit_tokens=hit)
         if hit == limit:
             return self._result(hit, limit, None)
         if hit < published[0]:  # the longest published boundary cannot resume any more
@@ -921,7 +935,7 @@ class Vault:
 
     def _result(self, hit: int, longest: int, miss: Miss | None) -> LookupResult:
         if miss is not None:
-            self.counters.misses[miss.value] += 1
+            self.counters.tally("misses", miss.value, 1)
         return LookupResult(hit, longest, miss)
 
     # -- load --------------------------------------------------------------------------------------
@@ -954,7 +968,7 @@ class Vault:
         for ref, header, view, size in zip(refs, headers, views, got, strict=True):
             if size is None:
                 failed[ref] = "missing"
-                self.counters.get_failed += 1
+                self.counters.add(get_failed=1)
                 continue
             try:
                 if size != len(view):
@@ -964,14 +978,14 @@ class Vault:
                     raise IntegrityError("denied", "bytes a quarantine proved wrong")
             except IntegrityError as e:
                 failed[ref] = e.reason
-                self.counters.rejected[e.reason] += 1
-                self.counters.get_failed += 1
+                self.counters.tally("rejected", e.reason, 1)
+                self.counters.add(get_failed=1)
                 if e.reason in PROVED_WRONG:
                     bad_keys.append(ref.key)
                 continue
             payloads[ref] = payload
-            self.counters.get_keys += 1
-            self.counters.get_bytes += size
+            self.counters.add(get_keys=1)
+            self.counters.add(get_bytes=size)
         if bad_keys:  # proved wrong only: bytes of another format or key are someone else's
             self.store.delete_many(bad_keys)
         return Loaded(payloads, failed)

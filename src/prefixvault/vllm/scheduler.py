@@ -123,6 +123,14 @@ class SchedulerCounters:
     plans: int = 0
     samples: int = 0
     sample_errors: int = 0
+    # Invariant: every change of a number goes through ``add``, under this lock (the
+    # scheduler's thread, the lookup thread and the sample thread all count here).
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self, name, getattr(self, name) + n)
 
 
 class SchedulerSide:
@@ -178,7 +186,7 @@ class SchedulerSide:
         left = futures_wait(pending, timeout=SAMPLE_DRAIN_S).not_done
         dropped = sum(f.cancel() for f in left)  # queued behind a stalled write: never written
         with self._samples_lock:
-            self.counters.sample_errors += dropped
+            self.counters.add(sample_errors=dropped)
         self._sampler.shutdown(wait=False, cancel_futures=True)
         if left:
             log.warning("prefixvault: %d verification samples not written at shutdown (the store did "
@@ -258,7 +266,7 @@ class SchedulerSide:
                             and time.monotonic() - st.lookup_since < self.settings.lookup_timeout):
                         return None, False
                 else:
-                    self.counters.lookups += 1
+                    self.counters.add(lookups=1)
                 st.local = num_computed_tokens
                 st.lookup = self._submit_lookup(list(st.prompt), st.extra, list(st.hashes),
                                                 request.num_tokens, num_computed_tokens,
@@ -365,8 +373,8 @@ class SchedulerSide:
             if time.monotonic() - st.lookup_since < self.settings.lookup_timeout:
                 return False
             st.lookup.cancel()  # if it has not started, it never will
-            self.counters.lookup_errors += 1
-            self.vault.counters.misses[Miss.LOOKUP_TIMEOUT.value] += 1
+            self.counters.add(lookup_errors=1)
+            self.vault.counters.tally("misses", Miss.LOOKUP_TIMEOUT.value)
             log.debug("prefixvault: lookup for request %s took over %.1f s: computing it", req_id,
                       self.settings.lookup_timeout)
             st.hit, st.lookup = 0, None
@@ -374,9 +382,9 @@ class SchedulerSide:
         try:
             hashes, found = st.lookup.result()
         except Exception as e:  # fail closed: a store problem is a miss
-            self.counters.lookup_errors += 1
+            self.counters.add(lookup_errors=1)
             breaker = isinstance(e, BreakerOpen)  # said once when it opened, not per request
-            self.vault.counters.misses[(Miss.BREAKER_OPEN if breaker else Miss.STORE_ERROR).value] += 1
+            self.vault.counters.tally("misses", (Miss.BREAKER_OPEN if breaker else Miss.STORE_ERROR).value)
             log.log(logging.DEBUG if breaker else logging.WARNING,
                     "prefixvault: lookup failed, computing request %s: %s", req_id, e)
             st.hit, st.lookup = 0, None
@@ -414,7 +422,7 @@ class SchedulerSide:
         # If vLLM asks again (the load failed and the request restarts, or it was preempted),
         # look up afresh: a rejected object has been removed by then.
         st.hit = None
-        self.counters.hit_tokens += num_external_tokens
+        self.counters.add(hit_tokens=num_external_tokens)
         log.info("prefixvault: request %s restores %d tokens from the store (%d local)",
                  request.request_id, num_external_tokens, local)
 
@@ -569,7 +577,7 @@ class SchedulerSide:
         if hold:
             st.hold = SaveSpec(req_id, self._hashes(st, top), list(decision.publishable), st.saved, hold=True)
             return [st.hold]
-        self.counters.plans += len(decision.publishable)
+        self.counters.add(plans=len(decision.publishable))
         spec = SaveSpec(req_id, self._hashes(st, top), list(decision.publishable), st.saved)
         st.saved = max(st.saved, top)
         boundaries = [spec.hashes[p.tokens // bs - 1] for p in spec.plans]
@@ -629,7 +637,7 @@ class SchedulerSide:
         boundaries = [spec.hashes[p.tokens // self.block_size - 1] for p in spec.plans]
         for h in boundaries:
             self.admission.admitted(h, Kind.SEQUENCE_END)
-        self.counters.plans += len(spec.plans)
+        self.counters.add(plans=len(spec.plans))
         self._releases.append((Release(spec.req_id, True), boundaries))
         st.hold = None
         return True
@@ -662,7 +670,7 @@ class SchedulerSide:
         output = list(getattr(request, "output_token_ids", None) or [])[:SAMPLE_TOKENS]
         if params is None or getattr(params, "temperature", 1.0) != 0 or not output:
             return  # only greedy requests can be checked against a cold run
-        self.counters.samples += 1
+        self.counters.add(samples=1)
         with self._samples_lock:
             self._samples_pending = {f for f in self._samples_pending if not f.done()}
             try:
@@ -675,7 +683,7 @@ class SchedulerSide:
                 self._samples_pending.add(self._sampler.submit(self._write_sample, sample, rid))
             except Exception as e:  # a sample is best effort, never an error in the engine
                 # (the store not keeping up, or the connector closing)
-                self.counters.sample_errors += 1
+                self.counters.add(sample_errors=1)
                 log.debug("prefixvault: verification sample for request %s dropped: %s",
                           request.request_id, e)
 
@@ -689,4 +697,4 @@ class SchedulerSide:
         except Exception as e:
             log.warning("prefixvault: verification sample for request %s not written: %s", req_id, e)
         with self._samples_lock:  # the scheduler's thread counts drops under it too
-            self.counters.sample_errors += 1
+            self.counters.add(sample_errors=1)

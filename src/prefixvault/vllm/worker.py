@@ -74,6 +74,14 @@ class WorkerCounters:
     loaded_tokens: int = 0
     failure_reasons: dict[str, int] = field(default_factory=dict)
     save_dropped: dict[str, int] = field(default_factory=dict)  # saves not stored, by reason
+    # Invariant: every change of a number goes through ``add``, under this lock (the engine's
+    # thread, the save thread and the load thread all count here).
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for name, n in deltas.items():
+                setattr(self, name, getattr(self, name) + n)
 
 
 class WorkerSide:
@@ -242,7 +250,7 @@ class WorkerSide:
                 self.release(releases, step)
             except Exception as e:  # every stored one is still reported sent
                 log.warning("prefixvault: releasing held saves failed: %s", e)
-                self.counters.save_errors += 1
+                self.counters.add(save_errors=1)
                 self.fail_releases(releases, step)
         if saves:
             self.save(saves, step)
@@ -264,7 +272,7 @@ class WorkerSide:
                 staged = self._stage(spec)
             except Exception as e:  # one save's error of ours costs that save only
                 log.warning("prefixvault: save for request %s not staged: %s", spec.req_id, e)
-                self.counters.save_errors += 1
+                self.counters.add(save_errors=1)
                 self._settle(sid, False)
                 continue
             if staged is None:
@@ -343,7 +351,7 @@ class WorkerSide:
                     self._store_held(sid, *entry)
             except Exception as e:  # one save's error of ours costs that save only
                 log.warning("prefixvault: held save for request %s not stored: %s", rel.req_id, e)
-                self.counters.save_errors += 1
+                self.counters.add(save_errors=1)
                 self._settle(sid, False)
             finally:
                 with self._lock:
@@ -470,7 +478,7 @@ class WorkerSide:
                                         lambda ref, _block: payloads[ref.key])
         except Exception as e:  # logged here: nothing else sees this thread's errors
             log.warning("prefixvault: %d saves failed: %s", len(batch), e)
-            self.counters.save_errors += len(batch)
+            self.counters.add(save_errors=len(batch))
         finally:
             assert self._staging is not None
             for (sid, _, r, _, copies, slot), ok in zip(batch, outcomes, strict=True):
@@ -491,7 +499,7 @@ class WorkerSide:
         try:
             all_acks = self.vault.save_many(self.rank, [(s.hashes, s.plans) for s in specs], read)
         except Exception as e:  # a store problem costs future hits, never a request
-            self.counters.save_errors += len(specs)
+            self.counters.add(save_errors=len(specs))
             log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
                     "prefixvault: %d saves failed: %s", len(specs), e)
             return [False] * len(specs)
@@ -502,7 +510,7 @@ class WorkerSide:
         try:
             acks = self.vault.save(self.rank, spec.hashes, spec.plans, read, read_into)
         except Exception as e:  # a store problem costs future hits, never this request
-            self.counters.save_errors += 1
+            self.counters.add(save_errors=1)
             log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
                     "prefixvault: save for request %s failed: %s", spec.req_id, e)
             return False
@@ -512,13 +520,13 @@ class WorkerSide:
         """Publish these saves' boundaries together; whether each save's are all published now."""
         assert self.vault is not None
         for acks in all_acks:
-            self.counters.save_errors += sum(not a.ok for a in acks)
-            self.counters.saved_boundaries += sum(a.ok for a in acks)
+            self.counters.add(save_errors=sum(not a.ok for a in acks))
+            self.counters.add(saved_boundaries=sum(a.ok for a in acks))
         try:
             outcomes = self.vault.publish_many([(spec.hashes, acks, spec.parent)
                                                 for spec, acks in zip(specs, all_acks, strict=True)])
         except Exception as e:  # a store problem costs future hits, never a request
-            self.counters.save_errors += len(specs)
+            self.counters.add(save_errors=len(specs))
             # an open breaker was said once when it opened; not once per request
             log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
                     "prefixvault: publishing %d saves (first: request %s) failed: %s",
@@ -526,7 +534,7 @@ class WorkerSide:
             return [False] * len(specs)
         done = []
         for results in outcomes:
-            self.counters.published += sum(why is None for why in results.values())
+            self.counters.add(published=sum(why is None for why in results.values()))
             # MISSING_RANK: another rank has not stored its objects yet; the last one to
             # finish publishes (Vault.publish), so this rank's part is done.
             fine = all(why in (None, Refusal.MISSING_RANK) for why in results.values())
@@ -572,11 +580,11 @@ class WorkerSide:
             self._count_failure("breaker_open" if isinstance(e, BreakerOpen) else "store_error")
         finally:  # reported whatever happened: vLLM waits for every load it was promised
             with self._lock:
-                self.counters.loads += 1
+                self.counters.add(loads=1)
                 if ok:
-                    self.counters.loaded_tokens += spec.tokens - spec.local_tokens
+                    self.counters.add(loaded_tokens=spec.tokens - spec.local_tokens)
                 else:
-                    self.counters.load_failures += 1
+                    self.counters.add(load_failures=1)
                     self._failed_loads.add(spec.req_id)
                 self._finished_loads.add(spec.req_id)
 
@@ -584,8 +592,8 @@ class WorkerSide:
         """Report loads that could not run (an error of ours): vLLM recomputes them."""
         with self._lock:
             for spec in specs:
-                self.counters.loads += 1
-                self.counters.load_failures += 1
+                self.counters.add(loads=1)
+                self.counters.add(load_failures=1)
                 self.counters.failure_reasons[reason] = self.counters.failure_reasons.get(reason, 0) + 1
                 self._failed_loads.add(spec.req_id)
                 self._finished_loads.add(spec.req_id)
