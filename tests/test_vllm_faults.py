@@ -150,8 +150,9 @@ def test_keyed_namespace_rejects_forged_states_and_cannot_be_probed(
         seed, spec(seed, "kv_producer", [seed.producer], [""], store_uri, extra_config=extra), workdir, env)
     store = open_store(store_uri)
 
-    # The attacker: the layout is readable (sealed, not encrypted), the keys of a prompt are not.
-    (layout_key,) = [k for k, _ in store.scan("tenantA/") if k.endswith("/layout")]
+    # The attacker: the layout is readable (sealed, not encrypted; named ``layout.{tag}`` in a
+    # keyed namespace), the keys of a prompt are not.
+    (layout_key,) = [k for k, _ in store.scan("tenantA/") if k.rsplit("/", 1)[1].startswith("layout.")]
     layout = CacheLayout.from_json(json.loads((store.get_many([layout_key])[0] or b"")[HEADER_SIZE:]))
     case = seed.cases[1]
     for key in (None, NamespaceKey.derive(b"a guessed secret, not tenant A's", "tenantA")):
