@@ -81,6 +81,27 @@ def test_a_store_error_is_a_miss_with_its_reason_logged(caplog: pytest.LogCaptur
     assert vault.counters.misses == {"store_error": 1}
 
 
+class BuggyStore(MemoryStore):
+    """A store that answers with a wrong number of results: the vault's own code then fails
+    (an error of ours, not a store that is down)."""
+
+    def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
+        return []
+
+
+def test_an_error_of_ours_is_an_internal_error_miss_not_a_store_error(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Issue 32: an error of ours on the lookup thread was counted as ``store_error``."""
+    vault = Vault(BuggyStore(), layout())
+    side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=False)
+    req = SimpleNamespace(request_id="r1", prompt_token_ids=TOKENS[:41], num_tokens=41, cache_salt=None,
+                          lora_request=None, mm_features=None)
+    with caplog.at_level(logging.ERROR, logger="vllm.prefixvault"):
+        assert ask_side(side, req, 0) == (0, False)
+    assert vault.counters.misses == {"internal_error": 1}
+    assert side.guard.errors["lookup"] == 1 and "Traceback" in caplog.text
+
+
 def test_the_scheduler_logs_each_miss_at_debug(caplog: pytest.LogCaptureFixture) -> None:
     vault = filled()
     side = SchedulerSide(ConnectorSettings(), vault.layout, vault, load=True, save=False)

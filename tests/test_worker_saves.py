@@ -478,3 +478,38 @@ def test_a_worker_that_cannot_use_its_caches_is_disabled_and_answers_everything_
     assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 0
     assert all(not t.any() for t in caches.values())
     worker.close()
+
+
+class FailingGets(MemoryStore):
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        from prefixvault.stores.base import StoreUnavailable
+
+        raise StoreUnavailable("the store is down")
+
+
+def test_a_load_tells_our_errors_from_the_stores() -> None:
+    """Issue 32: any exception in a load, an IndexError in our block mapping say, was counted
+    as a ``store_error``: a bug looked like a flaky store. Now a store's failure is the store's
+    and anything else is an internal error, logged with its traceback by the guard."""
+    store = MemoryStore()
+    vault = Vault(store, layout())
+    worker, _ = engine(vault, staging=1 << 20)
+    worker.save([spec(vault)], step=1)
+    deadline = time.monotonic() + 5
+    while worker.counters.published < 1 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    hashes = vault.hashes(TOKENS)
+    # Block ids past the engine's 16 blocks: our mapping fails, not the store.
+    worker.load([LoadSpec("ours", hashes, 3 * BS, 0, ([91, 92, 93], [0, 92, 93], [0, 0, 94]))])
+    assert settle_loads(worker) == ({"ours"}, {"ours"})
+    assert worker.counters.failure_reasons == {"internal_error": 1}
+    assert worker.guard.errors["worker"] == 1
+    worker.close()
+
+    down = Vault(FailingGets(), layout())
+    worker, _ = engine(down, staging=1 << 20)
+    worker.load([LoadSpec("theirs", hashes, 3 * BS, 0, ([11, 12, 13], [0, 12, 13], [0, 0, 14]))])
+    assert settle_loads(worker) == ({"theirs"}, {"theirs"})
+    assert worker.counters.failure_reasons == {"store_error": 1}
+    assert worker.guard.total == 0
+    worker.close()

@@ -114,6 +114,7 @@ class Miss(StrEnum):
     STORE_ERROR = "store_error"  # the store failed during the lookup
     BREAKER_OPEN = "breaker_open"  # the store failed too often lately and was not called
     LOOKUP_TIMEOUT = "lookup_timeout"  # the lookup took longer than the connector's lookup_timeout
+    INTERNAL_ERROR = "internal_error"  # an error of prefixvault's own (a bug: logged with its traceback)
 
 
 @dataclass(frozen=True)

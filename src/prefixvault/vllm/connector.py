@@ -118,7 +118,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                                      staging_bytes=staging_bytes(self.settings, self.layout, vllm_config),
                                      hold_bytes=self.settings.save_hold_mib << 20 if hold_outputs else 0,
                                      drain_timeout=self.settings.save_drain_timeout,
-                                     num_blocks=int(kv_cache_config.num_blocks))
+                                     num_blocks=int(kv_cache_config.num_blocks), guard=self.guard)
 
     @property
     def scheduler(self) -> SchedulerSide | None:

@@ -36,6 +36,7 @@ from prefixvault.identity import content_digest
 from prefixvault.keys import ExtraKeys, MultimodalItem
 from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample, write_sample
+from prefixvault.stores.base import StoreError
 from prefixvault.stores.breaker import BreakerOpen
 from prefixvault.vault import LookupResult, Miss, Vault
 from prefixvault.vllm.compat import InternalCheckpoints, skips_external
@@ -381,12 +382,17 @@ class SchedulerSide:
             return True
         try:
             hashes, found = st.lookup.result()
-        except Exception as e:  # fail closed: a store problem is a miss
+        except Exception as e:  # fail closed: a miss
             self.counters.add(lookup_errors=1)
-            breaker = isinstance(e, BreakerOpen)  # said once when it opened, not per request
-            self.vault.counters.tally("misses", (Miss.BREAKER_OPEN if breaker else Miss.STORE_ERROR).value)
-            log.log(logging.DEBUG if breaker else logging.WARNING,
-                    "prefixvault: lookup failed, computing request %s: %s", req_id, e)
+            if isinstance(e, StoreError):  # the store's failure (an open breaker: said once when it opened)
+                breaker = isinstance(e, BreakerOpen)
+                miss = Miss.BREAKER_OPEN if breaker else Miss.STORE_ERROR
+                self.vault.counters.tally("misses", miss.value)
+                log.log(logging.DEBUG if breaker else logging.WARNING,
+                        "prefixvault: lookup failed, computing request %s: %s", req_id, e)
+            else:  # ours (hashing, planning): an internal error, with its traceback, once per type
+                self.vault.counters.tally("misses", Miss.INTERNAL_ERROR.value)
+                self.guard.failed("lookup", e)
             st.hit, st.lookup = 0, None
             return True
         if len(hashes) > len(st.hashes):

@@ -47,8 +47,10 @@ from prefixvault.boundary import Refusal
 from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheLayout
 from prefixvault.staging import Reservation, SlotPool, StagingRing
+from prefixvault.stores.base import StoreError
 from prefixvault.stores.breaker import BreakerOpen
 from prefixvault.vault import ObjectRef, RankAck, Vault
+from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec, save_id
 from prefixvault.vllm.views import group_ios
 
@@ -88,10 +90,12 @@ class WorkerSide:
     def __init__(
         self, layout: CacheLayout, vault: Vault | None, rank: int, layer_groups: Sequence[Sequence[str]],
         staging_bytes: int = 0, drain_timeout: float = 30.0, hold_bytes: int = 0,
-        num_blocks: int | None = None,
+        num_blocks: int | None = None, guard: Guard | None = None,
     ) -> None:
         """``num_blocks``: the engine's manager blocks (``KVCacheConfig.num_blocks``); a layer
-        with more (kernel blocks) is viewed as that many manager blocks."""
+        with more (kernel blocks) is viewed as that many manager blocks. ``guard``: where errors
+        of ours (not the store's) are counted and logged, the connector's own."""
+        self.guard = guard or Guard()
         self.layout = layout
         self.vault = vault
         self.rank = rank
@@ -249,7 +253,7 @@ class WorkerSide:
             try:
                 self.release(releases, step)
             except Exception as e:  # every stored one is still reported sent
-                log.warning("prefixvault: releasing held saves failed: %s", e)
+                self._failed("releasing held saves", e)
                 self.counters.add(save_errors=1)
                 self.fail_releases(releases, step)
         if saves:
@@ -271,7 +275,7 @@ class WorkerSide:
                     continue
                 staged = self._stage(spec)
             except Exception as e:  # one save's error of ours costs that save only
-                log.warning("prefixvault: save for request %s not staged: %s", spec.req_id, e)
+                self._failed(f"staging the save of request {spec.req_id}", e)
                 self.counters.add(save_errors=1)
                 self._settle(sid, False)
                 continue
@@ -349,8 +353,8 @@ class WorkerSide:
                     self._settle(sid, False)
                 else:
                     self._store_held(sid, *entry)
-            except Exception as e:  # one save's error of ours costs that save only
-                log.warning("prefixvault: held save for request %s not stored: %s", rel.req_id, e)
+            except Exception as e:  # one save's error costs that save only
+                self._failed(f"storing the held save of request {rel.req_id}", e)
                 self.counters.add(save_errors=1)
                 self._settle(sid, False)
             finally:
@@ -477,7 +481,7 @@ class WorkerSide:
             outcomes = self._store_many([spec for _, spec, _, _, _, _ in batch],
                                         lambda ref, _block: payloads[ref.key])
         except Exception as e:  # logged here: nothing else sees this thread's errors
-            log.warning("prefixvault: %d saves failed: %s", len(batch), e)
+            self._failed(f"storing {len(batch)} saves", e)
             self.counters.add(save_errors=len(batch))
         finally:
             assert self._staging is not None
@@ -500,8 +504,7 @@ class WorkerSide:
             all_acks = self.vault.save_many(self.rank, [(s.hashes, s.plans) for s in specs], read)
         except Exception as e:  # a store problem costs future hits, never a request
             self.counters.add(save_errors=len(specs))
-            log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
-                    "prefixvault: %d saves failed: %s", len(specs), e)
+            self._failed(f"{len(specs)} saves", e)
             return [False] * len(specs)
         return self._publish(specs, all_acks)
 
@@ -511,8 +514,7 @@ class WorkerSide:
             acks = self.vault.save(self.rank, spec.hashes, spec.plans, read, read_into)
         except Exception as e:  # a store problem costs future hits, never this request
             self.counters.add(save_errors=1)
-            log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
-                    "prefixvault: save for request %s failed: %s", spec.req_id, e)
+            self._failed(f"the save of request {spec.req_id}", e)
             return False
         return self._publish([spec], [acks])[0]
 
@@ -527,10 +529,8 @@ class WorkerSide:
                                                 for spec, acks in zip(specs, all_acks, strict=True)])
         except Exception as e:  # a store problem costs future hits, never a request
             self.counters.add(save_errors=len(specs))
-            # an open breaker was said once when it opened; not once per request
-            log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
-                    "prefixvault: publishing %d saves (first: request %s) failed: %s",
-                    len(specs), specs[0].req_id if specs else "-", e)
+            self._failed(f"publishing {len(specs)} saves (first: request "
+                         f"{specs[0].req_id if specs else '-'})", e)
             return [False] * len(specs)
         done = []
         for results in outcomes:
@@ -575,9 +575,9 @@ class WorkerSide:
         try:
             ok = self._load_one(spec, marks)
         except Exception as e:  # any error of ours or of the store: the request recomputes
-            log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
-                    "prefixvault: load for request %s failed: %s", spec.req_id, e)
-            self._count_failure("breaker_open" if isinstance(e, BreakerOpen) else "store_error")
+            self._failed(f"the load of request {spec.req_id}", e)
+            self._count_failure("breaker_open" if isinstance(e, BreakerOpen)
+                                else "store_error" if isinstance(e, StoreError) else "internal_error")
         finally:  # reported whatever happened: vLLM waits for every load it was promised
             with self._lock:
                 self.counters.add(loads=1)
@@ -597,6 +597,16 @@ class WorkerSide:
                 self.counters.failure_reasons[reason] = self.counters.failure_reasons.get(reason, 0) + 1
                 self._failed_loads.add(spec.req_id)
                 self._finished_loads.add(spec.req_id)
+
+    def _failed(self, what: str, e: Exception) -> None:
+        """Say why ``what`` failed: a store's failure as a warning (an open breaker quietly: it
+        was said once when it opened); anything else is a bug of ours, counted as an internal
+        error and logged once per type with its traceback (``Guard``), never as the store's."""
+        if isinstance(e, StoreError):
+            log.log(logging.DEBUG if isinstance(e, BreakerOpen) else logging.WARNING,
+                    "prefixvault: %s failed: %s", what, e)
+        else:
+            self.guard.failed("worker", e)
 
     def _count_failure(self, reason: str) -> None:
         self._count(self.counters.failure_reasons, reason)
