@@ -91,6 +91,12 @@ def restored(vault: Vault, worker: WorkerSide, caches: dict[str, torch.Tensor],
     assert np.all(caches["s"][14].numpy() == state)
 
 
+def wait_published(worker: WorkerSide, n: int = 1) -> None:
+    deadline = time.monotonic() + 5
+    while worker.counters.published < n and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def settle_loads(worker: WorkerSide) -> tuple[set[str], set[str]]:
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline:
@@ -249,9 +255,7 @@ def test_a_stopping_worker_abandons_a_stuck_load_within_its_deadline_and_says_so
     vault = Vault(store, layout())
     worker, _ = engine(vault, staging=1 << 20)
     worker.save([spec(vault)], step=1)
-    deadline = time.monotonic() + 5
-    while worker.counters.published < 1 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_published(worker)
     store.gate.clear()
     hashes = vault.hashes(TOKENS)
     back = LoadSpec("back", hashes, 3 * BS, 0, ([11, 12, 13], [0, 12, 13], [0, 0, 14]))
@@ -495,9 +499,7 @@ def test_a_load_tells_our_errors_from_the_stores() -> None:
     vault = Vault(store, layout())
     worker, _ = engine(vault, staging=1 << 20)
     worker.save([spec(vault)], step=1)
-    deadline = time.monotonic() + 5
-    while worker.counters.published < 1 and time.monotonic() < deadline:
-        time.sleep(0.005)
+    wait_published(worker)
     hashes = vault.hashes(TOKENS)
     # Block ids past the engine's 16 blocks: our mapping fails, not the store.
     worker.load([LoadSpec("ours", hashes, 3 * BS, 0, ([91, 92, 93], [0, 92, 93], [0, 0, 94]))])

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prefixvault.boundary import needed_blocks
@@ -70,7 +70,8 @@ SEALED = "sealed"
 
 
 def load_layouts(
-    store: Store, keys: Mapping[str, NamespaceKey] | None = None, sealed: set[tuple[str, str]] | None = None
+    store: Store, keys: Mapping[str, NamespaceKey] | None = None, sealed: set[tuple[str, str]] | None = None,
+    scanned: Iterable[str] | None = None,
 ) -> dict[tuple[str, str], CacheLayout | None]:
     """Every (namespace, fingerprint) in the store, with its layout if one was saved and
     verifies (with the namespace's key where ``keys`` has one). Scopes whose layout is sealed
@@ -78,7 +79,7 @@ def load_layouts(
     keys = keys or {}
     found: dict[tuple[str, str], CacheLayout | None] = {}
     layout_keys: list[tuple[tuple[str, str], str]] = []
-    for key, _ in store.scan():
+    for key in _keys(store, scanned):
         sp = _split(key)
         if sp is None:
             continue
@@ -140,8 +141,13 @@ def _is_named(rest: list[str], name: str) -> bool:
     return len(rest) == 1 and (rest[0] == name or rest[0].startswith(name + "."))
 
 
-def _records(store: Store) -> Iterator[tuple[str, str, str]]:
-    for key, _ in store.scan():
+def _keys(store: Store, scanned: Iterable[str] | None) -> Iterable[str]:
+    """The store's keys: ``scanned`` where a caller already listed them (one scan per walk)."""
+    return scanned if scanned is not None else (k for k, _ in store.scan())
+
+
+def _records(keys: Iterable[str]) -> Iterator[tuple[str, str, str]]:
+    for key in keys:
         sp = _split(key)
         if sp is not None and sp[2][0] == "r" and len(sp[2]) == 2:
             yield key, sp[0], sp[1]
@@ -270,14 +276,14 @@ class _ScopeAudit:
 
 def _check_unreached(store: Store, layouts: Mapping[tuple[str, str], CacheLayout | None],
                      sealed: set[tuple[str, str]], keys: Mapping[str, NamespaceKey],
-                     checked: set[str], report: AuditReport, batch: int) -> None:
+                     checked: set[str], report: AuditReport, batch: int, scanned: Iterable[str]) -> None:
     """Check every KV block and state no record's check read: a corrupt one would otherwise
     stay, and a later producer that finds it present would publish a record over it. Each is
     checked against all its key tells (kind, layout, hash, group, rank; with the layout its
     dtype, shape and length; a boundary that is a whole number of blocks) and its checksum or
     MAC. Objects of a sealed namespace whose key was not given are left alone."""
     todo: list[tuple[str, str, str, list[str]]] = []
-    for key, _ in store.scan():
+    for key in scanned:
         sp = _split(key)
         if sp is None or key in checked:
             continue
@@ -334,9 +340,10 @@ def audit(store: Store, repair: bool = False, batch: int = 64,
     keys = keys or {}
     report = AuditReport()
     sealed: set[tuple[str, str]] = set()
-    layouts = load_layouts(store, keys, sealed)
+    scanned = [k for k, _ in store.scan()]  # one listing of the store for every pass below
+    layouts = load_layouts(store, keys, sealed, scanned)
     scopes: dict[tuple[str, str], list[str]] = {}
-    for rkey, ns, fp in _records(store):
+    for rkey, ns, fp in _records(scanned):
         scopes.setdefault((ns, fp), []).append(rkey)
     bad_objects: set[str] = set()
     checked: set[str] = set()
@@ -352,7 +359,7 @@ def audit(store: Store, repair: bool = False, batch: int = 64,
         scope.run(sorted(rkeys))
         bad_objects |= scope.bad_objects
         checked.update(scope.checked)
-    _check_unreached(store, layouts, sealed, keys, checked, report, batch)
+    _check_unreached(store, layouts, sealed, keys, checked, report, batch, scanned)
     bad_objects.update(report.unreached_bad)
     if repair:
         broken = sorted(report.broken_records)
