@@ -146,7 +146,8 @@ def test_last_drops_the_hold_of_a_failed_preempted_or_moved_request() -> None:
         assert finish(s, req, status, tables) == (False, [("r", False)]), how
         assert not s._saving_any([held.hashes[1]]), how  # no save of 8 is in flight
         reason = {"failed": "request_failed", "preempted": "preempted"}.get(how, "blocks_moved")
-        assert s.counters.refused.get(reason) == 1, (how, s.counters.refused)
+        assert s.counters.holds_dropped.get(reason) == 1, (how, s.counters.holds_dropped)
+        assert not s.counters.refused.get(reason), "a held boundary dropped is not a refused boundary"
 
 
 def test_a_request_without_an_output_boundary_frees_its_blocks_at_once() -> None:

@@ -31,8 +31,10 @@ class SlowPuts(MemoryStore):
         super().__init__()
         self.release = threading.Event()
         self.release.set()
+        self.started = threading.Event()  # a put is waiting
 
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
+        self.started.set()
         self.release.wait(10)
         return super().put_many(items)
 
@@ -75,9 +77,12 @@ def test_samples_in_flight_are_bounded(monkeypatch: Any) -> None:
     side = SchedulerSide(ConnectorSettings(verify_sample=1.0), vault.layout, vault, load=True, save=False)
     reqs = [restored(side, f"b{i}") for i in range(4)]
     store.release.clear()
-    for r in reqs:
+    store.started.clear()
+    side.request_finished(reqs[0])
+    assert store.started.wait(5)  # the first is being written (a batch of one)
+    for r in reqs[1:]:
         side.request_finished(r)
-    # two in flight; the next two dropped and counted
+    # two in flight (one written, one queued); the next two dropped and counted
     assert (side.counters.samples, side.counters.sample_errors) == (4, 2)
     # gives up waiting after SAMPLE_DRAIN_S (the engine's shutdown is not held), drops the one
     # queued (counted), and says the store must stay open for the one being written

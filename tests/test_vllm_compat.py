@@ -212,6 +212,46 @@ def test_a_worker_whose_tensors_do_not_match_is_inert_not_dead(monkeypatch: pyte
     assert conn.build_connector_worker_meta() is not None  # the save is settled: no lookup held for it
 
 
+def test_every_figure_the_connector_reports_is_a_metric_it_exports(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 32: figures were counted and never exported, and one name meant two things. Each
+    key the connector reports (both roles, every labelled kind filled) names an exported metric
+    with the right number of labels."""
+    import vllm.distributed.parallel_state as parallel_state
+
+    from prefixvault.boundary import Refusal
+    from prefixvault.vllm.connector import PrefixVaultConnector
+    from prefixvault.vllm.lane import Failure
+    from prefixvault.vllm.stats import COUNTERS, LABELLED
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=BF16)
+    keys: set[str] = set()
+    for role in (KVConnectorRole.SCHEDULER, KVConnectorRole.WORKER):
+        conn = PrefixVaultConnector(_vllm_config(), role, _config((["a"], spec)))
+        assert conn.vault is not None
+        for name in ("rejected", "misses", "refused"):
+            conn.vault.counters.tally(name, "x")
+        if conn.scheduler is not None:
+            conn.scheduler.counters.refused[Refusal.STALE.value] = 1
+            conn.scheduler.counters.holds_dropped["preempted"] = 1
+        if conn.worker is not None:
+            conn.worker.counters.save_dropped["staging_full"] = 1
+            conn.worker.counters.failure_reasons["missing"] = 1
+        lanes = conn.scheduler.lanes if conn.scheduler else []
+        for lane in [*lanes, *(conn.worker.lanes if conn.worker else [])]:
+            lane.counters.add(jobs=1, batches=1)
+            lane.counters.tally(Failure.TIMEOUT)
+        keys |= set(conn._totals())
+        conn.shutdown()
+    for key in keys:
+        name, *labels = key.split(":")
+        plain = name in COUNTERS and not labels
+        assert plain or (name in LABELLED and len(labels) == len(LABELLED[name][1])), key
+    names = {k.split(":")[0] for k in keys}
+    assert {"loads", "loaded_tokens", "saved_boundaries", "saves_published", "publish_refused",
+            "holds_dropped", "load_failures", "lane_jobs", "lane_batches", "lane_failed"} <= names
+
+
 # -- prefill checkpoints exported inside a chunk ---------------------------------------------------
 
 
@@ -323,7 +363,7 @@ def test_a_forked_child_gets_a_clear_error_from_the_connector_never_a_hang() -> 
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:  # a connector thread inside a critical section at the fork
-        with side._queue_lock:
+        with side._lookups._cond:  # the lookup lane's lock
             held.set()
             release.wait(30)
 

@@ -6,13 +6,15 @@ request B arrives with a prompt of its own: B's lookup and both requests' saves 
 First with a fast link, then with every round trip stalled for longer than many engine steps.
 Lookups, loads and saves run on their own threads, so A's gaps between tokens must stay what
 they were without the stall (B's own prefill step is in both runs); were any store call made in
-a step, a gap would be at least the stall.
+a step, a gap would be at least the stall. The server's /metrics then shows every counter the
+connector keeps.
 """
 
 from __future__ import annotations
 
 import itertools
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -26,6 +28,7 @@ from prefixvault.testing.models import build_model, engine_kwargs
 from prefixvault.testing.netfault import SlowLink
 from prefixvault.testing.servers import server
 from prefixvault.testing.valkey import Valkey
+from prefixvault.vllm.stats import COUNTERS, LABELLED
 
 pytestmark = pytest.mark.slow
 PROFILE = "shortconv-hybrid"
@@ -67,6 +70,21 @@ def gaps_while_another_arrives(url: str, seed: int) -> list[float]:
     return [y - x for x, y in itertools.pairwise(times)]
 
 
+def check_metrics(url: str) -> None:
+    """Every counter the connector keeps is a family on the server's /metrics (issue 32: many
+    were counted and never exported), and the lanes that ran say so."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=30).read().decode()
+    for name in [*COUNTERS, *LABELLED]:
+        assert re.search(rf"^# TYPE vllm:prefixvault_{name}(_total)? counter$", text, re.M), name
+    def value(pattern: str) -> float:
+        found = re.search(rf"^{pattern} (\S+)$", text, re.M)
+        return float(found.group(1)) if found else 0.0
+
+    for lane in ("lookup", "save"):
+        assert value(rf'vllm:prefixvault_lane_jobs_total{{[^}}]*lane="{lane}"[^}}]*}}') > 0, lane
+    assert value(r"vllm:prefixvault_lookups_total{[^}]*}") > 0
+
+
 def test_a_stalled_store_does_not_stall_decoding(tmp_path: Path) -> None:
     model = build_model(PROFILE, tmp_path / "m", seed=0)
     engine = engine_kwargs(PROFILE, model)
@@ -84,6 +102,7 @@ def test_a_stalled_store_does_not_stall_decoding(tmp_path: Path) -> None:
             link.delay = STALL
             stalled = gaps_while_another_arrives(url, 2)
             link.delay = 0.0
+            check_metrics(url)
         assert max(stalled) < min(STALL, max(fast) + 1.0), (max(fast), max(stalled))
         log = (tmp_path / "server.log").read_text(errors="replace")
         assert "failed" not in "".join(line for line in log.splitlines(True) if "prefixvault:" in line)

@@ -61,6 +61,13 @@ def test_prometheus_counters_by_reason() -> None:
     assert registry.get_sample_value("vllm:prefixvault_hit_tokens_total", {"engine": "0"}) == 768
     assert registry.get_sample_value("vllm:prefixvault_refused_total",
                                      {"engine": "0", "reason": "null_block"}) == 2
+    prom.observe({"lane_failed:load:timeout": 3, "lane_jobs:save": 5, "load_failures:missing": 1,
+                  "lane_failed:load": 9, "unknown_name": 4})  # a key of the wrong shape is not exported
+    assert registry.get_sample_value("vllm:prefixvault_lane_failed_total",
+                                     {"engine": "0", "lane": "load", "reason": "timeout"}) == 3
+    assert registry.get_sample_value("vllm:prefixvault_lane_jobs_total", {"engine": "0", "lane": "save"}) == 5
+    assert registry.get_sample_value("vllm:prefixvault_load_failures_total",
+                                     {"engine": "0", "reason": "missing"}) == 1
 
 
 def test_schedule_follows_align_mode() -> None:

@@ -4,6 +4,7 @@ finished only after they landed. Real vault, store and CPU tensors; no engine.""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
 
@@ -11,6 +12,7 @@ import numpy as np
 import torch
 from test_vault import BS, fill, layout
 
+from prefixvault.stores.breaker import BreakerStore
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
 from prefixvault.vllm.metadata import LoadSpec
@@ -88,4 +90,104 @@ def test_a_load_larger_than_the_pinned_buffer_goes_through_it_in_pieces() -> Non
         assert np.all(caches["a"][b].numpy() == i + 0.5)
     untouched = [b for b in range(16) if b not in blocks]
     assert not caches["a"][untouched].any()
+    worker.close()
+
+
+class GatedGets(MemoryStore):
+    """Records every read; a read waits while ``gate`` is clear (a store that stalls)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.reading = threading.Event()
+        self.reads: list[list[str]] = []
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        self.reads.append(list(keys))
+        self.reading.set()
+        self.gate.wait(30)
+        return super().get_into(keys, buffers)
+
+
+def _caches() -> dict[str, torch.Tensor]:
+    return {"a": torch.full((16, 2, BS, 4), -1.0), "w": torch.full((16, 2, BS, 4), -1.0),
+            "s": torch.full((16, 4, 4), -1.0)}
+
+
+def _finished(worker: WorkerSide, want: int, timeout: float = 5.0) -> tuple[set[str], set[str]]:
+    done: set[str] = set()
+    failed: set[str] = set()
+    deadline = time.monotonic() + timeout
+    while len(done) < want and time.monotonic() < deadline:
+        d, f = worker.take_finished()
+        done |= d
+        failed |= f
+        time.sleep(0.005)
+    return done, failed
+
+
+def test_loads_queued_together_are_read_in_one_round_trip_and_a_shared_object_once() -> None:
+    """Issue 32: loads were one request per round trip on one thread, so N restored requests
+    over a 20 ms link waited N x 20 ms. Loads queued by the time the load lane is free go to
+    the store as one batch, and an object two of them need is read once."""
+    store = GatedGets()
+    vault = Vault(store, layout())
+    fill(vault, TOKENS, [16, 40])
+    caches = _caches()
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]])
+    worker.register_kv_caches(caches)
+    hashes = vault.hashes(TOKENS[:41])
+    store.gate.clear()
+    worker.load([LoadSpec("first", hashes[:5], 40, 0, ([1, 2, 3, 4, 5], [0, 0, 0, 0, 6], [0, 0, 0, 0, 7]))])
+    assert store.reading.wait(5)  # the first load is inside the store
+    # six requests restoring the same 16-token boundary into blocks of their own
+    tables = [([6, 7], [0, 8], [0, 8]), ([9, 10], [0, 9], [0, 9]), ([11, 12], [0, 10], [0, 10]),
+              ([13, 14], [0, 11], [0, 11]), ([15, 1], [0, 12], [0, 12]), ([2, 3], [0, 13], [0, 13])]
+    specs = [LoadSpec(f"r{i}", hashes[:2], 16, 0, t) for i, t in enumerate(tables)]
+    worker.load(specs)
+    store.gate.set()
+    done, failed = _finished(worker, 7)
+    assert done == {"first", *(s.req_id for s in specs)} and not failed
+    assert len(store.reads) == 2, store.reads  # the first load, then the six as one batch
+    assert len(store.reads[1]) == len(set(store.reads[1])) == 4  # 2 KV blocks, 1 window block, 1 state
+    for (a, w, s) in tables[:4]:  # fill() stored engine block id + 0.5 (KV), 200 + boundary + 0.5 (state)
+        assert np.all(caches["a"][a[0]].numpy() == 1.5) and np.all(caches["a"][a[1]].numpy() == 2.5)
+        assert np.all(caches["w"][w[1]].numpy() == 101.5)
+        assert np.all(caches["s"][s[1]].numpy() == 216.5)
+    assert worker.counters.loads == 7 and worker.counters.loaded_tokens == 40 + 6 * 16
+    worker.close()
+
+
+def test_a_load_past_its_deadline_is_recomputed_never_written_late_and_counts_for_the_breaker() -> None:
+    """Issue 32: a load had no deadline, so a store that hangs without an error held its
+    request forever and never tripped the breaker. Past ``load_timeout`` (plus its bytes at
+    the floor rate) the load is reported failed, its late bytes never land in blocks vLLM
+    has since given to the recompute, and the breaker counts a failure."""
+    inner = GatedGets()
+    store = BreakerStore("memory://deadline", lambda uri: inner, store=inner)
+    vault = Vault(store, layout())
+    fill(vault, TOKENS, [16, 40])
+    caches = _caches()
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], load_timeout=0.2)
+    worker.register_kv_caches(caches)
+    spec = LoadSpec("r", vault.hashes(TOKENS[:41])[:5], 40, 0,
+                    ([1, 2, 3, 4, 5], [0, 0, 0, 0, 6], [0, 0, 0, 0, 7]))
+    assert 0.2 < worker.load_deadline(spec) < 0.25
+    inner.gate.clear()
+    t0 = time.monotonic()
+    worker.load([spec])
+    assert _finished(worker, 1) == ({"r"}, {"r"})
+    assert 0.2 <= time.monotonic() - t0 < 2
+    assert worker.counters.failure_reasons == {"timeout": 1}
+    assert store.breaker._failures == 1
+    inner.gate.set()  # the store answers, late
+    deadline = time.monotonic() + 5
+    while worker._loads.busy and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not worker._loads.busy
+    for t in caches.values():
+        assert np.all(t.numpy() == -1), "a load past its deadline wrote its bytes"
+    assert worker.take_finished() == (set(), set())  # reported once
+    assert worker.counters.loads == 1
     worker.close()

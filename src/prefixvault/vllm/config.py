@@ -63,6 +63,9 @@ class ConnectorSettings:
     # requests finish; a request finding every slot taken holds nothing until one is free.
     save_hold_mib: int = 256
     lookup_timeout: float = 1.0  # seconds a lookup may take before its request is computed without it
+    # Seconds a load may take, plus its bytes at 64 MiB/s, before its request is computed
+    # without it (a late load counts as a store failure for the breaker).
+    load_timeout: float = 5.0
     # Host memory (MiB per worker) for saves copied out of the engine and not yet stored; a
     # save that does not fit is dropped. 0: saves are stored inside the engine's step. None
     # ("auto", the default): sized from the model's geometry (``staging_bytes``).
@@ -82,7 +85,8 @@ class ConnectorSettings:
         extra = dict(extra or {})
         known = {"store", "namespace", "capture", "capture_interval", "model_id", "verify_sample",
                  "namespace_secret_file", "namespace_secret_env", "capture_outputs", "lookup_timeout",
-                 "save_staging_mib", "save_drain_timeout", "output_boundaries", "save_hold_mib"}
+                 "load_timeout", "save_staging_mib", "save_drain_timeout", "output_boundaries",
+                 "save_hold_mib"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -137,6 +141,7 @@ class ConnectorSettings:
             output_boundaries=OutputBoundaries(boundaries),
             save_hold_mib=_mib(extra.get("save_hold_mib", 256), "save_hold_mib"),
             lookup_timeout=_seconds(extra.get("lookup_timeout", 1.0), "lookup_timeout"),
+            load_timeout=_seconds(extra.get("load_timeout", 5.0), "load_timeout"),
             save_staging_mib=None if str(extra.get("save_staging_mib", "auto")) == "auto"
             else _mib(extra.get("save_staging_mib"), "save_staging_mib"),
             save_drain_timeout=_seconds(extra.get("save_drain_timeout", 30.0), "save_drain_timeout"),

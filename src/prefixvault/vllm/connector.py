@@ -118,6 +118,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                                      staging_bytes=staging_bytes(self.settings, self.layout, vllm_config),
                                      hold_bytes=self.settings.save_hold_mib << 20 if hold_outputs else 0,
                                      drain_timeout=self.settings.save_drain_timeout,
+                                     load_timeout=self.settings.load_timeout,
                                      num_blocks=int(kv_cache_config.num_blocks), guard=self.guard)
 
     @property
@@ -281,21 +282,34 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             "records_published": c.records_published,
         }
         # Copies first: the lookup and load threads may add a reason while these are read.
-        totals.update({f"rejected:{k}": v for k, v in dict(c.rejected).items()})
-        totals.update({f"lookup_misses:{k}": v for k, v in dict(c.misses).items()})
+        with c._lock:
+            totals.update({f"rejected:{k}": v for k, v in c.rejected.items()})
+            totals.update({f"lookup_misses:{k}": v for k, v in c.misses.items()})
+            totals.update({f"publish_refused:{k}": v for k, v in c.refused.items()})
         totals["internal_errors"] = self.guard.total
         if isinstance(self.vault.store, BreakerStore):
             totals["breaker_opened"] = self.vault.store.breaker.opened
             totals["breaker_refused"] = self.vault.store.breaker.refused
         if self.scheduler is not None:
             s = self.scheduler.counters
-            totals.update(lookups=s.lookups, lookup_errors=s.lookup_errors, hit_tokens=s.hit_tokens,
-                          verify_samples=s.samples, verify_sample_errors=s.sample_errors)
-            totals.update({f"refused:{k}": v for k, v in s.refused.items()})
+            with s._lock:
+                totals.update(lookups=s.lookups, lookup_errors=s.lookup_errors, hit_tokens=s.hit_tokens,
+                              verify_samples=s.samples, verify_sample_errors=s.sample_errors)
+                totals.update({f"refused:{k}": v for k, v in s.refused.items()})
+                totals.update({f"holds_dropped:{k}": v for k, v in s.holds_dropped.items()})
         if self.worker is not None:
             w = self.worker.counters
-            totals.update(load_failures=w.load_failures, save_errors=w.save_errors)
-            totals.update({f"save_dropped:{k}": v for k, v in dict(w.save_dropped).items()})
+            with w._lock:
+                totals.update(save_errors=w.save_errors, loads=w.loads, loaded_tokens=w.loaded_tokens,
+                              saved_boundaries=w.saved_boundaries, saves_published=w.published)
+                totals.update({f"save_dropped:{k}": v for k, v in w.save_dropped.items()})
+                totals.update({f"load_failures:{k}": v for k, v in w.failure_reasons.items()})
+        lanes = [*(self.scheduler.lanes if self.scheduler is not None else []),
+                 *(self.worker.lanes if self.worker is not None else [])]
+        for lane in lanes:
+            for k, v in lane.counters.snapshot().items():
+                name, _, reason = k.partition(":")
+                totals[f"lane_{name}:{lane.name}" + (f":{reason}" if reason else "")] = v
         return totals
 
     def get_kv_connector_stats(self) -> PrefixVaultStats | None:

@@ -10,6 +10,7 @@ exception into the engine, which would kill it.
 from __future__ import annotations
 
 import logging
+import threading
 from collections import Counter
 from collections.abc import Callable
 from typing import TypeVar
@@ -23,12 +24,16 @@ class Guard:
     def __init__(self) -> None:
         self.errors: Counter[str] = Counter()  # entry point -> errors turned into safe answers
         self._logged: set[tuple[str, str]] = set()
+        # Invariant: both change only under this lock (the engine's thread and every lane count here).
+        self._lock = threading.Lock()
 
     def failed(self, where: str, exc: BaseException) -> None:
-        self.errors[where] += 1
         key = (where, type(exc).__name__)
-        if key not in self._logged:
+        with self._lock:
+            self.errors[where] += 1
+            first = key not in self._logged
             self._logged.add(key)
+        if first:
             log.error("prefixvault: %s failed (%s: %s); the request is served without the store "
                       "(logged once per error type)", where, type(exc).__name__, exc, exc_info=exc)
 
@@ -42,4 +47,5 @@ class Guard:
 
     @property
     def total(self) -> int:
-        return sum(self.errors.values())
+        with self._lock:
+            return sum(self.errors.values())

@@ -1,7 +1,8 @@
 """Scheduler side of the connector: look up hits, and turn engine reports into save plans.
 
 Everything here runs in vLLM's engine-core process, inside the scheduler's step. Lookups
-(hashing the prompt, then one or two store round trips) run on a background thread: the scheduler
+(hashing the prompt, then one or two store round trips) run on the lookup lane
+(``prefixvault.vllm.lane``), every lookup queued by then as one batch: the scheduler
 waits for a new one at most ``LOOKUP_WAIT_S`` (a local store answers within it), and not at
 all for one already in flight; until it answers the request is reported undetermined
 (``None``: vLLM keeps it waiting and asks again next step)
@@ -16,6 +17,7 @@ that save settled, and looked up then: what the store is about to hold is not co
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -24,9 +26,10 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, InvalidStateError
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
+from enum import StrEnum
 from functools import partial
 from typing import Any
 
@@ -37,11 +40,11 @@ from prefixvault.keys import ExtraKeys, MultimodalItem
 from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample, write_sample
 from prefixvault.stores.base import StoreError
-from prefixvault.stores.breaker import BreakerOpen
 from prefixvault.vault import LookupResult, Miss, Vault
 from prefixvault.vllm.compat import InternalCheckpoints, skips_external
 from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.guard import Guard
+from prefixvault.vllm.lane import Failure, Lane, failure_of
 from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, Release, SaveSpec, SavesSettled, save_id
 
 log = logging.getLogger("vllm.prefixvault")
@@ -51,6 +54,8 @@ log = logging.getLogger("vllm.prefixvault")
 MAX_PENDING_SAMPLES = 64
 #: How long closing the connector waits for samples still being written.
 SAMPLE_DRAIN_S = 5.0
+#: Lookups queued or running at most; past it a request is a ``busy`` miss (computed).
+LOOKUP_QUEUE = 4096
 #: After this many loads for one request, it is computed without the store.
 MAX_LOADS_PER_REQUEST = 2
 #: How long the scheduler waits for a lookup before it lets the step go on without it.
@@ -90,6 +95,35 @@ def extra_keys(request: Any) -> ExtraKeys:
 _Answer = tuple[list[bytes], LookupResult | None]
 
 
+@dataclass(frozen=True)
+class LookupJob:
+    """A lookup handed to the lookup lane; answered through ``future``."""
+
+    future: Future[_Answer]
+    prompt: list[int]
+    extra: ExtraKeys
+    known: list[bytes]  # chain hashes already computed for the prompt
+    num_tokens: int
+    min_tokens: int  # tokens the engine has: a hit must pass them
+    # Boundaries with a save in flight (the scheduler's live counter, read with ``in`` only);
+    # a prompt naming one is answered None. None: not held for saves.
+    saving: Counter[bytes] | None
+
+
+class LaneFailed(Exception):
+    """A job the lane refused or dropped (queue full, closing, past its deadline)."""
+
+    def __init__(self, reason: Failure) -> None:
+        super().__init__(f"lane {reason.value}")
+        self.reason = reason
+
+
+#: The miss a lookup the lane failed counts as.
+LOOKUP_MISS = {Failure.STORE_ERROR: Miss.STORE_ERROR, Failure.BREAKER_OPEN: Miss.BREAKER_OPEN,
+               Failure.INTERNAL_ERROR: Miss.INTERNAL_ERROR, Failure.TIMEOUT: Miss.LOOKUP_TIMEOUT,
+               Failure.FULL: Miss.BUSY, Failure.CLOSED: Miss.BUSY}
+
+
 @dataclass
 class _Request:
     prompt: list[int]  # what the request's lookup is for
@@ -105,7 +139,7 @@ class _Request:
     saved: int = 0  # highest boundary already handed to workers to save
     loads: int = 0  # loads issued; a request reset after a load looks up afresh
     last_capture: int = 0
-    lookup: Future[_Answer] | None = None  # queued for, or running on, the lookup thread
+    lookup: Future[_Answer] | None = None  # queued for, or running on, the lookup lane
     lookup_since: float = 0.0
     held: bool = False  # its lookup found a save of its prefix in flight; it waits for it once
     local: int = 0  # tokens vLLM's own prefix cache had when the request was looked up
@@ -115,17 +149,27 @@ class _Request:
     hold: SaveSpec | None = None
 
 
+class HoldDrop(StrEnum):
+    """Why a held output boundary (``output_boundaries: last``) was dropped unstored."""
+
+    PREEMPTED = "preempted"  # the request was preempted: it is computed again
+    REQUEST_FAILED = "request_failed"  # it ended in a way that keeps no output (not ``STORED_AT_FINISH``)
+    BLOCKS_MOVED = "blocks_moved"  # a KV block the boundary needs was let go (a sliding window, say)
+    INTERNAL_ERROR = "internal_error"  # an error of ours (logged with its traceback)
+
+
 @dataclass
 class SchedulerCounters:
-    lookups: int = 0
+    lookups: int = 0  # requests looked up (a lookup held for a save in flight counts once)
     lookup_errors: int = 0
-    hit_tokens: int = 0
-    refused: dict[str, int] = field(default_factory=dict)
+    hit_tokens: int = 0  # tokens vLLM allocated to load from the store
+    refused: dict[str, int] = field(default_factory=dict)  # boundaries not saved, by ``Refusal``
+    holds_dropped: dict[str, int] = field(default_factory=dict)  # by ``HoldDrop``
     plans: int = 0
     samples: int = 0
     sample_errors: int = 0
     # Invariant: every change of a number goes through ``add``, under this lock (the
-    # scheduler's thread, the lookup thread and the sample thread all count here).
+    # scheduler's thread, the lookup lane and the sample lane all count here).
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def add(self, **deltas: int) -> None:
@@ -152,17 +196,12 @@ class SchedulerSide:
         self.counters = SchedulerCounters()
         # Which candidate boundaries to store: the same code the policy simulator replays.
         self.admission = Admission(Policy(settings.capture.value), settings.capture_interval, observes=load)
-        # One thread: the scheduler's store calls stay in order, and never run in its step.
-        self._lookups = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-lookup")
-        # Verification samples are written on a thread of their own: a put never delays a lookup.
-        self._sampler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-sample")
-        self._samples_lock = threading.Lock()
-        self._samples_pending: set[Future[None]] = set()  # written or queued; under _samples_lock
-        self._queue_lock = threading.Lock()
-        # Lookups waiting for the lookup thread: (future, prompt, extra keys, known hashes,
-        # prompt tokens, tokens the engine has, saves in flight); under _queue_lock.
-        self._queue: list[tuple[Future[_Answer], list[int], ExtraKeys, list[bytes], int, int,
-                                Counter[bytes] | None]] = []
+        # One lane: the scheduler's store calls stay in order, and never run in its step.
+        self._lookups: Lane[LookupJob] = Lane("lookup", self._run_lookups, self._fail_lookups,
+                                              capacity=LOOKUP_QUEUE, guard=self.guard)
+        # Verification samples are written on a lane of their own: a put never delays a lookup.
+        self._samples: Lane[tuple[VerifySample, str]] = Lane(
+            "sample", self._write_samples, self._drop_samples, capacity=MAX_PENDING_SAMPLES, guard=self.guard)
         self._wait_left = LOOKUP_WAIT_S  # what this step may still wait for new lookups
         # Saves planned and not yet reported settled by every rank: save_id -> (boundary
         # hashes, ranks still to report, when planned); and how many of them name each hash.
@@ -178,22 +217,21 @@ class SchedulerSide:
         self.checkpoints: InternalCheckpoints | None = None
 
     def close(self) -> bool:
-        """Drop lookups still queued; give samples being written ``SAMPLE_DRAIN_S`` to land.
-        Whether no write is still running (if one is, it is in the store's hands: do not close
-        the store under it)."""
-        self._lookups.shutdown(wait=False, cancel_futures=True)
-        with self._samples_lock:
-            pending = set(self._samples_pending)
-        left = futures_wait(pending, timeout=SAMPLE_DRAIN_S).not_done
-        dropped = sum(f.cancel() for f in left)  # queued behind a stalled write: never written
-        with self._samples_lock:
-            self.counters.add(sample_errors=dropped)
-        self._sampler.shutdown(wait=False, cancel_futures=True)
-        if left:
-            log.warning("prefixvault: %d verification samples not written at shutdown (the store did "
-                        "not answer within %.0f s)%s", len(left), SAMPLE_DRAIN_S,
-                        "; the store is left open for the one being written" if len(left) > dropped else "")
-        return len(left) == dropped
+        """Drop lookups still queued and wait for a running one up to ``lookup_timeout`` (its
+        request is a miss by then); give samples ``SAMPLE_DRAIN_S`` to land (those left are
+        dropped). Whether both lanes are idle: if not, a call is in the store's hands, and the
+        store must stay open under it."""
+        lookups_done = self._lookups.close(self.settings.lookup_timeout)
+        samples_done = self._samples.close(SAMPLE_DRAIN_S, drop_queued=False)
+        if not samples_done:
+            log.warning("prefixvault: verification samples not written at shutdown (the store did not "
+                        "answer within %g s); the store is left open for the one being written",
+                        SAMPLE_DRAIN_S)
+        return lookups_done and samples_done
+
+    @property
+    def lanes(self) -> list[Lane[Any]]:
+        return [self._lookups, self._samples]
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -245,7 +283,7 @@ class SchedulerSide:
     def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         st = self._track(request)
         if st is not None and st.hold is not None:  # asked again after decoding: preempted
-            self._drop_hold(st, "preempted")
+            self._drop_hold(st, HoldDrop.PREEMPTED)
         if st is None or not self.load_enabled or self.vault is None:
             return 0, False
         if skips_external(request):  # vLLM would not load it: no lookup, nothing counted
@@ -288,46 +326,46 @@ class SchedulerSide:
 
     def _submit_lookup(self, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
                        min_tokens: int, saving: Counter[bytes] | None) -> Future[_Answer]:
-        """Queue a lookup for the lookup thread, which takes every lookup queued by then as one
+        """Queue a lookup on the lookup lane, which takes every lookup queued by then as one
         batch (``Vault.lookup_many``: one or two round trips for all of them)."""
-        future: Future[_Answer] = Future()
-        with self._queue_lock:
-            self._queue.append((future, prompt, extra, known, num_tokens, min_tokens, saving))
-        self._lookups.submit(self._run_lookups)
-        return future
+        job = LookupJob(Future(), prompt, extra, known, num_tokens, min_tokens, saving)
+        refused = self._lookups.put(job)
+        if refused is not None:
+            job.future.set_exception(LaneFailed(refused))
+        return job.future
 
-    def _run_lookups(self) -> None:
-        """On the lookup thread: hash each queued prompt, then look them up together (it touches
+    def _fail_lookups(self, jobs: list[LookupJob], reason: Failure, error: BaseException | None) -> None:
+        """Lookups the lane could not answer: each is then a miss, by ``reason``."""
+        for job in jobs:
+            with contextlib.suppress(InvalidStateError):  # answered, or cancelled meanwhile
+                job.future.set_exception(error if error is not None else LaneFailed(reason))
+
+    def _run_lookups(self, batch: list[LookupJob]) -> None:
+        """On the lookup lane: hash each queued prompt, then look them up together (it touches
         no request state). A prompt naming a boundary in ``saving`` (a save in flight) answers
         None instead; a store error fails every lookup of the batch (each is then a miss)."""
-        with self._queue_lock:
-            batch, self._queue = self._queue, []
         asks: list[tuple[list[bytes], int, int]] = []
         waiting: list[tuple[Future[_Answer], list[bytes]]] = []
-        for future, prompt, extra, known, num_tokens, min_tokens, saving in batch:
-            if not future.set_running_or_notify_cancel():
+        for job in batch:
+            if not job.future.set_running_or_notify_cancel():
                 continue  # timed out or finished while queued
             try:
                 assert self.vault is not None
-                hashes = self.vault.hashes(prompt, extra, known)
-            except Exception as e:
-                future.set_exception(e)
+                hashes = self.vault.hashes(job.prompt, job.extra, job.known)
+            except Exception as e:  # ours: this lookup only
+                self.guard.failed("lookup", e)
+                job.future.set_exception(e)
                 continue
-            if saving and any(h in saving for h in hashes):
-                future.set_result((hashes, None))
+            if job.saving and any(h in job.saving for h in hashes):
+                job.future.set_result((hashes, None))
                 continue
-            asks.append((hashes, num_tokens, min_tokens))
-            waiting.append((future, hashes))
+            asks.append((hashes, job.num_tokens, job.min_tokens))
+            waiting.append((job.future, hashes))
         if not asks:
             return
         touches: list[tuple[list[str], list[bool]]] = []
-        try:
-            assert self.vault is not None
-            found = self.vault.lookup_many(asks, touch_later=touches)
-        except Exception as e:
-            for future, _ in waiting:
-                future.set_exception(e)
-            return
+        assert self.vault is not None
+        found = self.vault.lookup_many(asks, touch_later=touches)  # raises: the lane fails the batch
         for (future, hashes), result in zip(waiting, found, strict=True):
             future.set_result((hashes, result))
         try:  # answered: now keep what the hits use fresh for the store's eviction
@@ -382,17 +420,11 @@ class SchedulerSide:
             return True
         try:
             hashes, found = st.lookup.result()
-        except Exception as e:  # fail closed: a miss
+        except Exception as e:  # fail closed: a miss (logged where it was caught: the lane, or hashing)
             self.counters.add(lookup_errors=1)
-            if isinstance(e, StoreError):  # the store's failure (an open breaker: said once when it opened)
-                breaker = isinstance(e, BreakerOpen)
-                miss = Miss.BREAKER_OPEN if breaker else Miss.STORE_ERROR
-                self.vault.counters.tally("misses", miss.value)
-                log.log(logging.DEBUG if breaker else logging.WARNING,
-                        "prefixvault: lookup failed, computing request %s: %s", req_id, e)
-            else:  # ours (hashing, planning): an internal error, with its traceback, once per type
-                self.vault.counters.tally("misses", Miss.INTERNAL_ERROR.value)
-                self.guard.failed("lookup", e)
+            miss = LOOKUP_MISS[e.reason if isinstance(e, LaneFailed) else failure_of(e)]
+            self.vault.counters.tally("misses", miss.value)
+            log.debug("prefixvault: lookup failed (%s), computing request %s: %s", miss.value, req_id, e)
             st.hit, st.lookup = 0, None
             return True
         if len(hashes) > len(st.hashes):
@@ -617,11 +649,12 @@ class SchedulerSide:
             return k
         return kinds
 
-    def _drop_hold(self, st: _Request, why: str) -> None:
+    def _drop_hold(self, st: _Request, why: HoldDrop) -> None:
         """The workers free a request's held save, unstored; counted by ``why``."""
         assert st.hold is not None
         self._releases.append((Release(st.hold.req_id, False), []))
-        self.counters.refused[why] = self.counters.refused.get(why, 0) + 1
+        with self.counters._lock:
+            self.counters.holds_dropped[why.value] = self.counters.holds_dropped.get(why.value, 0) + 1
         st.hold = None
 
     def _release_hold(self, st: _Request, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:
@@ -632,13 +665,13 @@ class SchedulerSide:
         spec = st.hold
         assert spec is not None
         if getattr(getattr(request, "status", None), "name", "") not in STORED_AT_FINISH:
-            self._drop_hold(st, "request_failed")
+            self._drop_hold(st, HoldDrop.REQUEST_FAILED)
             return False
 
         def kept(g: int, i: int, b: int) -> bool:
             return g < len(block_ids) and i < len(block_ids[g]) and block_ids[g][i] == b
         if not all(kept(g, i, b) for p in spec.plans for g, i, b in p.blocks):
-            self._drop_hold(st, "blocks_moved")
+            self._drop_hold(st, HoldDrop.BLOCKS_MOVED)
             return False
         boundaries = [spec.hashes[p.tokens // self.block_size - 1] for p in spec.plans]
         for h in boundaries:
@@ -658,7 +691,7 @@ class SchedulerSide:
         if st.hold is not None:  # an error here still frees the workers' hold, and keeps no block
             def dropped() -> bool:
                 if st.hold is not None:
-                    self._drop_hold(st, "internal_error")
+                    self._drop_hold(st, HoldDrop.INTERNAL_ERROR)
                 return False
             delay = self.guard.call("request_finished", lambda: self._release_hold(st, request, block_ids),
                                     dropped)
@@ -677,30 +710,35 @@ class SchedulerSide:
         if params is None or getattr(params, "temperature", 1.0) != 0 or not output:
             return  # only greedy requests can be checked against a cold run
         self.counters.add(samples=1)
-        with self._samples_lock:
-            self._samples_pending = {f for f in self._samples_pending if not f.done()}
-            try:
-                if len(self._samples_pending) >= MAX_PENDING_SAMPLES:
-                    raise RuntimeError(f"{len(self._samples_pending)} samples still being written")
-                record = self.vault.keys.record(self._hashes(st, st.loaded)[-1])
-                sample = VerifySample(st.prompt, st.loaded, record, output, time.time(),
-                                      f"{socket.gethostname()}:{os.getpid()}")
-                rid = request.request_id
-                self._samples_pending.add(self._sampler.submit(self._write_sample, sample, rid))
-            except Exception as e:  # a sample is best effort, never an error in the engine
-                # (the store not keeping up, or the connector closing)
-                self.counters.add(sample_errors=1)
-                log.debug("prefixvault: verification sample for request %s dropped: %s",
-                          request.request_id, e)
-
-    def _write_sample(self, sample: VerifySample, req_id: str) -> None:
-        """On the sample thread: a sample is best effort, never an error in the engine."""
-        assert self.vault is not None
         try:
-            if write_sample(self.vault.store, sample, self.vault.key):
-                return
-            log.warning("prefixvault: verification sample for request %s not written", req_id)
-        except Exception as e:
-            log.warning("prefixvault: verification sample for request %s not written: %s", req_id, e)
-        with self._samples_lock:  # the scheduler's thread counts drops under it too
+            record = self.vault.keys.record(self._hashes(st, st.loaded)[-1])
+            sample = VerifySample(st.prompt, st.loaded, record, output, time.time(),
+                                  f"{socket.gethostname()}:{os.getpid()}")
+        except Exception as e:  # a sample is best effort, never an error in the engine
             self.counters.add(sample_errors=1)
+            self.guard.failed("sample", e)
+            return
+        refused = self._samples.put((sample, request.request_id))
+        if refused is not None:  # the store not keeping up, or the connector closing
+            self.counters.add(sample_errors=1)
+            log.debug("prefixvault: verification sample for request %s dropped (%s)", request.request_id,
+                      refused.value)
+
+    def _write_samples(self, batch: list[tuple[VerifySample, str]]) -> None:
+        """On the sample lane: each sample written on its own, best effort (a failed one is
+        counted, the store's failure as a warning, ours with its traceback once per type)."""
+        assert self.vault is not None
+        for sample, req_id in batch:
+            try:
+                if write_sample(self.vault.store, sample, self.vault.key):
+                    continue
+                log.warning("prefixvault: verification sample for request %s not written", req_id)
+            except StoreError as e:
+                log.warning("prefixvault: verification sample for request %s not written: %s", req_id, e)
+            except Exception as e:
+                self.guard.failed("sample", e)
+            self.counters.add(sample_errors=1)
+
+    def _drop_samples(self, batch: list[tuple[VerifySample, str]], reason: Failure,
+                      error: BaseException | None) -> None:
+        self.counters.add(sample_errors=len(batch))

@@ -1,7 +1,13 @@
 """Connector metrics: vLLM's ``KVConnectorStats`` (logged) and Prometheus counters.
 
 Every figure is a counter delta since the last report, keyed by a flat name, so worker and
-scheduler reports simply add up.
+scheduler reports simply add up. A labelled figure's key carries its label values after the
+name, ``name:value[:value]`` (``refused:null_block``, ``lane_failed:load:timeout``).
+
+Naming rules: one name, one meaning (the vault's own lookup counters are ``lookup_asks`` and
+``found_tokens``, never the connector's ``lookups`` and ``hit_tokens``); each labelled metric
+takes its reasons from one enum (``Refusal``, ``HoldDrop``, ``SaveDrop``, ``LoadFailure``,
+``Miss``, ``Failure``, the codec's rejections).
 """
 
 from __future__ import annotations
@@ -20,10 +26,13 @@ COUNTERS: dict[str, str] = {
     "get_bytes": "Bytes read from the store and verified",
     "get_failed": "Objects missing or rejected on load",
     "records_published": "Boundary records published",
-    "lookups": "Store lookups",
+    "lookups": "Requests looked up in the store",
     "lookup_errors": "Lookups that failed (counted as misses)",
-    "hit_tokens": "Prompt tokens restored from the store",
-    "load_failures": "Requests whose load failed and were recomputed",
+    "hit_tokens": "Prompt tokens vLLM was told to load from the store",
+    "loads": "Loads run by a worker (each rank counts its own)",
+    "loaded_tokens": "Tokens loaded from the store into the engine's blocks (each rank counts its own)",
+    "saved_boundaries": "Boundaries whose objects a worker stored (each rank counts its own)",
+    "saves_published": "Boundaries of a worker's saves published (a new record, or one already there)",
     "save_errors": "Boundaries whose objects could not all be stored",
     "verify_samples": "Restored requests sampled for verification (verify_sample), written in the background",
     "verify_sample_errors": "Verification samples not written (a store error, or too many in flight)",
@@ -31,11 +40,21 @@ COUNTERS: dict[str, str] = {
     "breaker_opened": "Times the store's circuit breaker opened (the store failed repeatedly)",
     "breaker_refused": "Store calls not made because the breaker was open (misses, skipped saves)",
 }
-LABELLED = {
-    "refused": "Boundaries refused, by reason",
-    "rejected": "Objects rejected on load, by reason",
-    "lookup_misses": "Lookups that restored less than the longest block-aligned prefix, by reason",
-    "save_dropped": "Saves not stored, by reason (staging_full, too_large): raise save_staging_mib",
+#: Labelled counters: help text and label names (after the engine's).
+LABELLED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "refused": ("Boundaries the boundary rule refused to save, by reason", ("reason",)),
+    "publish_refused": ("Boundaries a save could not publish (yet), by reason (missing_rank: another rank "
+                        "publishes once its part is stored)", ("reason",)),
+    "holds_dropped": ("Held output boundaries dropped unstored, by reason", ("reason",)),
+    "rejected": ("Objects rejected on load, by reason", ("reason",)),
+    "lookup_misses": ("Lookups that restored less than the longest block-aligned prefix, by reason",
+                      ("reason",)),
+    "load_failures": ("Loads that failed (their requests recomputed), by reason", ("reason",)),
+    "save_dropped": ("Saves not stored, by reason (staging_full, too_large: raise save_staging_mib; "
+                     "hold_full, hold_too_large: raise save_hold_mib; queue_full; shutdown)", ("reason",)),
+    "lane_jobs": ("Jobs run by a background lane (lookup, sample, save, load)", ("lane",)),
+    "lane_batches": ("Batches run by a background lane (one store round trip or more each)", ("lane",)),
+    "lane_failed": ("Jobs a background lane failed, by lane and reason", ("lane", "reason")),
 }
 
 
@@ -85,16 +104,18 @@ class PrefixVaultPromMetrics(KVConnectorPromMetrics):
             for name, doc in COUNTERS.items()
         }
         self._labelled = {
-            name: self._counter_cls(name=f"vllm:prefixvault_{name}", documentation=doc,
-                                    labelnames=[*labelnames, "reason"])
-            for name, doc in LABELLED.items()
+            name: (self._counter_cls(name=f"vllm:prefixvault_{name}", documentation=doc,
+                                     labelnames=[*labelnames, *labels]), len(labels))
+            for name, (doc, labels) in LABELLED.items()
         }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         values = self.per_engine_labelvalues[engine_idx]
         for key, value in transfer_stats_data.items():
-            name, _, reason = key.partition(":")
-            if reason and name in self._labelled:
-                self._labelled[name].labels(*values, reason).inc(value)
-            elif name in self._plain:
+            name, *labels = key.split(":")
+            if name in self._labelled:
+                counter, n = self._labelled[name]
+                if len(labels) == n:
+                    counter.labels(*values, *labels).inc(value)
+            elif name in self._plain and not labels:
                 self._plain[name].labels(*values).inc(value)

@@ -2,20 +2,24 @@
 
 One worker per tensor-parallel rank. Saves are copied, in ``wait_for_save`` right after the
 forward that computed them, out of the engine's blocks into staging memory (a block may be
-reused by the next step); a save thread then stores the objects and publishes the records, in
-the order the saves were made, while the engine goes on. Staging is a fixed budget: a save that
-does not fit is dropped and counted, never waited for. Each save, stored or dropped, is reported
-back to the scheduler (``take_settled``), which holds lookups of a prefix whose save is in flight.
-Loads are handed, in ``start_load_kv``, to a load thread that reads and verifies the objects and
-writes them into the request's blocks while the engine goes on with other requests; the request
+reused by the next step); the save lane (``prefixvault.vllm.lane``) then stores the objects
+and publishes the records, every save queued by then as one batch, while the engine goes on.
+Staging is a fixed budget: a save that does not fit is dropped and counted, never waited for.
+Each save, stored or dropped, is reported back to the scheduler (``take_settled``), which holds
+lookups of a prefix whose save is in flight.
+Loads are handed, in ``start_load_kv``, to the load lane, which reads every load queued by then
+from the store in one batch (an object two loads need is read once), verifies the objects and
+writes them into each request's blocks while the engine goes on with other requests; the request
 is reported finished (``get_finished``) only after its objects landed, and vLLM schedules its
 first chunk only then. Its blocks are fresh (vLLM caches them only once loaded), so nothing else
-reads or writes them meanwhile.
+reads or writes them meanwhile. Each load has a deadline scaled to its bytes (``load_timeout``
+plus ``LOAD_FLOOR_BYTES_PER_S``): past it the load is reported failed (vLLM recomputes it), its
+late bytes are never written, and the store's breaker counts a failure.
 
 A held save (``output_boundaries: last``) copies only its states, into a slot of its own that
 the request's next held save reuses; when the request finishes, its KV blocks (kept by vLLM
 until this worker reports the request sent) are staged beside the held states and the save
-goes to the save thread as any other.
+goes to the save lane as any other.
 
 Memory on a CUDA engine, all allocated when the caches are registered (vLLM has sized its KV
 cache by then: an allocation that fails shows at start, and nothing grows later): the copy
@@ -36,8 +40,8 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from enum import Enum, StrEnum
 from typing import Any
 
 import numpy as np
@@ -48,9 +52,10 @@ from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheLayout
 from prefixvault.staging import Reservation, SlotPool, StagingRing
 from prefixvault.stores.base import StoreError
-from prefixvault.stores.breaker import BreakerOpen
+from prefixvault.stores.breaker import BreakerOpen, BreakerStore
 from prefixvault.vault import ObjectRef, RankAck, Vault
 from prefixvault.vllm.guard import Guard
+from prefixvault.vllm.lane import Failure, Lane
 from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec, save_id
 from prefixvault.vllm.views import group_ios
 
@@ -61,9 +66,79 @@ LOAD_STAGING_BYTES = 32 << 20
 #: How long a stopping worker waits for a load already running (loads queued are dropped: the
 #: engine they were for is stopping).
 LOAD_DRAIN_S = 5.0
+#: A load's deadline is ``load_timeout`` plus its bytes at this rate (a store slower than this
+#: is no faster than recomputing on any engine worth restoring for).
+LOAD_FLOOR_BYTES_PER_S = 64 << 20
+#: Jobs a lane queues at most; past it a save is dropped, a load fails at once (recomputed).
+SAVE_QUEUE = 4096
+LOAD_QUEUE = 4096
+
+
+class SaveDrop(StrEnum):
+    """Why a save was not stored (``save_dropped``); a store's failure is a ``save_error``."""
+
+    STAGING_FULL = "staging_full"  # more bytes wait for the store than save_staging_mib holds
+    TOO_LARGE = "too_large"  # one save is larger than save_staging_mib
+    HOLD_FULL = "hold_full"  # every save_hold_mib slot is held by a decoding request
+    HOLD_TOO_LARGE = "hold_too_large"  # one boundary's states are larger than save_hold_mib
+    QUEUE_FULL = "queue_full"  # the save lane holds SAVE_QUEUE saves already
+    SHUTDOWN = "shutdown"  # still queued when the engine stopped (save_drain_timeout)
+
+
+class LoadFailure(StrEnum):
+    """Why a load failed (its request is recomputed): one reason per failed load."""
+
+    MISSING = "missing"  # an object it needs is gone from the store
+    REJECTED = "rejected"  # an object failed verification (by why: ``rejected{reason}``)
+    NO_BLOCK = "no_block"  # vLLM gave no block for an object
+    TIMEOUT = "timeout"  # past its deadline (load_timeout plus its bytes)
+    STORE_ERROR = "store_error"
+    BREAKER_OPEN = "breaker_open"
+    INTERNAL_ERROR = "internal_error"  # an error of ours (logged with its traceback)
+    BUSY = "busy"  # the load lane was full
+    SHUTDOWN = "shutdown"  # the engine was stopping
+    DISABLED = "disabled"  # the worker could not use the engine's caches
+
+
+#: What the save and load lanes' failures count as.
+SAVE_DROPPED = {Failure.FULL: SaveDrop.QUEUE_FULL, Failure.CLOSED: SaveDrop.SHUTDOWN,
+                Failure.TIMEOUT: SaveDrop.SHUTDOWN}
+LOAD_FAILED = {Failure.STORE_ERROR: LoadFailure.STORE_ERROR, Failure.BREAKER_OPEN: LoadFailure.BREAKER_OPEN,
+               Failure.INTERNAL_ERROR: LoadFailure.INTERNAL_ERROR, Failure.TIMEOUT: LoadFailure.TIMEOUT,
+               Failure.FULL: LoadFailure.BUSY, Failure.CLOSED: LoadFailure.SHUTDOWN}
 
 #: A save's objects copied into staging: its reservation, payloads by key, copies in flight.
 Staged = tuple[Reservation, dict[str, memoryview], list[Done]]
+
+
+@dataclass(frozen=True)
+class StagedSave:
+    """A save handed to the save lane: its staging goes back (and its hold slot, if any) once
+    it is stored or dropped, and it is settled either way."""
+
+    sid: str
+    spec: SaveSpec
+    reservation: Reservation
+    payloads: dict[str, memoryview]
+    copies: list[Done]
+    slot: int | None
+
+
+class LoadState(Enum):
+    QUEUED = "queued"  # waiting for the load lane, or being read from the store
+    WRITING = "writing"  # its bytes are being written into the request's blocks
+    DONE = "done"  # reported finished (loaded or failed)
+
+
+@dataclass(eq=False)
+class LoadJob:
+    """One request's load on the load lane. ``state`` changes only under the worker's lock:
+    QUEUED -> WRITING -> DONE, or QUEUED -> DONE (failed, or past its deadline); a job DONE
+    before its bytes are written never writes them."""
+
+    spec: LoadSpec
+    marks: Sequence[Any]  # per cache group: the engine's work the writes wait for
+    state: LoadState = LoadState.QUEUED
 
 
 @dataclass
@@ -74,8 +149,8 @@ class WorkerCounters:
     loads: int = 0
     load_failures: int = 0
     loaded_tokens: int = 0
-    failure_reasons: dict[str, int] = field(default_factory=dict)
-    save_dropped: dict[str, int] = field(default_factory=dict)  # saves not stored, by reason
+    failure_reasons: dict[str, int] = field(default_factory=dict)  # failed loads, by ``LoadFailure``
+    save_dropped: dict[str, int] = field(default_factory=dict)  # saves not stored, by ``SaveDrop``
     # Invariant: every change of a number goes through ``add``, under this lock (the engine's
     # thread, the save thread and the load thread all count here).
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
@@ -90,18 +165,19 @@ class WorkerSide:
     def __init__(
         self, layout: CacheLayout, vault: Vault | None, rank: int, layer_groups: Sequence[Sequence[str]],
         staging_bytes: int = 0, drain_timeout: float = 30.0, hold_bytes: int = 0,
-        num_blocks: int | None = None, guard: Guard | None = None,
+        num_blocks: int | None = None, guard: Guard | None = None, load_timeout: float = 5.0,
     ) -> None:
         """``num_blocks``: the engine's manager blocks (``KVCacheConfig.num_blocks``); a layer
         with more (kernel blocks) is viewed as that many manager blocks. ``guard``: where errors
-        of ours (not the store's) are counted and logged, the connector's own."""
+        of ours (not the store's) are counted and logged, the connector's own. ``load_timeout``:
+        the fixed part of a load's deadline (its bytes add to it)."""
         self.guard = guard or Guard()
         self.layout = layout
         self.vault = vault
         self.rank = rank
         self.layer_groups = [list(g) for g in layer_groups]
         self._io: list[GroupIO] = []  # per cache group: copies between its layers' blocks and host bytes
-        self._finished_loads: set[str] = set()  # guarded by _lock (the load thread adds to them)
+        self._finished_loads: set[str] = set()  # guarded by _lock (the load lane adds to them)
         self._failed_loads: set[str] = set()
         # Saves settled since the last report, with whether every boundary was published (a
         # save dropped or failed is not: the scheduler then plans the next one from further
@@ -114,50 +190,38 @@ class WorkerSide:
         # Loads into CUDA caches go through this pinned buffer, one load at a time (under the lock).
         self._load_host: Any = None
         self._load_lock = threading.Lock()
-        self._load_futures: set[Future[None]] = set()  # queued or running loads; under _lock
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-load",
-                                          initializer=self._on_load_thread)
+        self._load_timeout = load_timeout
+        self._loads: Lane[LoadJob] = Lane("load", self._load_batch, self._fail_load_jobs, capacity=LOAD_QUEUE,
+                                          guard=self.guard, on_start=self._on_lane_thread)
         # No staging budget: saves are stored in the step, as they are copied. Allocated once the
         # cache tensors are known (pinned host memory, for a device's copies to overlap).
         self._staging_bytes = staging_bytes if vault is not None else 0
         self._staging: StagingRing | None = None
-        self._saver = ThreadPoolExecutor(max_workers=1, thread_name_prefix="prefixvault-save")
-        self._in_flight = 0  # saves queued on the save thread; under _idle's lock
-        # Staged saves waiting for the save thread: (save_id, spec, reservation, payloads by
-        # key, copies in flight, hold slot to give back once stored); under _lock.
-        self._queue: list[tuple[str, SaveSpec, Reservation, dict[str, memoryview], list[Done],
-                                int | None]] = []
+        self._saves: Lane[StagedSave] = Lane("save", self._store_batch, self._drop_saves, capacity=SAVE_QUEUE,
+                                             guard=self.guard, on_start=self._on_lane_thread)
         # Held saves by request: (spec, slot, the held states' payloads by key). Only the
-        # engine's thread (save, release) touches it; slots go back from the save thread.
+        # engine's thread (save, release) touches it; slots go back from the save lane.
         self._hold_bytes = hold_bytes if vault is not None else 0
         self._holds: SlotPool | None = None
         self._held: dict[str, tuple[SaveSpec, int | None, dict[str, memoryview]]] = {}
         self._sent: set[str] = set()  # requests whose held save's blocks were read; under _lock
-        self._idle = threading.Condition(self._lock)
         self._drain_timeout = drain_timeout
         self.counters = WorkerCounters()
 
     def close(self) -> bool:
-        """Store the saves still queued (up to ``drain_timeout``), drop the loads not started,
-        wait for a running one (up to ``LOAD_DRAIN_S``), then stop the threads. Returns whether
-        both threads are done: if not, one may still be inside a store call, and the store must
-        stay open under it (the caller closes it only when every side drained)."""
-        with self._idle:
-            if self._in_flight:
-                log.info("prefixvault: storing %d queued saves before shutting down", self._in_flight)
-            saves_done = self._idle.wait_for(lambda: self._in_flight == 0, timeout=self._drain_timeout)
-            if not saves_done:
-                log.warning("prefixvault: %d saves not stored at shutdown (save_drain_timeout %.0f s)",
-                            self._in_flight, self._drain_timeout)
-        self._saver.shutdown(wait=saves_done, cancel_futures=True)
-        self._loader.shutdown(wait=False, cancel_futures=True)  # a load now is for a stopping engine
-        with self._lock:
-            loads = [f for f in self._load_futures if not f.cancelled()]
-        _, running = wait(loads, timeout=min(LOAD_DRAIN_S, self._drain_timeout))
-        if running:
-            log.warning("prefixvault: a load still running at shutdown after %.0f s is abandoned",
-                        min(LOAD_DRAIN_S, self._drain_timeout))
-        return saves_done and not running
+        """Store the saves still queued (up to ``drain_timeout``; those left are dropped), drop
+        the loads not started, wait for a running one (up to ``LOAD_DRAIN_S``). Returns whether
+        both lanes are idle: if not, one is still inside a store call, and the store must stay
+        open under it (the caller closes it only when every side drained)."""
+        if self._saves.busy:
+            log.info("prefixvault: storing the queued saves before shutting down (up to %.0f s)",
+                     self._drain_timeout)
+        saves_done = self._saves.close(self._drain_timeout, drop_queued=False)
+        if not saves_done:
+            log.warning("prefixvault: saves not stored at shutdown (save_drain_timeout %.0f s): the "
+                        "store did not answer in time", self._drain_timeout)
+        loads_done = self._loads.close(min(LOAD_DRAIN_S, self._drain_timeout))
+        return saves_done and loads_done
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Block I/O for every cache group, checked against the layout, and the memory the
@@ -202,8 +266,8 @@ class WorkerSide:
                 self._holds = SlotPool(slot, self._hold_bytes // slot)
         self._io = ios
 
-    def _on_load_thread(self) -> None:
-        """The load thread works on the caches' device: a thread that never chose one would
+    def _on_lane_thread(self) -> None:
+        """A lane's thread works on the caches' device: a thread that never chose one would
         open a context on device 0 in every tensor-parallel rank (outside vLLM's budget)."""
         if self._cuda_device is None:
             return
@@ -212,7 +276,7 @@ class WorkerSide:
 
             torch.cuda.set_device(self._cuda_device)
         except Exception as e:  # the copies still name their device explicitly
-            log.warning("prefixvault: the load thread could not select %s: %s", self._cuda_device, e)
+            log.warning("prefixvault: a worker thread could not select %s: %s", self._cuda_device, e)
 
     def disable(self, reason: str) -> None:
         """Stop touching the engine's caches (they could not be registered, say): from now on
@@ -260,7 +324,7 @@ class WorkerSide:
             self.save(saves, step)
 
     def save(self, specs: Sequence[SaveSpec], step: int = 0) -> None:
-        """Copy this step's saves out of the engine's blocks; store them on the save thread
+        """Copy this step's saves out of the engine's blocks; store them on the save lane
         (or here, without a staging budget). Every save is settled, whatever happens to it."""
         if self.vault is None:
             return
@@ -285,20 +349,11 @@ class WorkerSide:
             self._enqueue(sid, spec, staged, None)
 
     def _enqueue(self, sid: str, spec: SaveSpec, staged: Staged, slot: int | None) -> None:
-        """Hand a staged save to the save thread (which gives ``slot`` back once it is stored)."""
-        with self._idle:
-            self._in_flight += 1
-            self._queue.append((sid, spec, *staged, slot))
-        try:
-            self._saver.submit(self._store_queued)
-        except RuntimeError:  # shut down meanwhile: nothing will store it
-            with self._idle:
-                self._queue = [q for q in self._queue if q[0] != sid]
-                self._in_flight -= 1
-            if self._staging is not None:
-                self._staging.release(staged[0])
-            self._give(slot)
-            self._settle(sid, False)
+        """Hand a staged save to the save lane (which gives ``slot`` back once it is stored)."""
+        job = StagedSave(sid, spec, *staged, slot)
+        refused = self._saves.put(job)
+        if refused is not None:  # queue full, or shutting down: nothing will store it
+            self._drop_saves([job], refused, None)
 
     def _give(self, slot: int | None) -> None:
         if slot is not None and self._holds is not None:
@@ -317,7 +372,8 @@ class WorkerSide:
         if states and slot is None:
             slot = self._holds.take() if self._holds is not None else None
             if slot is None:
-                self._count(self.counters.save_dropped, "hold_full" if self._holds else "hold_too_large")
+                self._count(self.counters.save_dropped,
+                            SaveDrop.HOLD_FULL if self._holds else SaveDrop.HOLD_TOO_LARGE)
                 return
         held: dict[str, memoryview] = {}
         try:
@@ -440,8 +496,8 @@ class WorkerSide:
             return Reservation(0, 0, memoryview(b""), released=True), payloads, []
         r = self._staging.reserve(total)
         if r is None:
-            reason = "too_large" if total > self._staging.capacity else "staging_full"
-            if reason == "too_large" and not self.counters.save_dropped.get(reason):
+            reason = SaveDrop.TOO_LARGE if total > self._staging.capacity else SaveDrop.STAGING_FULL
+            if reason is SaveDrop.TOO_LARGE and not self.counters.save_dropped.get(reason):
                 log.warning("prefixvault: a save of %d bytes does not fit save_staging_mib (%d bytes): "
                             "raise it, or such saves are never stored", total, self._staging.capacity)
             self._count(self.counters.save_dropped, reason)
@@ -463,50 +519,40 @@ class WorkerSide:
             raise
         return r, payloads, copies
 
-    def _store_queued(self) -> None:
-        """On the save thread: store every save queued by now as one batch (one existence check
+    def _store_batch(self, batch: list[StagedSave]) -> None:
+        """On the save lane: store every save queued by now as one batch (one existence check
         and one put for all their objects: a slow store is not paid per save), publish them
-        together (``Vault.publish_many``), then give their staging back."""
-        with self._lock:
-            batch, self._queue = self._queue, []
-        if not batch:
-            return  # an earlier call took them
-        outcomes = [False] * len(batch)
-        try:
-            payloads: dict[str, memoryview] = {}
-            for _, _, _, staged, copies, _ in batch:
-                for c in copies:
-                    c.wait()
-                payloads.update(staged)
-            outcomes = self._store_many([spec for _, spec, _, _, _, _ in batch],
-                                        lambda ref, _block: payloads[ref.key])
-        except Exception as e:  # logged here: nothing else sees this thread's errors
-            self._failed(f"storing {len(batch)} saves", e)
-            self.counters.add(save_errors=len(batch))
-        finally:
-            assert self._staging is not None
-            for (sid, _, r, _, copies, slot), ok in zip(batch, outcomes, strict=True):
-                for c in copies:
-                    with contextlib.suppress(Exception):
-                        c.wait()  # never hand back memory a copy may still write
-                self._staging.release(r)
-                self._give(slot)
-                self._settle(sid, ok)
-            with self._idle:
-                self._in_flight -= len(batch)
-                self._idle.notify_all()
-
-    def _store_many(self, specs: Sequence[SaveSpec], read: Any) -> list[bool]:
-        """Whether each save's boundaries were all published. Stored with one batch put and
-        published with one batch of records (``Vault.publish_many``)."""
+        together (``Vault.publish_many``), then give their staging back. An error raised here
+        resolves nothing: the lane drops the batch (``_drop_saves``)."""
         assert self.vault is not None
-        try:
-            all_acks = self.vault.save_many(self.rank, [(s.hashes, s.plans) for s in specs], read)
-        except Exception as e:  # a store problem costs future hits, never a request
-            self.counters.add(save_errors=len(specs))
-            self._failed(f"{len(specs)} saves", e)
-            return [False] * len(specs)
-        return self._publish(specs, all_acks)
+        payloads: dict[str, memoryview] = {}
+        for job in batch:
+            for c in job.copies:
+                c.wait()
+            payloads.update(job.payloads)
+        specs = [job.spec for job in batch]
+        all_acks = self.vault.save_many(self.rank, [(s.hashes, s.plans) for s in specs],
+                                        lambda ref, _block: payloads[ref.key])
+        self._finish_saves(batch, self._publish(specs, all_acks, raise_store_errors=True))
+
+    def _drop_saves(self, batch: list[StagedSave], reason: Failure, error: BaseException | None) -> None:
+        """Saves the lane could not store: counted (an error, or dropped for the queue or the
+        shutdown), their memory given back, settled unpublished."""
+        if reason in (Failure.STORE_ERROR, Failure.BREAKER_OPEN, Failure.INTERNAL_ERROR):
+            self.counters.add(save_errors=len(batch))
+        else:
+            self._count(self.counters.save_dropped, SAVE_DROPPED[reason].value, len(batch))
+        self._finish_saves(batch, [False] * len(batch))
+
+    def _finish_saves(self, batch: Sequence[StagedSave], outcomes: Sequence[bool]) -> None:
+        assert self._staging is not None
+        for job, ok in zip(batch, outcomes, strict=True):
+            for c in job.copies:
+                with contextlib.suppress(Exception):
+                    c.wait()  # never hand back memory a copy may still write
+            self._staging.release(job.reservation)
+            self._give(job.slot)
+            self._settle(job.sid, ok)
 
     def _store(self, spec: SaveSpec, read: Any, read_into: Any) -> bool:
         assert self.vault is not None
@@ -518,8 +564,11 @@ class WorkerSide:
             return False
         return self._publish([spec], [acks])[0]
 
-    def _publish(self, specs: Sequence[SaveSpec], all_acks: Sequence[Sequence[RankAck]]) -> list[bool]:
-        """Publish these saves' boundaries together; whether each save's are all published now."""
+    def _publish(self, specs: Sequence[SaveSpec], all_acks: Sequence[Sequence[RankAck]],
+                 raise_store_errors: bool = False) -> list[bool]:
+        """Publish these saves' boundaries together; whether each save's are all published now.
+        An error is counted and logged here, or raised (``raise_store_errors``: on a lane, which
+        sorts and counts it)."""
         assert self.vault is not None
         for acks in all_acks:
             self.counters.add(save_errors=sum(not a.ok for a in acks))
@@ -528,6 +577,8 @@ class WorkerSide:
             outcomes = self.vault.publish_many([(spec.hashes, acks, spec.parent)
                                                 for spec, acks in zip(specs, all_acks, strict=True)])
         except Exception as e:  # a store problem costs future hits, never a request
+            if raise_store_errors:
+                raise
             self.counters.add(save_errors=len(specs))
             self._failed(f"publishing {len(specs)} saves (first: request "
                          f"{specs[0].req_id if specs else '-'})", e)
@@ -554,49 +605,143 @@ class WorkerSide:
     # -- load -------------------------------------------------------------------------------------
 
     def load(self, specs: Sequence[LoadSpec]) -> None:
-        """Queue the loads on the load thread; each is reported by ``take_finished`` once done.
+        """Queue the loads on the load lane; each is reported by ``take_finished`` once done.
         On a device, the writes wait for the engine's work queued by now (``GroupIO.mark``)."""
         if self._disabled is not None:
-            self.fail_loads(specs, "disabled")
+            self.fail_loads(specs, LoadFailure.DISABLED)
             return
         marks = [io.mark() for io in self._io]
         for spec in specs:
-            future = self._loader.submit(self._load_and_report, spec, marks)
-            with self._lock:
-                self._load_futures.add(future)
-            future.add_done_callback(self._load_done)
+            job = LoadJob(spec, marks)
+            refused = self._loads.put(job, timeout=self.load_deadline(spec))
+            if refused is not None:  # queue full, or shutting down: recomputed
+                self._end_load(job, False, LOAD_FAILED[refused])
 
-    def _load_done(self, future: Future[None]) -> None:
+    def load_deadline(self, spec: LoadSpec) -> float:
+        """Seconds a load may take: ``load_timeout`` plus its bytes at ``LOAD_FLOOR_BYTES_PER_S``."""
+        bs = self.layout.block_size
+        blocks = max(0, spec.tokens - spec.local_tokens) // bs
+        nbytes = sum(g.nbytes(self.rank) * (1 if g.is_state else blocks) for g in self.layout.groups)
+        return self._load_timeout + nbytes / LOAD_FLOOR_BYTES_PER_S
+
+    def _load_batch(self, jobs: list[LoadJob]) -> None:
+        """On the load lane: every load queued by now read from the store in one batch (an
+        object several loads need is read once), then each written into its request's blocks.
+        A load whose objects cannot all be read fails alone; a store error fails the batch."""
+        assert self.vault is not None
+        wanted: list[tuple[LoadJob, list[ObjectRef], list[int]]] = []
+        refs: dict[ObjectRef, None] = {}  # every object of the batch, once, in order
+        for job in jobs:
+            try:
+                targets = self._targets(job.spec)
+            except Exception as e:  # ours (a block table we misread): this load only
+                self.guard.failed("load", e)
+                self._end_load(job, False, LoadFailure.INTERNAL_ERROR)
+                continue
+            if targets is None:
+                self._end_load(job, False, LoadFailure.NO_BLOCK)
+                continue
+            wanted.append((job, *targets))
+            refs.update(dict.fromkeys(targets[0]))
+        if not wanted:
+            return
+        loaded = self.vault.load(list(refs), borrow=False)  # never memory the store lends the save path
+        for job, job_refs, blocks in wanted:
+            reasons = {loaded.failed[r] for r in job_refs if r in loaded.failed}
+            if reasons:  # object by object, the vault counted why (``rejected{reason}``)
+                why = LoadFailure.MISSING if "missing" in reasons else LoadFailure.REJECTED
+                self._end_load(job, False, why)
+                continue
+            if not self._begin_write(job):
+                continue  # past its deadline: already reported failed, its blocks are not ours
+            try:
+                self._write(job, [loaded.payloads[r] for r in job_refs], job_refs, blocks)
+            except Exception as e:  # ours, or the device's: this load only
+                self.guard.failed("load", e)
+                self._end_load(job, False, LoadFailure.INTERNAL_ERROR)
+                continue
+            self._end_load(job, True)
+
+    def _targets(self, spec: LoadSpec) -> tuple[list[ObjectRef], list[int]] | None:
+        """The objects a load reads and the block each is written into; None if a block is missing."""
+        assert self.vault is not None
+        bs = self.layout.block_size
+        refs = self.vault.needed(spec.hashes, spec.tokens, ranks=[self.rank], since=spec.local_tokens)
+        targets = []
+        for r in refs:
+            table = spec.block_ids[r.group]
+            idx = (spec.tokens - 1) // bs if r.kind is ObjectKind.STATE else r.block_index
+            block_id = table[idx] if idx < len(table) else 0
+            if block_id == 0:
+                log.warning("prefixvault: no block allocated for %s", r.key)
+                return None
+            targets.append(block_id)
+        return refs, targets
+
+    def _write(self, job: LoadJob, payloads: Sequence[memoryview], refs: Sequence[ObjectRef],
+               blocks: Sequence[int]) -> None:
+        by_group: dict[int, list[tuple[memoryview, int]]] = {}
+        for ref, payload, block_id in zip(refs, payloads, blocks, strict=True):
+            by_group.setdefault(ref.group, []).append((payload, block_id))
+        for g, items in by_group.items():
+            io = self._io[g]
+            if io.device.type == "cpu":  # straight from the loaded bytes, one copy per object
+                for payload, block_id in items:
+                    io.scatter([block_id], _host(payload, 1))
+            else:
+                self._scatter_pinned(io, items, job.marks[g] if g < len(job.marks) else None)
+
+    def _fail_load_jobs(self, jobs: list[LoadJob], reason: Failure, error: BaseException | None) -> None:
+        """Loads the lane could not finish (a store error, a shutdown): recomputed."""
+        for job in jobs:
+            self._end_load(job, False, LOAD_FAILED[reason])
+
+    def _begin_write(self, job: LoadJob) -> bool:
         with self._lock:
-            self._load_futures.discard(future)
+            if job.state is not LoadState.QUEUED:
+                return False
+            job.state = LoadState.WRITING
+            return True
 
-    def _load_and_report(self, spec: LoadSpec, marks: Sequence[Any] = ()) -> None:
-        ok = False
-        try:
-            ok = self._load_one(spec, marks)
-        except Exception as e:  # any error of ours or of the store: the request recomputes
-            self._failed(f"the load of request {spec.req_id}", e)
-            self._count_failure("breaker_open" if isinstance(e, BreakerOpen)
-                                else "store_error" if isinstance(e, StoreError) else "internal_error")
-        finally:  # reported whatever happened: vLLM waits for every load it was promised
-            with self._lock:
-                self.counters.add(loads=1)
-                if ok:
-                    self.counters.add(loaded_tokens=spec.tokens - spec.local_tokens)
-                else:
-                    self.counters.add(load_failures=1)
-                    self._failed_loads.add(spec.req_id)
-                self._finished_loads.add(spec.req_id)
-
-    def fail_loads(self, specs: Sequence[LoadSpec], reason: str = "internal_error") -> None:
-        """Report loads that could not run (an error of ours): vLLM recomputes them."""
+    def _end_load(self, job: LoadJob, ok: bool, reason: LoadFailure | None = None) -> bool:
+        """Report a load finished (once: a job already done is left as it is); a failure is
+        counted by ``reason``. Whether this call reported it."""
+        spec = job.spec
         with self._lock:
-            for spec in specs:
-                self.counters.add(loads=1)
+            if job.state is LoadState.DONE:
+                return False
+            job.state = LoadState.DONE
+            self.counters.add(loads=1)
+            if ok:
+                self.counters.add(loaded_tokens=spec.tokens - spec.local_tokens)
+            else:
                 self.counters.add(load_failures=1)
-                self.counters.failure_reasons[reason] = self.counters.failure_reasons.get(reason, 0) + 1
+                why = (reason or LoadFailure.INTERNAL_ERROR).value
+                self.counters.failure_reasons[why] = self.counters.failure_reasons.get(why, 0) + 1
                 self._failed_loads.add(spec.req_id)
-                self._finished_loads.add(spec.req_id)
+            self._finished_loads.add(spec.req_id)
+        return True
+
+    def _expire_loads(self) -> None:
+        """Loads past their deadline that have not started writing are reported failed now (vLLM
+        recomputes them); their late bytes are never written. The store's breaker counts it: a
+        store that hangs without an error is as unavailable as one that errs."""
+        late = 0
+        for job in self._loads.overdue():
+            with self._lock:
+                expired = job.state is LoadState.QUEUED
+            if expired and self._end_load(job, False, LoadFailure.TIMEOUT):
+                late += 1
+        if late:
+            log.warning("prefixvault: %d loads past their deadline: recomputed instead", late)
+            store = self.vault.store if self.vault is not None else None
+            if isinstance(store, BreakerStore):
+                store.breaker.failure(f"{late} loads past their deadline")
+
+    def fail_loads(self, specs: Sequence[LoadSpec], reason: LoadFailure = LoadFailure.INTERNAL_ERROR) -> None:
+        """Report loads that could not run (an error of ours): vLLM recomputes them."""
+        for spec in specs:
+            self._end_load(LoadJob(spec, ()), False, reason)
 
     def _failed(self, what: str, e: Exception) -> None:
         """Say why ``what`` failed: a store's failure as a warning (an open breaker quietly: it
@@ -608,43 +753,10 @@ class WorkerSide:
         else:
             self.guard.failed("worker", e)
 
-    def _count_failure(self, reason: str) -> None:
-        self._count(self.counters.failure_reasons, reason)
-
-    def _count(self, counts: dict[str, int], reason: str) -> None:
+    def _count(self, counts: dict[str, int], reason: str, n: int = 1) -> None:
+        key = str(reason)  # an enum's value: the keys are plain strings
         with self._lock:
-            counts[reason] = counts.get(reason, 0) + 1
-
-    def _load_one(self, spec: LoadSpec, marks: Sequence[Any] = ()) -> bool:
-        assert self.vault is not None
-        bs = self.layout.block_size
-        refs = self.vault.needed(spec.hashes, spec.tokens, ranks=[self.rank], since=spec.local_tokens)
-        targets = []
-        for r in refs:
-            table = spec.block_ids[r.group]
-            idx = (spec.tokens - 1) // bs if r.kind is ObjectKind.STATE else r.block_index
-            block_id = table[idx] if idx < len(table) else 0
-            if block_id == 0:
-                log.warning("prefixvault: no block allocated for %s", r.key)
-                self._count_failure("no_block")
-                return False
-            targets.append(block_id)
-        loaded = self.vault.load(refs, borrow=False)  # never memory the store lends the save path
-        if not loaded.ok:
-            for why in loaded.failed.values():
-                self._count_failure(why)
-            return False
-        by_group: dict[int, list[tuple[memoryview, int]]] = {}
-        for ref, block_id in zip(refs, targets, strict=True):
-            by_group.setdefault(ref.group, []).append((loaded.payloads[ref], block_id))
-        for g, items in by_group.items():
-            io = self._io[g]
-            if io.device.type == "cpu":  # straight from the loaded bytes, one copy per object
-                for payload, block_id in items:
-                    io.scatter([block_id], _host(payload, 1))
-            else:
-                self._scatter_pinned(io, items, marks[g] if g < len(marks) else None)
-        return True
+            counts[key] = counts.get(key, 0) + n
 
     def _scatter_pinned(self, io: GroupIO, items: Sequence[tuple[memoryview, int]], after: Any) -> None:
         """Write objects into a device's blocks through the pinned load buffer: one transfer
@@ -662,7 +774,14 @@ class WorkerSide:
                 src = host[: len(piece) * io.object_bytes].view(len(piece), io.object_bytes)
                 io.scatter([b for _, b in piece], src, after=after)  # returns once landed
 
+    @property
+    def lanes(self) -> list[Lane[Any]]:
+        return [self._saves, self._loads]
+
     def take_finished(self) -> tuple[set[str], set[str]]:
+        """Loads finished (and of them, failed) since the last call; loads past their deadline
+        are failed first."""
+        self._expire_loads()
         with self._lock:
             done, failed = self._finished_loads, self._failed_loads
             self._finished_loads, self._failed_loads = set(), set()
