@@ -226,5 +226,5 @@ def test_lookups_that_arrive_together_share_round_trips() -> None:
         assert side.get_num_new_matched_tokens(r, 0) == (None, False)
     assert [ask_side(side, r) for r in reqs] == [(40, True)] * 5
     assert len(slow.calls) <= 4, slow.calls  # the first alone (or not), then the queued ones together: not 10
-    assert vault.counters.lookups == 5
+    assert vault.counters.lookup_asks == 5
     side.close()

@@ -1,7 +1,8 @@
 """``prefixvault explain``: why a prompt restores what it restores, boundary by boundary.
 
 It walks the prompt's hash chain against a store without an engine: for every layout stored in
-the namespace it finds the boundary a lookup would restore (the same rule as ``Vault.lookup``),
+the namespace it finds the boundary a lookup would restore (the same rule as ``Vault.lookup``,
+answered by the same ``Coverage``),
 the longest boundary with a record, and for every shorter boundary why it does not restore:
 published but objects gone, every object stored but no record, KV stored but no exact state
 kept there, or nothing stored. It then looks for the same prompt in other namespaces and
@@ -11,11 +12,11 @@ touch, no repair, so asking does not change what the store will evict.
 
 from __future__ import annotations
 
-from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from prefixvault.boundary import choose_hit, max_resume_tokens, needed_blocks
+from prefixvault.boundary import choose_hit, max_resume_tokens
+from prefixvault.coverage import Coverage
 from prefixvault.inventory import load_layouts
 from prefixvault.keys import ExtraKeys
 from prefixvault.layout import CacheLayout, GroupKind
@@ -84,25 +85,17 @@ def explain_layout(store: Store, layout: CacheLayout, namespace: str, tokens: Se
             keys.extend(make(gi, rank, hashes[i], i).key for i in range(n))
     flags = store.exists_many(keys) if keys else []
     records = dict(zip(bounds, flags, strict=False))
-    # For each (group, rank): the sorted block indices whose object is missing.
-    holes = {(gi, rank): [i for i in range(n) if not flags[at + i]] for gi, rank, _, at in slots}
+    coverage = Coverage.from_flags(layout, [(gi, rank, range(n), flags[at : at + n])
+                                            for gi, rank, _, at in slots])
+    first_key = {(gi, rank): at for gi, rank, _, at in slots}
 
     def gone(b: int, limit: int = 4) -> list[str]:
-        out: list[str] = []
-        for gi, rank, is_state, at in slots:
-            need = range(b // bs - 1, b // bs) if is_state else needed_blocks(layout.groups[gi], b, bs)
-            idx = holes[(gi, rank)]
-            for i in idx[bisect_left(idx, need.start) : bisect_left(idx, need.stop)][: limit - len(out)]:
-                out.append(keys[at + i])
-            if len(out) >= limit:
-                break
-        return out
+        return [keys[first_key[(gi, rank)] + i] for gi, rank, i in coverage.missing_at(b, limit)]
+
+    full = any(g.kind is GroupKind.FULL_ATTENTION for g in layout.groups)
 
     def kv_stored(b: int) -> bool:  # full attention: a sliding window's blocks are kept per boundary
-        full = [(gi, rank) for gi, rank, is_state, _ in slots
-                if layout.groups[gi].kind is GroupKind.FULL_ATTENTION]
-        return bool(full) and not any(_holes_in(holes[g], needed_blocks(layout.groups[g[0]], b, bs))
-                                      for g in full)
+        return full and not coverage.missing_at(b, 1, frozenset({GroupKind.FULL_ATTENTION}))
 
     report: list[Boundary] = []
     for b in bounds:
@@ -116,13 +109,9 @@ def explain_layout(store: Store, layout: CacheLayout, namespace: str, tokens: Se
         else:
             report.append(Boundary(b, NOT_STORED))
     published = [b for b in bounds if records[b]]
-    restorable = choose_hit(published, len(tokens), bs, lambda b: not gone(b, 1))
+    restorable = choose_hit(published, len(tokens), bs, coverage.resumable)
     return LayoutReport(namespace, vault.fingerprint.hex(), layout.model, bs, layout.world_size, longest,
                         restorable, max(published, default=0), report)
-
-
-def _holes_in(holes: list[int], need: range) -> bool:
-    return bisect_left(holes, need.stop) > bisect_left(holes, need.start)
 
 
 def _fields(layout: CacheLayout) -> dict[str, object]:

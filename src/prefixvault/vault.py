@@ -46,9 +46,10 @@ from prefixvault.codec import (
     encode,
 )
 from prefixvault.codec import VERSION as CODEC_VERSION
+from prefixvault.coverage import Coverage
 from prefixvault.denylist import DENY_REFRESH_S, DENY_TTL_S, DenyList
 from prefixvault.keys import ExtraKeys, KeySpace, chain_hashes
-from prefixvault.layout import CacheGroup, CacheLayout, GroupKind
+from prefixvault.layout import CacheLayout, GroupKind
 from prefixvault.records import RECORD_VERSION, BoundaryRecord
 from prefixvault.stores.base import Buffer, Store, StoreError
 from prefixvault.tenancy import NamespaceKey
@@ -115,6 +116,7 @@ class Miss(StrEnum):
     BREAKER_OPEN = "breaker_open"  # the store failed too often lately and was not called
     LOOKUP_TIMEOUT = "lookup_timeout"  # the lookup took longer than the connector's lookup_timeout
     INTERNAL_ERROR = "internal_error"  # an error of prefixvault's own (a bug: logged with its traceback)
+    BUSY = "busy"  # the connector's lookup queue was full, or it was shutting down: not looked up
 
 
 @dataclass(frozen=True)
@@ -141,8 +143,8 @@ class VaultCounters:
     records_existing: int = 0
     refused: Counter[str] = field(default_factory=Counter)
     rejected: Counter[str] = field(default_factory=Counter)
-    lookups: int = 0
-    hit_tokens: int = 0
+    lookup_asks: int = 0  # prompts looked up in the store (the connector's ``lookups`` are requests)
+    found_tokens: int = 0  # tokens those lookups found (the connector's ``hit_tokens`` are loaded)
     misses: Counter[str] = field(default_factory=Counter)  # lookups short of the longest prefix, by Miss
     # Invariant: every change goes through ``add`` or ``tally``, under this lock: the lookup,
     # load and save threads count into one vault (``x += 1`` from two threads loses counts).
@@ -764,7 +766,7 @@ class Vault:
             if attempt == RECORD_RETRIES:
                 for i in redo:
                     results[i] = self._result(0, results[i].longest, Miss.EVICTED)
-                    self.counters.add(lookups=1)
+                    self.counters.add(lookup_asks=1)
                 break
             for i, r in zip(redo, self._lookup_rounds([asks[i] for i in redo], later), strict=True):
                 results[i] = r
@@ -790,7 +792,7 @@ class Vault:
 
     def _uncount(self, result: LookupResult) -> None:
         self.counters.add(lookups=-1)
-        self.counters.add(hit_tokens=-result.hit)
+        self.counters.add(found_tokens=-result.hit)
         if result.miss is not None:
             self.counters.tally("misses", result.miss.value, -1)
 
@@ -818,7 +820,7 @@ class Vault:
         On a network store, where every candidate's objects are at most ``SPECULATIVE_KEYS``
         keys, they are checked (not touched) in the first round trip, the answer comes from it,
         and the second round trip's touches go to ``later`` instead."""
-        self.counters.add(lookups=1)
+        self.counters.add(lookup_asks=1)
         bs = self.layout.block_size
         limit = min(max_resume_tokens(prompt_tokens, bs), len(hashes) * bs)
         candidates = range(limit, min_tokens, -bs)
@@ -868,35 +870,14 @@ class Vault:
         unsorted[order] = sent[: len(keys)]
         flags = unsorted.tolist()
         probed = sent[len(keys) :]
-        # missing[g][i]: missing blocks of group g with index < i (over all ranks), for blocks;
-        # the set of boundaries whose state is missing, for states.
+        answers: list[tuple[int, int, Sequence[int], Sequence[bool]]] = []
         pos = 0
-        gaps: list[tuple[CacheGroup, int, list[int]]] = []  # (group, first index, prefix counts)
-        lost_states: set[int] = set()
-        for gi, _, _, idx in wanted:
-            got = flags[pos : pos + len(idx)]
+        for gi, rank, _, idx in wanted:
+            answers.append((gi, rank, idx, flags[pos : pos + len(idx)]))
             pos += len(idx)
-            group = self.layout.groups[gi]
-            if group.is_state:
-                lost_states.update(i for i, ok in zip(idx, got, strict=True) if not ok)
-                continue
-            counts = [0]
-            for ok in got:
-                counts.append(counts[-1] + (not ok))
-            assert isinstance(idx, range)
-            gaps.append((group, idx.start, counts))
-
-        def resumable(b: int) -> bool:
-            if b // bs - 1 in lost_states:
-                return False
-            for group, first, counts in gaps:
-                need = needed_blocks(group, b, bs)
-                if counts[need.stop - first] - counts[need.start - first]:
-                    return False
-            return True
-
-        hit = choose_hit(published, prompt_tokens, bs, resumable)
-        self.counters.add(hit_tokens=hit)
+        coverage = Coverage.from_flags(self.layout, answers)
+        hit = choose_hit(published, prompt_tokens, bs, coverage.resumable)
+        self.counters.add(found_tokens=hit)
         if hit == limit:
             return self._result(hit, limit, None)
         if hit < published[0]:  # the longest published boundary cannot resume any more
