@@ -36,9 +36,9 @@ import numpy as np
 from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
+from prefixvault.scenarios.netfault import SlowLink
+from prefixvault.scenarios.valkey import Valkey
 from prefixvault.stores import open_store
-from prefixvault.testing.netfault import SlowLink
-from prefixvault.testing.valkey import Valkey
 from prefixvault.vault import ObjectRef, Vault
 from prefixvault.vllm.metadata import LoadSpec
 from prefixvault.vllm.worker import WorkerSide

@@ -34,10 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixvault.scenarios import scenario
+from prefixvault.scenarios.engine import EngineSpec, common_prefix, completions, run_engine
+from prefixvault.scenarios.models import build_model, consumer_prompt, engine_kwargs, producer_prompt
 from prefixvault.stores import open_store
-from prefixvault.testing import scenario
-from prefixvault.testing.engine import EngineSpec, common_prefix, completions, run_engine
-from prefixvault.testing.models import build_model, consumer_prompt, engine_kwargs, producer_prompt
 
 CODE = "HYBRID-528-GDN"
 #: The seed scenario's producer prompt: ~1.7k tokens.

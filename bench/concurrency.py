@@ -27,9 +27,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from prefixvault.scenarios.models import build_model, engine_kwargs
+from prefixvault.scenarios.servers import add_workload_args, benchmark, metric, prefix_repetition, server
 from prefixvault.serve import engine_flags, serve_command, vllm_command
-from prefixvault.testing.models import build_model, engine_kwargs
-from prefixvault.testing.servers import add_workload_args, benchmark, metric, prefix_repetition, server
 
 
 def _texts(result: dict[str, Any]) -> list[str]:

@@ -44,7 +44,7 @@ Logprobs = dict[int, dict[int, float]]
 def _vllm(model: Path, profile: str, prompt: list[int], n: int) -> tuple[list[int], Logprobs, Logprobs]:
     from vllm import LLM, SamplingParams
 
-    from prefixvault.testing.models import engine_kwargs
+    from prefixvault.scenarios.models import engine_kwargs
 
     kwargs = engine_kwargs(profile, model)
     kwargs.update(enable_prefix_caching=False, max_num_batched_tokens=max(1024, len(prompt) + n))
@@ -94,7 +94,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     from transformers import AutoTokenizer
 
-    from prefixvault.testing.models import build_model, producer_prompt
+    from prefixvault.scenarios.models import build_model, producer_prompt
 
     with tempfile.TemporaryDirectory(prefix="pv-decode-") as tmp:
         model = build_model(args.profile, Path(tmp) / args.profile)

@@ -45,13 +45,13 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import policy_sim
+from geometry import ModelGeometry
 from policy_traces import WORKLOADS
 
 import prefixvault.stores._index as store_index
 import prefixvault.stores.local as store_local
 from prefixvault.boundary import Refusal, SavePlan
 from prefixvault.codec import ObjectKind
-from prefixvault.geometry import ModelGeometry
 from prefixvault.vault import LookupResult, ObjectRef, RankAck, Vault, chain_order
 
 

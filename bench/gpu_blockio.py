@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 
 from prefixvault.blockio import GroupIO
-from prefixvault.testing.cache_layouts import LAYOUTS, attention_layers, state_layers
+from prefixvault.scenarios.cache_layouts import LAYOUTS, attention_layers, state_layers
 
 GOAL = 0.8  # of the plain pinned copy, both directions
 

@@ -38,9 +38,9 @@ import numpy as np
 from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
+from prefixvault.scenarios.mooncake import MooncakeCluster
+from prefixvault.scenarios.valkey import Valkey
 from prefixvault.stores import open_store
-from prefixvault.testing.mooncake import MooncakeCluster
-from prefixvault.testing.valkey import Valkey
 from prefixvault.vault import ObjectRef, Vault
 
 BS = 16

@@ -14,7 +14,7 @@ state group, so every boundary also needs a state. Goal: a 131072-token prompt a
 size 16 looks up in <= 20 ms; record bytes per boundary constant in the prompt length.
 
 With ``--redis-delay-ms D`` the store is a real valkey-server behind a loopback link that adds
-D ms to every round trip (``testing.netfault.SlowLink``), and the lookup is timed as the
+D ms to every round trip (``scenarios.netfault.SlowLink``), and the lookup is timed as the
 connector makes it: until the answer, with the touch of what the hit uses made after it (also
 timed). Each case is also looked up with objects never checked beside the records
 (``SPECULATIVE_KEYS = 0``: two round trips, as before that was done), and the ratio printed.
@@ -149,9 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--redis-delay-ms must not be negative")
     store: Store | None = None
     if args.redis_delay_ms is not None:
+        from prefixvault.scenarios.netfault import SlowLink
+        from prefixvault.scenarios.valkey import Valkey
         from prefixvault.stores import open_store
-        from prefixvault.testing.netfault import SlowLink
-        from prefixvault.testing.valkey import Valkey
 
         valkey = Valkey()
         link = SlowLink(valkey.port, args.redis_delay_ms / 1000)

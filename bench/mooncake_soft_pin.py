@@ -31,7 +31,7 @@ from prefixvault.units import format_size, parse_size
 def one_run(pin: bool, segment: int, size: int, kept: int, early: int, written: int) -> dict[str, Any]:
     from mooncake.store import MooncakeDistributedStore, ReplicateConfig, SoftPinAction
 
-    from prefixvault.testing.mooncake import MooncakeCluster
+    from prefixvault.scenarios.mooncake import MooncakeCluster
 
     cluster = MooncakeCluster(segment=str(segment))
     try:

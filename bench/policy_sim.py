@@ -73,11 +73,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from geometry import ModelGeometry, geometry_from_config
 from policy_traces import WORKLOADS, Request
 
 from prefixvault.admission import Admission, Kind
 from prefixvault.boundary import SavePlan, max_resume_tokens
-from prefixvault.geometry import ModelGeometry, geometry_from_config
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, StateFamily, TensorSpec
 from prefixvault.stores import Store, open_store
 from prefixvault.stores._directory import StateBudget
@@ -187,7 +187,7 @@ def open_sim_store(kind: str, nbytes: int, states: float) -> Iterator[Store]:
                 local.close()
         return
     if kind == "mooncake":
-        from prefixvault.testing.mooncake import MooncakeCluster
+        from prefixvault.scenarios.mooncake import MooncakeCluster
 
         # A lease protects what a load reads until the load is done (a shorter one fails the
         # read); the replay runs a trace's minutes in seconds, so it lasts 1 s, not 10 s.
@@ -203,7 +203,7 @@ def open_sim_store(kind: str, nbytes: int, states: float) -> Iterator[Store]:
         return
     import redis
 
-    from prefixvault.testing.valkey import Valkey
+    from prefixvault.scenarios.valkey import Valkey
 
     name, _, samples = kind.partition(":")
     server = Valkey("--maxmemory-policy", "volatile-ttl" if name == "redis-ttl" else "allkeys-lru",

@@ -9,7 +9,7 @@ load the thread trails the engine and saves queue up (docs/architecture.md, "Und
 ``Vault.publish_many`` publishes all queued saves in the round trips of one.
 
 Setup: a valkey-server on 127.0.0.1 behind a loopback link that adds ``--delay-ms`` to every
-round trip (``prefixvault.testing.netfault.SlowLink``), a two-rank hybrid layout (attention and
+round trip (``prefixvault.scenarios.netfault.SlowLink``), a two-rank hybrid layout (attention and
 state groups), and ``N`` saves of distinct 8-block prompts sharing a 2-block system prompt,
 each with a boundary at every block past the shared part, acknowledged by rank 0 only (so
 rank 1's objects are checked in the store, as a tensor-parallel worker does). Per ``N``: the
@@ -33,10 +33,10 @@ from typing import Any
 from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.codec import ObjectKind
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
+from prefixvault.scenarios.mooncake import MooncakeCluster
+from prefixvault.scenarios.netfault import SlowLink
+from prefixvault.scenarios.valkey import Valkey
 from prefixvault.stores import open_store
-from prefixvault.testing.mooncake import MooncakeCluster
-from prefixvault.testing.netfault import SlowLink
-from prefixvault.testing.valkey import Valkey
 from prefixvault.vault import ObjectRef, RankAck, Vault
 
 BS = 16

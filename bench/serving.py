@@ -29,9 +29,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from prefixvault.scenarios.models import build_model, engine_kwargs
+from prefixvault.scenarios.servers import add_workload_args, benchmark, metric, prefix_repetition, server
 from prefixvault.serve import engine_flags, serve_command, vllm_command
-from prefixvault.testing.models import build_model, engine_kwargs
-from prefixvault.testing.servers import add_workload_args, benchmark, metric, prefix_repetition, server
 
 FIGURES = ("mean_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
 #: Mean TTFT of the requests after the first ``--concurrency`` (in the workload's order): by then
@@ -54,8 +54,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     name = str(model)
     cleanup: list[Any] = []
     if args.store == "redis":
-        from prefixvault.testing.netfault import SlowLink
-        from prefixvault.testing.valkey import Valkey
+        from prefixvault.scenarios.netfault import SlowLink
+        from prefixvault.scenarios.valkey import Valkey
 
         valkey = Valkey()
         link = SlowLink(valkey.port, args.redis_delay_ms / 1000)

@@ -89,7 +89,7 @@ class Layout:
 def bench_mooncake(lay: Layout, src: np.ndarray, dst: np.ndarray, repeat: int) -> dict[str, Any]:
     from mooncake.store import MooncakeDistributedStore
 
-    from prefixvault.testing.mooncake import MooncakeCluster
+    from prefixvault.scenarios.mooncake import MooncakeCluster
 
     cluster = MooncakeCluster(segment=str(8 * lay.total))  # room below the eviction watermark
     try:
@@ -178,7 +178,7 @@ def bench_mooncake(lay: Layout, src: np.ndarray, dst: np.ndarray, repeat: int) -
 def bench_redis(lay: Layout, src: np.ndarray, dst: np.ndarray, repeat: int) -> dict[str, Any]:
     import redis
 
-    from prefixvault.testing.valkey import Valkey
+    from prefixvault.scenarios.valkey import Valkey
 
     server = Valkey()
     try:

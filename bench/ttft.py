@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from prefixvault.stores import open_store
-from prefixvault.testing.engine import EngineSpec, common_prefix, completions, run_engine
-from prefixvault.testing.models import (
+from prefixvault.scenarios.engine import EngineSpec, common_prefix, completions, run_engine
+from prefixvault.scenarios.models import (
     PROFILES,
     VOCAB_SIZE,
     consumer_prompt,
@@ -43,6 +42,7 @@ from prefixvault.testing.models import (
     producer_prompt,
     train_tokenizer,
 )
+from prefixvault.stores import open_store
 
 TARGET_RATIO = 0.3
 CODE = "TTFT-4096-BENCH"

@@ -14,9 +14,9 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from prefixvault.scenarios.mooncake import MooncakeCluster
+from prefixvault.scenarios.valkey import Valkey, stop_all_valkeys
 from prefixvault.stores import Store, open_store
-from prefixvault.testing.mooncake import MooncakeCluster
-from prefixvault.testing.valkey import Valkey, stop_all_valkeys
 from prefixvault.units import parse_size
 
 if TYPE_CHECKING:
@@ -124,9 +124,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session", autouse=True)
 def _engine_hosts(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
-    """Engines run as forks of a warm process that imported vLLM once (testing.enginehost);
+    """Engines run as forks of a warm process that imported vLLM once (scenarios.enginehost);
     it starts with the session's first engine, so a session without engines never starts one."""
-    from prefixvault.testing import engine
+    from prefixvault.scenarios import engine
 
     engine.use_engine_hosts(tmp_path_factory.mktemp("engine-hosts"))
     yield

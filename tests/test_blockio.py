@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from prefixvault.blockio import GroupIO, Lanes
-from prefixvault.testing.cache_layouts import LAYOUTS, attention_layers, fill_random, state_layers
+from prefixvault.scenarios.cache_layouts import LAYOUTS, attention_layers, fill_random, state_layers
 
 BLOCKS = 12
 

@@ -9,11 +9,11 @@ from collections.abc import Sequence
 
 import pytest
 
+from prefixvault.scenarios.mooncake import MooncakeCluster, _free_port
+from prefixvault.scenarios.valkey import Valkey
 from prefixvault.stores import StoreError, StoreUnavailable, open_store, open_store_or_retry
 from prefixvault.stores.breaker import BreakerOpen, BreakerPolicy, BreakerState, BreakerStore, CircuitBreaker
 from prefixvault.stores.memory import MemoryStore
-from prefixvault.testing.mooncake import MooncakeCluster, _free_port
-from prefixvault.testing.valkey import Valkey
 
 
 class Clock:

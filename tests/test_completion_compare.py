@@ -1,11 +1,11 @@
-"""How the engine tests compare a completion with cold (``testing.engine``): these helpers decide
+"""How the engine tests compare a completion with cold (``scenarios.engine``): these helpers decide
 what "equal to cold" and "a near tie flipped" mean, so they are tested on their own."""
 
 from __future__ import annotations
 
 import math
 
-from prefixvault.testing.engine import Completion, divergence, identical, max_logprob_diff
+from prefixvault.scenarios.engine import Completion, divergence, identical, max_logprob_diff
 
 
 def completion(ids: list[int], logprobs: list[dict[int, float]]) -> Completion:

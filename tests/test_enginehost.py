@@ -1,4 +1,4 @@
-"""The engine host (testing.enginehost): a run forked from it ends as ``python -m`` would.
+"""The engine host (scenarios.enginehost): a run forked from it ends as ``python -m`` would.
 
 The host here preloads nothing and runs a small probe module, so these tests take seconds; the
 engine tests run every vLLM engine through a host that preloads vLLM.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from prefixvault.testing.enginehost import PER_RUN, EngineHost, HostGone
+from prefixvault.scenarios.enginehost import PER_RUN, EngineHost, HostGone
 
 PROBE = '''
 import atexit, os, signal, sys, time

@@ -4,13 +4,17 @@ size, and the bytes and block size of Qwen3-Next follow from its config by hand.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-from prefixvault.geometry import geometry_from_config
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+sys.path.insert(0, str(BENCH))  # the geometry lives beside the benchmarks that use it
 
-CONFIGS = Path(__file__).resolve().parents[1] / "bench" / "model_configs"
+from geometry import geometry_from_config  # noqa: E402
+
+CONFIGS = BENCH / "model_configs"
 
 #: Published total parameters (safetensors totals where known, else the model's name).
 PUBLISHED = {

@@ -18,10 +18,10 @@ from typing import Any
 
 import numpy as np
 import pytest
+from vllm_support.freeze import freeze
 
+from prefixvault.scenarios.mooncake import MooncakeCluster, _free_port
 from prefixvault.stores import StoreError, open_store
-from prefixvault.testing.freeze import freeze
-from prefixvault.testing.mooncake import MooncakeCluster, _free_port
 
 SPAWN = mp.get_context("spawn")
 TIMEOUT = 2.0

@@ -11,8 +11,8 @@ from collections.abc import Iterator
 import pytest
 import redis
 
-from prefixvault.testing.netfault import SlowLink
-from prefixvault.testing.valkey import Valkey
+from prefixvault.scenarios.netfault import SlowLink
+from prefixvault.scenarios.valkey import Valkey
 
 
 @pytest.fixture

@@ -14,13 +14,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
+from vllm_support.freeze import freeze
 
 from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
+from prefixvault.scenarios.valkey import Valkey
 from prefixvault.stores import StoreError, open_store
 from prefixvault.stores.redis import RedisStore
-from prefixvault.testing.freeze import freeze
-from prefixvault.testing.valkey import Valkey
 from prefixvault.vault import ObjectRef, RankAck, Vault
 
 
@@ -413,7 +413,7 @@ def test_an_error_reply_mid_load_leaves_no_half_read_connection_behind(server: V
 def test_network_stall_mid_session_costs_one_timeout_per_call(server: Valkey) -> None:
     """The wire stops delivering after the store is open (not the server): each call fails
     within the timeout; nothing waits longer."""
-    from prefixvault.testing.netfault import FaultyLink
+    from prefixvault.scenarios.netfault import FaultyLink
 
     link = FaultyLink(server.port, b"$6\r\nEXISTS\r\n", "stall")
     try:
@@ -433,7 +433,7 @@ def test_a_load_over_a_stalled_wire_times_out_in_its_own_reader(server: Valkey) 
     """A load reads its replies off the socket itself: on a live pooled connection whose wire
     stops delivering, it fails within the timeout, in one line; over a healthy wire the same
     keys read whole."""
-    from prefixvault.testing.netfault import FaultyLink
+    from prefixvault.scenarios.netfault import FaultyLink
 
     data = np.random.default_rng(4).integers(0, 256, 4 << 20, dtype=np.uint8).tobytes()
     redis.Redis(host="127.0.0.1", port=server.port).set("stall:stall-here", b"x")  # not through the link

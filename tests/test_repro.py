@@ -3,7 +3,7 @@
 The default profile (what ``make demo`` runs) at a step size of the user's, with the negative
 control, and a user's checkpoint (pure Mamba2, whose prefill steps must be one block on CPU)
 with no option. Both hybrids of the other kinds run the same protocol, with the same engine
-arguments (``testing.models.engine_kwargs``), on engines in tests/test_vllm_seed.py, and the
+arguments (``scenarios.models.engine_kwargs``), on engines in tests/test_vllm_seed.py, and the
 ShortConv one as OpenAI servers in tests/test_vllm_chat.py."""
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_repro_on_a_users_checkpoint_runs_at_one_block_per_step(tmp_path: Path) 
     """``--model DIR`` with no other option (a pure Mamba2 checkpoint, which vLLM CPU can run only
     at one block per step): repro reads the engine's block size, runs every engine at one block
     per step, and compares with cold, whose steps then end at the restored boundary."""
-    from prefixvault.testing.models import build_model
+    from prefixvault.scenarios.models import build_model
 
     model = build_model("mamba2", tmp_path / "mamba2-checkpoint", seed=0)
     res = _repro("--model", str(model), "--producer-repeats", "400", "--consumer-repeats", "380",

@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from prefixvault.scenarios.models import build_model, engine_kwargs
+from prefixvault.scenarios.servers import free_port
+from prefixvault.scenarios.servers import servers as start_servers
 from prefixvault.serve import engine_flags, vllm_command
-from prefixvault.testing.models import build_model, engine_kwargs
-from prefixvault.testing.servers import free_port
-from prefixvault.testing.servers import servers as start_servers
 
 pytestmark = pytest.mark.slow
 PROFILE = "shortconv-hybrid"

@@ -28,11 +28,11 @@ from typing import Any
 
 import pytest
 
+from prefixvault.scenarios.engine import common_prefix
+from prefixvault.scenarios.models import build_model, engine_kwargs
+from prefixvault.scenarios.servers import servers
 from prefixvault.serve import engine_flags, serve_command, vllm_command
 from prefixvault.stores import open_store
-from prefixvault.testing.engine import common_prefix
-from prefixvault.testing.models import build_model, engine_kwargs
-from prefixvault.testing.servers import servers
 
 pytestmark = pytest.mark.slow
 PROFILE = "shortconv-hybrid"
@@ -74,7 +74,7 @@ def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path
     # One block per prefill step: every block boundary is a step end of every run, so a restore
     # at any of them computes exactly what a cold run computes after it (with longer steps a
     # cold run's step may span the restore point; its sums are then split differently, and the
-    # result is equivalent, not bit-identical: testing/scenario.py, restores_exactly).
+    # result is equivalent, not bit-identical: scenarios/scenario.py, restores_exactly).
     engine["max_num_batched_tokens"] = bs
     flags = [*engine_flags(engine), "--served-model-name", "tiny", "--enable-prompt-tokens-details"]
     store = f"local://{tmp_path}/store?capacity=1GiB"

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
+from vllm_support.compare import SAME_VALUES, compare_namespaces, published_state_boundaries
 from vllm_support.seedlib import IN_PROCESS, SUPPORT
 
+from prefixvault.scenarios.engine import EngineSpec, divergence
+from prefixvault.scenarios.models import build_model, engine_kwargs
+from prefixvault.scenarios.staggered import Arrivals, StaggeredRun, run_staggered
 from prefixvault.stores import open_store
-from prefixvault.testing.compare import SAME_VALUES, compare_namespaces, published_state_boundaries
-from prefixvault.testing.engine import EngineSpec, divergence
-from prefixvault.testing.models import build_model, engine_kwargs
-from prefixvault.testing.staggered import Arrivals, StaggeredRun, run_staggered
 
 pytestmark = pytest.mark.slow
 

@@ -18,10 +18,10 @@ that is why ``capture_outputs`` is off by default (docs/configuration.md).
 from __future__ import annotations
 
 import pytest
+from vllm_support.compare import compare_namespaces
 from vllm_support.seedlib import make_seed, run_result, run_with_metrics, spec
 
 from prefixvault.stores import open_store
-from prefixvault.testing.compare import compare_namespaces
 
 pytestmark = pytest.mark.slow
 

@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
+from prefixvault.scenarios.models import build_model, engine_kwargs
+from prefixvault.scenarios.netfault import SlowLink
+from prefixvault.scenarios.servers import free_port, wait_ready
+from prefixvault.scenarios.valkey import Valkey
 from prefixvault.serve import engine_flags, kv_transfer_config, serve_command
-from prefixvault.testing.models import build_model, engine_kwargs
-from prefixvault.testing.netfault import SlowLink
-from prefixvault.testing.servers import free_port, wait_ready
-from prefixvault.testing.valkey import Valkey
 
 pytestmark = pytest.mark.slow
 PROFILE = "shortconv-hybrid"

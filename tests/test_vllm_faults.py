@@ -21,9 +21,9 @@ from vllm_support.seedlib import IN_PROCESS, SUPPORT, Seed, SeedRuns, run, run_w
 from prefixvault.codec import HEADER_SIZE, _parse, decode, encode
 from prefixvault.inventory import audit
 from prefixvault.layout import CacheLayout
+from prefixvault.scenarios.engine import Completion, identical
 from prefixvault.stores import open_store
 from prefixvault.tenancy import NamespaceKey
-from prefixvault.testing.engine import Completion, identical
 from prefixvault.vault import Vault
 
 pytestmark = pytest.mark.slow
@@ -73,7 +73,7 @@ def test_producer_killed_mid_save_leaves_no_partial_record(
     spec_path.write_text(json.dumps(asdict(producer)))
     env = {**os.environ, **IN_PROCESS, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_HOST_IP": "127.0.0.1", "PYTHONPATH": SUPPORT}
-    proc = subprocess.Popen([sys.executable, "-m", "prefixvault.testing.engine", str(spec_path),
+    proc = subprocess.Popen([sys.executable, "-m", "prefixvault.scenarios.engine", str(spec_path),
                              str(workdir / "killed-out.json")], env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 300

@@ -15,12 +15,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from vllm_support.freeze import freeze
 from vllm_support.seedlib import Seed, SeedRuns, check, run, run_with_metrics, spec
 
+from prefixvault.scenarios.engine import Completion, identical
+from prefixvault.scenarios.mooncake import MooncakeCluster
 from prefixvault.stores import open_store
-from prefixvault.testing.engine import Completion, identical
-from prefixvault.testing.freeze import freeze
-from prefixvault.testing.mooncake import MooncakeCluster
 
 pytestmark = pytest.mark.slow
 

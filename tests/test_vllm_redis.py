@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from vllm_support.seedlib import Seed, SeedRuns, check, run, spec
 
-from prefixvault.testing.engine import Completion, identical
-from prefixvault.testing.valkey import Valkey
+from prefixvault.scenarios.engine import Completion, identical
+from prefixvault.scenarios.valkey import Valkey
 
 pytestmark = pytest.mark.slow
 
@@ -59,7 +59,7 @@ def test_wire_fault_costs_hits_not_correctness(
 ) -> None:
     """A network stall longer than the timeout, or a server gone mid-call: every request
     completes, the consumer equals cold, no engine crashes."""
-    from prefixvault.testing.netfault import FaultyLink
+    from prefixvault.scenarios.netfault import FaultyLink
 
     seed, server, cold, tmp = wire
     role, trigger, kind = WIRE_FAULTS[fault]

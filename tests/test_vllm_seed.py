@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 from vllm_support.seedlib import BATCHED, SeedRuns, check, run, spec
 
+from prefixvault.scenarios import scenario
+from prefixvault.scenarios.engine import identical
 from prefixvault.stores import open_store
-from prefixvault.testing import scenario
-from prefixvault.testing.engine import identical
 
 pytestmark = pytest.mark.slow
 

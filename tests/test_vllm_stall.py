@@ -23,11 +23,11 @@ from typing import Any
 
 import pytest
 
+from prefixvault.scenarios.models import build_model, engine_kwargs
+from prefixvault.scenarios.netfault import SlowLink
+from prefixvault.scenarios.servers import server
+from prefixvault.scenarios.valkey import Valkey
 from prefixvault.serve import engine_flags, serve_command
-from prefixvault.testing.models import build_model, engine_kwargs
-from prefixvault.testing.netfault import SlowLink
-from prefixvault.testing.servers import server
-from prefixvault.testing.valkey import Valkey
 from prefixvault.vllm.stats import COUNTERS, LABELLED
 
 pytestmark = pytest.mark.slow

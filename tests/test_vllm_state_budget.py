@@ -26,10 +26,10 @@ import pytest
 from vllm_support.seedlib import IN_PROCESS, Seed, run_with_metrics
 
 from prefixvault.explain import explain
+from prefixvault.scenarios.engine import EngineSpec, identical, max_logprob_diff
+from prefixvault.scenarios.models import build_model, engine_kwargs
 from prefixvault.stores import open_store
 from prefixvault.stores.base import STATE_CLASS, key_class
-from prefixvault.testing.engine import EngineSpec, identical, max_logprob_diff
-from prefixvault.testing.models import build_model, engine_kwargs
 
 pytestmark = pytest.mark.slow
 PROFILE = "gdn-hybrid"

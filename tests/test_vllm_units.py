@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from prefixvault.testing import scenario
+from prefixvault.scenarios import scenario
 from prefixvault.vllm.config import CapturePolicy, ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.stats import PrefixVaultPromMetrics, PrefixVaultStats, Snapshot
 

@@ -15,10 +15,10 @@ import pytest
 from vllm_support.seedlib import SeedRuns, run, run_with_metrics, spec
 
 from prefixvault.samples import VerifySample, pending_samples
+from prefixvault.scenarios.engine import identical
+from prefixvault.scenarios.servers import server
 from prefixvault.serve import engine_flags, vllm_command
 from prefixvault.stores import open_store
-from prefixvault.testing.engine import identical
-from prefixvault.testing.servers import server
 from prefixvault.watch import watch_once
 
 pytestmark = pytest.mark.slow

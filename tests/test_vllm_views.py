@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from prefixvault.blockio import GroupIO
-from prefixvault.testing.cache_layouts import SMALL, VllmCache, vllm_cache
+from prefixvault.scenarios.cache_layouts import SMALL, VllmCache, vllm_cache
 from prefixvault.vllm.views import describe, group_ios, manager_view, rebuild
 
 pytest.importorskip("vllm.v1.worker.utils")

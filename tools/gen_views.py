@@ -19,7 +19,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from prefixvault.testing.cache_layouts import QWEN3_NEXT_80B_TP1, SMALL, VllmCache, vllm_cache
+from prefixvault.scenarios.cache_layouts import QWEN3_NEXT_80B_TP1, SMALL, VllmCache, vllm_cache
 from prefixvault.vllm.views import describe
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "data" / "vllm_views.json"

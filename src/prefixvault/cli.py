@@ -13,9 +13,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from prefixvault.scenarios.models import PROFILES
 from prefixvault.stores import Store, StoreError, default_local_dir, open_store, redact
 from prefixvault.tenancy import NamespaceKey
-from prefixvault.testing.models import PROFILES
 from prefixvault.units import format_size
 
 app = typer.Typer(

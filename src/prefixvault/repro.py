@@ -30,8 +30,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixvault.testing import scenario
-from prefixvault.testing.engine import (
+from prefixvault.scenarios import scenario
+from prefixvault.scenarios.engine import (
     Completion,
     EngineSpec,
     common_prefix,
@@ -142,7 +142,7 @@ def _architectures(model: str) -> list[str]:
 
 
 def _engine_args(cfg: ReproConfig) -> tuple[str, dict[str, Any]]:
-    from prefixvault.testing.models import build_model, engine_kwargs
+    from prefixvault.scenarios.models import build_model, engine_kwargs
 
     if cfg.model:
         model, engine = cfg.model, dict(REAL_MODEL_ENGINE)
@@ -168,7 +168,7 @@ def request_pair(cfg: ReproConfig, model: str) -> tuple[list[int], list[int]]:
     """The report's producer and consumer prompts, tokenized as the report does."""
     from transformers import AutoTokenizer
 
-    from prefixvault.testing.models import consumer_prompt, producer_prompt
+    from prefixvault.scenarios.models import consumer_prompt, producer_prompt
 
     tok = AutoTokenizer.from_pretrained(model, trust_remote_code=True)
     producer = tok.encode(

@@ -791,7 +791,7 @@ class Vault:
         return None
 
     def _uncount(self, result: LookupResult) -> None:
-        self.counters.add(lookups=-1)
+        self.counters.add(lookup_asks=-1)
         self.counters.add(found_tokens=-result.hit)
         if result.miss is not None:
             self.counters.tally("misses", result.miss.value, -1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
-from prefixvault.testing.models import consumer_prompt, producer_prompt
+from prefixvault.scenarios.models import consumer_prompt, producer_prompt
 
 
 class VerifyError(Exception):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from prefixvault.testing import scenario
-from prefixvault.testing.engine import common_prefix
-from prefixvault.testing.models import build_model, consumer_prompt, engine_kwargs, producer_prompt
+from prefixvault.scenarios import scenario
+from prefixvault.scenarios.engine import common_prefix
+from prefixvault.scenarios.models import build_model, consumer_prompt, engine_kwargs, producer_prompt
 from vllm_support import seedlib
 from vllm_support.seedlib import SUPPORT, Case, Seed, _tokenize
 

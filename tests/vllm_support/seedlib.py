@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from prefixvault.testing import scenario
-from prefixvault.testing.engine import (
+from prefixvault.scenarios import scenario
+from prefixvault.scenarios.engine import (
     Completion,
     EngineSpec,
     common_prefix,
@@ -19,7 +19,7 @@ from prefixvault.testing.engine import (
     max_logprob_diff,
     run_engine,
 )
-from prefixvault.testing.models import build_model, consumer_prompt, engine_kwargs, producer_prompt
+from prefixvault.scenarios.models import build_model, consumer_prompt, engine_kwargs, producer_prompt
 
 CODE = "HYBRID-528-GDN"
 SUPPORT = str(Path(__file__).parent)
@@ -88,7 +88,7 @@ def spec(seed: Seed, role: str, prompts: list[list[int]], salts: list[str], stor
 
 def run_result(seed: Seed, engine_spec: EngineSpec, workdir: Path, env: dict[str, str] | None = None
                ) -> dict[str, Any]:
-    """What ``testing.engine`` reports of the run (in-process unless ``env`` says otherwise)."""
+    """What ``scenarios.engine`` reports of the run (in-process unless ``env`` says otherwise)."""
     merged = {**IN_PROCESS, "PYTHONPATH": SUPPORT + os.pathsep + os.environ.get("PYTHONPATH", ""),
               **(env or {})}
     return run_engine(engine_spec, workdir / seed.profile, env=merged, timeout=600)
@@ -96,7 +96,7 @@ def run_result(seed: Seed, engine_spec: EngineSpec, workdir: Path, env: dict[str
 
 def run_with_metrics(seed: Seed, engine_spec: EngineSpec, workdir: Path, env: dict[str, str] | None = None
                      ) -> tuple[list[Completion], dict[str, float]]:
-    """The engine's completions and the connector's counters (see testing.engine)."""
+    """The engine's completions and the connector's counters (see scenarios.engine)."""
     out = run_result(seed, engine_spec, workdir, env)
     metrics: dict[str, float] = out.get("metrics", {})
     return completions(out), metrics

@@ -4,8 +4,8 @@ The tiny test models hide the one fact cache policy is about: for real hybrid mo
 recurrent state costs megabytes (tens of MiB for Qwen3-Next), a KV block kilobytes per token,
 and restoring a prefix of n tokens saves the prefill FLOPs of those n tokens. This module
 computes those three numbers from a config's own fields (layers of each kind, heads, head
-dims, state shapes and dtypes), so the policy simulator and the connector's admission weigh
-the same quantities; nothing here imports an engine.
+dims, state shapes and dtypes), so the policy simulator (`bench/policy_sim.py`) weighs what
+a real model costs; nothing here imports an engine.
 
 Counting conventions (stated once, used everywhere):
 

@@ -8,7 +8,7 @@ client keeps at most ``concurrency`` requests in flight (like vLLM's benchmark c
 ``--max-concurrency``), each request waits a seeded random number of engine steps after a
 slot frees, and every step's schedule is recorded.
 
-Runs as ``python -m prefixvault.testing.staggered SPEC.json OUT.json`` (one engine per
+Runs as ``python -m prefixvault.scenarios.staggered SPEC.json OUT.json`` (one engine per
 process, in-process engine core so that the schedule can be read).
 """
 
@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixvault.testing.engine import (
+from prefixvault.scenarios.engine import (
     Completion,
     EngineSpec,
     completion_of,
@@ -31,7 +31,7 @@ from prefixvault.testing.engine import (
     kv_transfer_config,
     run_engine,
 )
-from prefixvault.testing.enginehost import finish
+from prefixvault.scenarios.enginehost import finish
 
 
 @dataclass
@@ -176,8 +176,8 @@ def load(out: dict[str, Any]) -> StaggeredRun:
 
 def run_staggered(spec: EngineSpec, arrivals: Arrivals, workdir: Path,
                   env: Mapping[str, str] | None = None, timeout: float = 900) -> StaggeredRun:
-    """Run ``spec`` under ``arrivals`` in a fresh process (see testing.engine.run_engine)."""
-    out = run_engine(spec, workdir, env=env, timeout=timeout, module="prefixvault.testing.staggered",
+    """Run ``spec`` under ``arrivals`` in a fresh process (see scenarios.engine.run_engine)."""
+    out = run_engine(spec, workdir, env=env, timeout=timeout, module="prefixvault.scenarios.staggered",
                      extra={"arrivals": asdict(arrivals)})
     return load(out)
 

@@ -2,8 +2,8 @@
 
 Cold, producer and consumer engines of the seed scenario must be separate processes (the
 report's protocol), and vLLM needs a ``__main__`` guard, so every engine runs as
-``python -m prefixvault.testing.engine SPEC.json OUT.json``: a fresh process, or, after
-``use_engine_hosts``, a fork of a warm host that imported vLLM once (testing.enginehost).
+``python -m prefixvault.scenarios.engine SPEC.json OUT.json``: a fresh process, or, after
+``use_engine_hosts``, a fork of a warm host that imported vLLM once (scenarios.enginehost).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prefixvault.testing.enginehost import EngineHost, HostGone, finish
+from prefixvault.scenarios.enginehost import EngineHost, HostGone, finish
 
 CONNECTOR = "PrefixVaultConnector"
 CONNECTOR_MODULE = "prefixvault.vllm"
@@ -157,7 +157,7 @@ def connector_metrics(llm: Any) -> dict[str, float]:
     return out
 
 
-#: Engine hosts started (see testing.enginehost), least recently used first; None: every run
+#: Engine hosts started (see scenarios.enginehost), least recently used first; None: every run
 #: starts a fresh process. Guarded by _hosts_lock: engines are started from several threads.
 _hosts: list[EngineHost] | None = None
 _hosts_dir: Path | None = None
@@ -230,7 +230,7 @@ def _run_in_host(env: dict[str, str], module: str, argv: list[str], log_path: Pa
 
 def run_engine(
     spec: EngineSpec, workdir: Path, env: Mapping[str, str] | None = None, timeout: float = 900,
-    module: str = "prefixvault.testing.engine", extra: Mapping[str, Any] | None = None,
+    module: str = "prefixvault.scenarios.engine", extra: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Run ``spec`` in a fresh process; raise RuntimeError with the log tail if it fails.
 

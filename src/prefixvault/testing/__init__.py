@@ -1,1 +1,0 @@
-"""Test helpers: tiny, deterministic, state-sensitive hybrid models for vLLM CPU runs."""
