@@ -18,6 +18,7 @@ from prefixvault.stores.base import Buffer
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
 from prefixvault.vllm import scheduler as scheduler_module
+from prefixvault.vllm import verify_samples
 from prefixvault.vllm.config import ConnectorSettings
 from prefixvault.vllm.scheduler import SchedulerSide
 
@@ -69,7 +70,7 @@ def test_a_stalled_store_does_not_hold_the_step_that_finishes_a_sampled_request(
 
 
 def test_samples_in_flight_are_bounded(monkeypatch: Any) -> None:
-    monkeypatch.setattr(scheduler_module, "MAX_PENDING_SAMPLES", 2)
+    monkeypatch.setattr(verify_samples, "MAX_PENDING_SAMPLES", 2)
     monkeypatch.setattr(scheduler_module, "SAMPLE_DRAIN_S", 0.1)
     store = SlowPuts()
     vault = Vault(store, layout())

@@ -363,7 +363,7 @@ def test_a_forked_child_gets_a_clear_error_from_the_connector_never_a_hang() -> 
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:  # a connector thread inside a critical section at the fork
-        with side._lookups._cond:  # the lookup lane's lock
+        with side._lookups.lane._cond:  # the lookup lane's lock
             held.set()
             release.wait(30)
 

@@ -17,19 +17,17 @@ that save settled, and looked up then: what the store is about to hold is not co
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import random
 import socket
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, InvalidStateError
+from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum, StrEnum
 from functools import partial
 from typing import Any
 
@@ -38,30 +36,26 @@ from prefixvault.boundary import StateCapture, StepChunk, max_resume_tokens, pla
 from prefixvault.identity import content_digest
 from prefixvault.keys import ExtraKeys, MultimodalItem
 from prefixvault.layout import CacheLayout
-from prefixvault.samples import SAMPLE_TOKENS, VerifySample, write_sample
-from prefixvault.stores.base import StoreError
-from prefixvault.vault import LookupResult, Miss, Vault
+from prefixvault.samples import SAMPLE_TOKENS, VerifySample
+from prefixvault.vault import Miss, Vault
 from prefixvault.vllm.compat import InternalCheckpoints, skips_external
 from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.lane import Failure, Lane, failure_of
+from prefixvault.vllm.lane import Lane, failure_of
+from prefixvault.vllm.ledger import SavesInFlight
+from prefixvault.vllm.lookups import LOOKUP_MISS, Answer, LaneFailed, Lookups
 from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, Release, SaveSpec, SavesSettled, save_id
+from prefixvault.vllm.planner import StepView, plan_step
+from prefixvault.vllm.verify_samples import SampleWriter
 
 log = logging.getLogger("vllm.prefixvault")
 
-#: Verification samples queued or being written at most; past it a sample is dropped (counted
-#: in ``verify_sample_errors``).
-MAX_PENDING_SAMPLES = 64
 #: How long closing the connector waits for samples still being written.
 SAMPLE_DRAIN_S = 5.0
-#: Lookups queued or running at most; past it a request is a ``busy`` miss (computed).
-LOOKUP_QUEUE = 4096
 #: After this many loads for one request, it is computed without the store.
 MAX_LOADS_PER_REQUEST = 2
 #: How long the scheduler waits for a lookup before it lets the step go on without it.
 LOOKUP_WAIT_S = 0.005
-#: A save no worker reported settled (a report lost) stops holding lookups after this long.
-SAVE_FORGET_S = 60.0
 #: How a request may end for its held output boundary to be stored (vLLM's ``RequestStatus``
 #: names): a stop token, its length limit, a repetition stop, or an abort — which is also how
 #: vLLM ends a request at a stop *string* (the frontend finds it and aborts the request); the
@@ -91,37 +85,13 @@ def extra_keys(request: Any) -> ExtraKeys:
     return ExtraKeys(lora=lora_key_, cache_salt=getattr(request, "cache_salt", None), multimodal=tuple(mm))
 
 
-#: What a lookup answers: the prompt's chain hashes, and its result (None: held for a save).
-_Answer = tuple[list[bytes], LookupResult | None]
+class Phase(Enum):
+    """Where a request's lookup stands (``_Request.phase``)."""
 
-
-@dataclass(frozen=True)
-class LookupJob:
-    """A lookup handed to the lookup lane; answered through ``future``."""
-
-    future: Future[_Answer]
-    prompt: list[int]
-    extra: ExtraKeys
-    known: list[bytes]  # chain hashes already computed for the prompt
-    num_tokens: int
-    min_tokens: int  # tokens the engine has: a hit must pass them
-    # Boundaries with a save in flight (the scheduler's live counter, read with ``in`` only);
-    # a prompt naming one is answered None. None: not held for saves.
-    saving: Counter[bytes] | None
-
-
-class LaneFailed(Exception):
-    """A job the lane refused or dropped (queue full, closing, past its deadline)."""
-
-    def __init__(self, reason: Failure) -> None:
-        super().__init__(f"lane {reason.value}")
-        self.reason = reason
-
-
-#: The miss a lookup the lane failed counts as.
-LOOKUP_MISS = {Failure.STORE_ERROR: Miss.STORE_ERROR, Failure.BREAKER_OPEN: Miss.BREAKER_OPEN,
-               Failure.INTERNAL_ERROR: Miss.INTERNAL_ERROR, Failure.TIMEOUT: Miss.LOOKUP_TIMEOUT,
-               Failure.FULL: Miss.BUSY, Failure.CLOSED: Miss.BUSY}
+    NEW = "new"  # not looked up yet, or to look up afresh (after a load, or a failed one)
+    LOOKING_UP = "looking_up"  # its lookup is queued or running (``lookup``)
+    WAITING_FOR_SAVE = "waiting_for_save"  # a save of its prefix is in flight: asked again once it settled
+    ANSWERED = "answered"  # ``hit`` is known
 
 
 @dataclass
@@ -134,14 +104,15 @@ class _Request:
     tokens: list[int] = field(default_factory=list)
     source: Any = None
     hashes: list[bytes] = field(default_factory=list)
-    hit: int | None = None  # external hit found by lookup (tokens), None before lookup
+    phase: Phase = Phase.NEW
+    hit: int = 0  # external hit found by lookup (tokens), when ANSWERED
     loaded: int = 0  # tokens restored from the store
     saved: int = 0  # highest boundary already handed to workers to save
     loads: int = 0  # loads issued; a request reset after a load looks up afresh
     last_capture: int = 0
-    lookup: Future[_Answer] | None = None  # queued for, or running on, the lookup lane
+    lookup: Future[Answer] | None = None  # while LOOKING_UP: queued for, or running on, the lookup lane
     lookup_since: float = 0.0
-    held: bool = False  # its lookup found a save of its prefix in flight; it waits for it once
+    waited_for_save: bool = False  # its lookup found a save of its prefix in flight; it waits once
     local: int = 0  # tokens vLLM's own prefix cache had when the request was looked up
     counted: bool = False  # told the admission policy whether it shares a prefix (once)
     # Its last output boundary, held by the workers until it finishes (output_boundaries: last);
@@ -196,19 +167,11 @@ class SchedulerSide:
         self.counters = SchedulerCounters()
         # Which candidate boundaries to store: the same code the policy simulator replays.
         self.admission = Admission(Policy(settings.capture.value), settings.capture_interval, observes=load)
-        # One lane: the scheduler's store calls stay in order, and never run in its step.
-        self._lookups: Lane[LookupJob] = Lane("lookup", self._run_lookups, self._fail_lookups,
-                                              capacity=LOOKUP_QUEUE, guard=self.guard)
-        # Verification samples are written on a lane of their own: a put never delays a lookup.
-        self._samples: Lane[tuple[VerifySample, str]] = Lane(
-            "sample", self._write_samples, self._drop_samples, capacity=MAX_PENDING_SAMPLES, guard=self.guard)
+        self._lookups = Lookups(vault, self.guard) if vault is not None else None
+        self._samples = SampleWriter(vault, self.guard, lambda n: self.counters.add(sample_errors=n)) \
+            if vault is not None else None
         self._wait_left = LOOKUP_WAIT_S  # what this step may still wait for new lookups
-        # Saves planned and not yet reported settled by every rank: save_id -> (boundary
-        # hashes, ranks still to report, when planned); and how many of them name each hash.
-        # Written on the scheduler's thread only; the lookup thread only asks ``in``.
-        self._saving: dict[str, tuple[list[bytes], int, float]] = {}
-        self._save_parent: dict[str, tuple[str, int]] = {}  # save_id -> (request, its parent boundary)
-        self._saving_hashes: Counter[bytes] = Counter()
+        self._in_flight = SavesInFlight(layout.world_size)  # saves planned, not yet settled by every rank
         # Held saves to store or drop, for the next step's workers (a store: with its boundaries).
         self._releases: list[tuple[Release, list[bytes]]] = []
         self._hold_last = settings.capture_outputs and settings.output_boundaries is OutputBoundaries.LAST
@@ -221,17 +184,13 @@ class SchedulerSide:
         request is a miss by then); give samples ``SAMPLE_DRAIN_S`` to land (those left are
         dropped). Whether both lanes are idle: if not, a call is in the store's hands, and the
         store must stay open under it."""
-        lookups_done = self._lookups.close(self.settings.lookup_timeout)
-        samples_done = self._samples.close(SAMPLE_DRAIN_S, drop_queued=False)
-        if not samples_done:
-            log.warning("prefixvault: verification samples not written at shutdown (the store did not "
-                        "answer within %g s); the store is left open for the one being written",
-                        SAMPLE_DRAIN_S)
+        lookups_done = self._lookups.close(self.settings.lookup_timeout) if self._lookups else True
+        samples_done = self._samples.close(SAMPLE_DRAIN_S) if self._samples else True
         return lookups_done and samples_done
 
     @property
     def lanes(self) -> list[Lane[Any]]:
-        return [self._lookups, self._samples]
+        return [x.lane for x in (self._lookups, self._samples) if x is not None]
 
     # -- requests -------------------------------------------------------------------------------
 
@@ -288,7 +247,7 @@ class SchedulerSide:
             return 0, False
         if skips_external(request):  # vLLM would not load it: no lookup, nothing counted
             return 0, False
-        if st.hit is None and st.lookup is None and st.loads:
+        if st.phase in (Phase.NEW, Phase.WAITING_FOR_SAVE) and st.loads:
             # Asked again after a load: it failed (a bad object was removed) or the request was
             # preempted. Plan saves from the first block again, so what went missing is written
             # again rather than trusted to the record it was loaded from; and until a load
@@ -297,19 +256,20 @@ class SchedulerSide:
             st.loaded = 0
         if st.loads >= MAX_LOADS_PER_REQUEST:
             return 0, False  # its loads keep failing: compute it
-        if st.hit is None:
-            if st.lookup is None:
-                hold = not st.held
-                if st.held:  # held for a save of its prefix: until it settles, or for lookup_timeout
-                    if (self._saving_any(st.hashes)
+        if st.phase is not Phase.ANSWERED:
+            if st.phase is not Phase.LOOKING_UP:
+                if st.waited_for_save:  # for a save of its prefix: until it settles, or for lookup_timeout
+                    if (self._in_flight.names_any(st.hashes)
                             and time.monotonic() - st.lookup_since < self.settings.lookup_timeout):
                         return None, False
                 else:
                     self.counters.add(lookups=1)
                 st.local = num_computed_tokens
-                st.lookup = self._submit_lookup(list(st.prompt), st.extra, list(st.hashes),
-                                                request.num_tokens, num_computed_tokens,
-                                                self._saving_hashes if hold else None)
+                assert self._lookups is not None
+                saving = None if st.waited_for_save else self._in_flight.hashes
+                st.lookup = self._lookups.submit(list(st.prompt), st.extra, list(st.hashes),
+                                                 request.num_tokens, num_computed_tokens, saving)
+                st.phase = Phase.LOOKING_UP
                 st.lookup_since = time.monotonic()
                 wait = self._wait_left  # one budget per step, however many requests are new
             else:
@@ -319,90 +279,18 @@ class SchedulerSide:
             self._wait_left = max(0.0, self._wait_left - (time.monotonic() - t0))
             if not done:
                 return None, False  # still in flight: vLLM asks again next step
-        assert st.hit is not None
         if st.hit > num_computed_tokens:
             return st.hit - num_computed_tokens, True
         return 0, False
-
-    def _submit_lookup(self, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
-                       min_tokens: int, saving: Counter[bytes] | None) -> Future[_Answer]:
-        """Queue a lookup on the lookup lane, which takes every lookup queued by then as one
-        batch (``Vault.lookup_many``: one or two round trips for all of them)."""
-        job = LookupJob(Future(), prompt, extra, known, num_tokens, min_tokens, saving)
-        refused = self._lookups.put(job)
-        if refused is not None:
-            job.future.set_exception(LaneFailed(refused))
-        return job.future
-
-    def _fail_lookups(self, jobs: list[LookupJob], reason: Failure, error: BaseException | None) -> None:
-        """Lookups the lane could not answer: each is then a miss, by ``reason``."""
-        for job in jobs:
-            with contextlib.suppress(InvalidStateError):  # answered, or cancelled meanwhile
-                job.future.set_exception(error if error is not None else LaneFailed(reason))
-
-    def _run_lookups(self, batch: list[LookupJob]) -> None:
-        """On the lookup lane: hash each queued prompt, then look them up together (it touches
-        no request state). A prompt naming a boundary in ``saving`` (a save in flight) answers
-        None instead; a store error fails every lookup of the batch (each is then a miss)."""
-        asks: list[tuple[list[bytes], int, int]] = []
-        waiting: list[tuple[Future[_Answer], list[bytes]]] = []
-        for job in batch:
-            if not job.future.set_running_or_notify_cancel():
-                continue  # timed out or finished while queued
-            try:
-                assert self.vault is not None
-                hashes = self.vault.hashes(job.prompt, job.extra, job.known)
-            except Exception as e:  # ours: this lookup only
-                self.guard.failed("lookup", e)
-                job.future.set_exception(e)
-                continue
-            if job.saving and any(h in job.saving for h in hashes):
-                job.future.set_result((hashes, None))
-                continue
-            asks.append((hashes, job.num_tokens, job.min_tokens))
-            waiting.append((job.future, hashes))
-        if not asks:
-            return
-        touches: list[tuple[list[str], list[bool]]] = []
-        assert self.vault is not None
-        found = self.vault.lookup_many(asks, touch_later=touches)  # raises: the lane fails the batch
-        for (future, hashes), result in zip(waiting, found, strict=True):
-            future.set_result((hashes, result))
-        try:  # answered: now keep what the hits use fresh for the store's eviction
-            self.vault.touch(touches)
-        except Exception as e:  # the answers stand; a store error here costs freshness only
-            log.debug("prefixvault: touching what a lookup found failed: %s", e)
-
-    def _saving_any(self, hashes: list[bytes]) -> bool:
-        saving = self._saving_hashes
-        return bool(saving) and any(h in saving for h in hashes)
 
     def settle(self, report: SavesSettled) -> None:
         """Workers' reports of saves stored or dropped: lookups they held may go on. A save not
         published makes its request plan the next one from that save's parent again (its later
         boundaries would otherwise name a parent record that never came)."""
-        for sid in report.failed:
-            req_id, parent = self._save_parent.get(sid, ("", -1))
+        for req_id, parent in self._in_flight.settle(report):
             st = self._reqs.get(req_id)
-            if st is not None and parent >= 0:
+            if st is not None:
                 st.saved = min(st.saved, parent)
-        for sid, ranks in report.ranks.items():
-            entry = self._saving.get(sid)
-            if entry is None:
-                continue
-            hashes, left, since = entry
-            if left > ranks:
-                self._saving[sid] = (hashes, left - ranks, since)
-            else:
-                self._forget_save(sid)
-
-    def _forget_save(self, sid: str) -> None:
-        hashes, _, _ = self._saving.pop(sid)
-        self._save_parent.pop(sid, None)
-        self._saving_hashes.subtract(hashes)
-        for h in hashes:
-            if self._saving_hashes[h] <= 0:
-                del self._saving_hashes[h]
 
     def _finish_lookup(self, st: _Request, req_id: str, wait: float) -> bool:
         """Take the lookup's answer if it is in (waiting up to ``wait`` s for it); a lookup
@@ -416,7 +304,7 @@ class SchedulerSide:
             self.vault.counters.tally("misses", Miss.LOOKUP_TIMEOUT.value)
             log.debug("prefixvault: lookup for request %s took over %.1f s: computing it", req_id,
                       self.settings.lookup_timeout)
-            st.hit, st.lookup = 0, None
+            st.hit, st.lookup, st.phase = 0, None, Phase.ANSWERED
             return True
         try:
             hashes, found = st.lookup.result()
@@ -425,15 +313,15 @@ class SchedulerSide:
             miss = LOOKUP_MISS[e.reason if isinstance(e, LaneFailed) else failure_of(e)]
             self.vault.counters.tally("misses", miss.value)
             log.debug("prefixvault: lookup failed (%s), computing request %s: %s", miss.value, req_id, e)
-            st.hit, st.lookup = 0, None
+            st.hit, st.lookup, st.phase = 0, None, Phase.ANSWERED
             return True
         if len(hashes) > len(st.hashes):
             st.hashes = hashes
         if found is None:  # a save of its prefix is in flight: ask again once it settled
-            st.lookup, st.held = None, True
+            st.lookup, st.waited_for_save, st.phase = None, True, Phase.WAITING_FOR_SAVE
             log.debug("prefixvault: request %s waits for a save of its prefix in flight", req_id)
             return False
-        st.hit, st.lookup = found.hit, None
+        st.hit, st.lookup, st.phase = found.hit, None, Phase.ANSWERED
         if not st.counted:
             st.counted = True
             self.admission.arrived(bool(found.hit or st.local
@@ -447,7 +335,7 @@ class SchedulerSide:
 
     def _after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
-        if st is None or num_external_tokens <= 0 or not st.hit:
+        if st is None or num_external_tokens <= 0 or st.phase is not Phase.ANSWERED or not st.hit:
             return
         tokens = st.hit
         local = tokens - num_external_tokens
@@ -459,7 +347,7 @@ class SchedulerSide:
         st.loads += 1
         # If vLLM asks again (the load failed and the request restarts, or it was preempted),
         # look up afresh: a rejected object has been removed by then.
-        st.hit = None
+        st.phase, st.hit = Phase.NEW, 0
         self.counters.add(hit_tokens=num_external_tokens)
         log.info("prefixvault: request %s restores %d tokens from the store (%d local)",
                  request.request_id, num_external_tokens, local)
@@ -474,22 +362,20 @@ class SchedulerSide:
             self._pending_loads.append(LoadSpec(rid, [], num_external_tokens, 0, ()))
             st = self._reqs.get(rid)
             if st is not None:  # asked again, it is computed: no loop of failing loads
-                st.loads, st.hit, st.loaded, st.saved = MAX_LOADS_PER_REQUEST, None, 0, 0
+                st.loads, st.loaded, st.saved = MAX_LOADS_PER_REQUEST, 0, 0
+                st.phase, st.hit = Phase.NEW, 0
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixVaultMetadata:
         self._step += 1
         self._wait_left = LOOKUP_WAIT_S  # the next step's scheduling may wait again
         meta = PrefixVaultMetadata(step=self._step, loads=self._pending_loads)
         now = time.monotonic()
-        for sid in [sid for sid, (_, _, since) in self._saving.items() if now - since > SAVE_FORGET_S]:
-            self._forget_save(sid)
+        self._in_flight.forget_older_than(now)
         self._pending_loads = []  # loads are handed over whatever happens below
         for release, boundaries in self._releases:
             meta.releases.append(release)
             if release.store:  # lookups of its prefix wait for it, as for any save in flight
-                sid = save_id(self._step, release.req_id)
-                self._saving[sid] = (boundaries, self.layout.world_size, now)
-                self._saving_hashes.update(boundaries)
+                self._in_flight.add(save_id(self._step, release.req_id), boundaries, now)
         self._releases = []
         if self.save_enabled and self.vault is not None:
             meta.saves = self.guard.call("build_connector_meta", lambda: self._plan_saves(scheduler_output),
@@ -539,54 +425,23 @@ class SchedulerSide:
         known = self._known(st, chunk.end) if outputs and chunk.end > prompt_len else prompt_len
         if start >= known:
             return []  # the tokens this step computes are not known yet (async scheduling)
-        end = min(chunk.end, known)
-        # output_boundaries "last": a step ending on an output boundary is held until the
-        # request finishes (replacing its earlier hold); a chunk that also computes prompt
-        # tokens (a preempted request computed again) publishes its prompt boundaries only.
-        hold = self._hold_last and end > prompt_len and start >= prompt_len
-        limit = end if start >= prompt_len or not self._hold_last else min(end, prompt_len)
         tables = state.get_block_ids(req_id)
         if tables is None:
             return []
+        end = min(chunk.end, known)
         offered = [StateCapture(g, t, b, self._step) for g, b, t in offers.get(req_id, []) if t <= end]
-        before = st.last_capture  # the request's last boundary admitted before this step
-        at_end = step_end_captures(self.layout, chunk, known,
-                                   {g: tables[g] for g in self.state_groups}, self._step)
-        if self.state_groups:
-            # The admission policy picks among what the engine reported: its offers, and the
-            # state this step left at its end.
-            kinds, admits, last = self._kinds(st, prompt_len), self.admission.admits, st.last_capture
-            captures = [c for c in offered if admits(kinds(c.tokens) | Kind.CHECKPOINT, c.tokens, last)]
-            step_kind = Kind.STEP_END if end <= prompt_len else Kind.OUTPUT
-            if hold:  # stored only if it is the last: the sequence end
-                step_kind |= Kind.SEQUENCE_END
-            if at_end and end % bs == 0 and admits(kinds(end) | step_kind, end, last):
-                captures += at_end
-                st.last_capture = end
-            candidates = {c.tokens for c in captures}
-        else:
-            captures, candidates = [], set(range((start // bs + 1) * bs, end + 1, bs))
-        candidates = {t for t in candidates if t > st.saved and t % bs == 0 and t <= limit}
-        if hold:
-            candidates &= {end}
-        # With output boundaries held, the prompt's last block boundary is a sequence end only
-        # if no output boundary follows: a boundary the policy admits for that alone (marconi,
-        # reuse) is held too, and an output boundary replaces it.
-        held_end = 0
-        seq_end = prompt_len // bs * bs
-        if self._hold_last and not hold and self.state_groups and seq_end in candidates:
-            kinds, admits = self._kinds(st, prompt_len), self.admission.admits
-            why = Kind.CHECKPOINT if any(c.tokens == seq_end for c in offered) else Kind(0)
-            if at_end and end == seq_end:
-                why |= Kind.STEP_END
-            if not admits((kinds(seq_end) & ~Kind.SEQUENCE_END) | why, seq_end, before):
-                candidates.discard(seq_end)
-                held_end = seq_end
+        at_end = step_end_captures(self.layout, chunk, known, {g: tables[g] for g in self.state_groups},
+                                   self._step)
+        view = StepView(bs, prompt_len, start, chunk, known, st.saved, st.last_capture, self._hold_last,
+                        bool(self.state_groups), tuple(offered), tuple(at_end))
+        step = plan_step(view, self.admission.admits, self._kinds(st, prompt_len))
+        st.last_capture = step.last_capture
+        captures, end = list(step.captures), step.end
         specs = []
-        if candidates:
-            specs += self._plan(req_id, st, end, tables, captures, chunk, candidates, hold)
-        if held_end:
-            specs += self._plan(req_id, st, end, tables, captures, chunk, {held_end}, True)
+        if step.candidates:
+            specs += self._plan(req_id, st, end, tables, captures, chunk, set(step.candidates), step.hold)
+        if step.held_end:
+            specs += self._plan(req_id, st, end, tables, captures, chunk, {step.held_end}, True)
         return specs
 
     def _chunk(self, st: _Request, start: int, end: int) -> StepChunk:
@@ -623,10 +478,7 @@ class SchedulerSide:
             kinds = self._kinds(st, len(st.prompt))
             for p, h in zip(spec.plans, boundaries, strict=True):
                 self.admission.admitted(h, kinds(p.tokens))
-        sid = save_id(self._step, req_id)
-        self._saving[sid] = (boundaries, self.layout.world_size, time.monotonic())
-        self._save_parent[sid] = (req_id, spec.parent)
-        self._saving_hashes.update(boundaries)
+        self._in_flight.add(save_id(self._step, req_id), boundaries, time.monotonic(), req_id, spec.parent)
         return [spec]
 
     def _kinds(self, st: _Request, prompt_len: int) -> Callable[[int], Kind]:
@@ -718,27 +570,5 @@ class SchedulerSide:
             self.counters.add(sample_errors=1)
             self.guard.failed("sample", e)
             return
-        refused = self._samples.put((sample, request.request_id))
-        if refused is not None:  # the store not keeping up, or the connector closing
-            self.counters.add(sample_errors=1)
-            log.debug("prefixvault: verification sample for request %s dropped (%s)", request.request_id,
-                      refused.value)
-
-    def _write_samples(self, batch: list[tuple[VerifySample, str]]) -> None:
-        """On the sample lane: each sample written on its own, best effort (a failed one is
-        counted, the store's failure as a warning, ours with its traceback once per type)."""
-        assert self.vault is not None
-        for sample, req_id in batch:
-            try:
-                if write_sample(self.vault.store, sample, self.vault.key):
-                    continue
-                log.warning("prefixvault: verification sample for request %s not written", req_id)
-            except StoreError as e:
-                log.warning("prefixvault: verification sample for request %s not written: %s", req_id, e)
-            except Exception as e:
-                self.guard.failed("sample", e)
-            self.counters.add(sample_errors=1)
-
-    def _drop_samples(self, batch: list[tuple[VerifySample, str]], reason: Failure,
-                      error: BaseException | None) -> None:
-        self.counters.add(sample_errors=len(batch))
+        assert self._samples is not None
+        self._samples.put(sample, request.request_id)

@@ -1,0 +1,115 @@
+"""Lookups on the lookup lane: every lookup queued by then hashed and looked up as one batch.
+
+The scheduler hands a request's prompt over (``Lookups.submit``) and takes the answer from a
+future when it is in; nothing here touches request state. A prompt naming a boundary with a
+save in flight answers None (the scheduler asks again once the save settled); a store error
+fails every lookup of the batch, each then a miss by the lane's reason (``LOOKUP_MISS``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass
+
+from prefixvault.keys import ExtraKeys
+from prefixvault.vault import LookupResult, Miss, Vault
+from prefixvault.vllm.guard import Guard
+from prefixvault.vllm.lane import Failure, Lane
+
+log = logging.getLogger("vllm.prefixvault")
+
+#: Lookups queued or running at most; past it a request is a ``busy`` miss (computed).
+LOOKUP_QUEUE = 4096
+
+#: What a lookup answers: the prompt's chain hashes, and its result (None: held for a save).
+Answer = tuple[list[bytes], LookupResult | None]
+
+
+@dataclass(frozen=True)
+class LookupJob:
+    """A lookup handed to the lookup lane; answered through ``future``."""
+
+    future: Future[Answer]
+    prompt: list[int]
+    extra: ExtraKeys
+    known: list[bytes]  # chain hashes already computed for the prompt
+    num_tokens: int
+    min_tokens: int  # tokens the engine has: a hit must pass them
+    # Boundaries with a save in flight (the scheduler's live counter, read with ``in`` only);
+    # a prompt naming one is answered None. None: not held for saves.
+    saving: Counter[bytes] | None
+
+
+class LaneFailed(Exception):
+    """A job the lane refused or dropped (queue full, closing, past its deadline)."""
+
+    def __init__(self, reason: Failure) -> None:
+        super().__init__(f"lane {reason.value}")
+        self.reason = reason
+
+
+#: The miss a lookup the lane failed counts as.
+LOOKUP_MISS = {Failure.STORE_ERROR: Miss.STORE_ERROR, Failure.BREAKER_OPEN: Miss.BREAKER_OPEN,
+               Failure.INTERNAL_ERROR: Miss.INTERNAL_ERROR, Failure.TIMEOUT: Miss.LOOKUP_TIMEOUT,
+               Failure.FULL: Miss.BUSY, Failure.CLOSED: Miss.BUSY}
+
+
+class Lookups:
+    def __init__(self, vault: Vault, guard: Guard, capacity: int = LOOKUP_QUEUE) -> None:
+        self.vault = vault
+        self.guard = guard
+        # One lane: the scheduler's store calls stay in order, and never run in its step.
+        self.lane: Lane[LookupJob] = Lane("lookup", self._run, self._fail, capacity=capacity, guard=guard)
+
+    def submit(self, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
+               min_tokens: int, saving: Counter[bytes] | None) -> Future[Answer]:
+        """Queue a lookup; it is answered with every lookup queued by the time the lane is free
+        (``Vault.lookup_many``: one or two round trips for all of them)."""
+        job = LookupJob(Future(), prompt, extra, known, num_tokens, min_tokens, saving)
+        refused = self.lane.put(job)
+        if refused is not None:
+            job.future.set_exception(LaneFailed(refused))
+        return job.future
+
+    def close(self, timeout: float) -> bool:
+        """Drop the lookups queued; wait up to ``timeout`` for a running batch. Whether idle."""
+        return self.lane.close(timeout)
+
+    def _fail(self, jobs: list[LookupJob], reason: Failure, error: BaseException | None) -> None:
+        """Lookups the lane could not answer: each is then a miss, by ``reason``."""
+        for job in jobs:
+            with contextlib.suppress(InvalidStateError):  # answered, or cancelled meanwhile
+                job.future.set_exception(error if error is not None else LaneFailed(reason))
+
+    def _run(self, batch: list[LookupJob]) -> None:
+        """Hash each queued prompt, then look them up together. A prompt naming a boundary in
+        ``saving`` (a save in flight) answers None instead."""
+        asks: list[tuple[list[bytes], int, int]] = []
+        waiting: list[tuple[Future[Answer], list[bytes]]] = []
+        for job in batch:
+            if not job.future.set_running_or_notify_cancel():
+                continue  # timed out or finished while queued
+            try:
+                hashes = self.vault.hashes(job.prompt, job.extra, job.known)
+            except Exception as e:  # ours: this lookup only
+                self.guard.failed("lookup", e)
+                job.future.set_exception(e)
+                continue
+            if job.saving and any(h in job.saving for h in hashes):
+                job.future.set_result((hashes, None))
+                continue
+            asks.append((hashes, job.num_tokens, job.min_tokens))
+            waiting.append((job.future, hashes))
+        if not asks:
+            return
+        touches: list[tuple[list[str], list[bool]]] = []
+        found = self.vault.lookup_many(asks, touch_later=touches)  # raises: the lane fails the batch
+        for (future, hashes), result in zip(waiting, found, strict=True):
+            future.set_result((hashes, result))
+        try:  # answered: now keep what the hits use fresh for the store's eviction
+            self.vault.touch(touches)
+        except Exception as e:  # the answers stand; a store error here costs freshness only
+            log.debug("prefixvault: touching what a lookup found failed: %s", e)
