@@ -18,13 +18,21 @@ a ``WorkerSide`` on CPU cache tensors. Measured, ``--repeat`` times each, best t
   is reported finished.
 
 Prints both and ``together_over_one`` (about 1-2 when batched; about ``--requests`` when each
-load is its own round trip). Run on another checkout (``PYTHONPATH=older/src``) to compare;
-the last line is one JSON object.
+load is its own round trip).
+
+Then one shared prefix: ``--requests`` requests restore the same prefix, half of them
+together and half in a later wave, on a worker without and with the hot set of recent loads
+(``load_cache_mib``, ``HOT_SET_MIB`` by default over a network store). Printed: the bytes read
+from the store over one copy of the prefix (``shared_reads_over_one_copy``: about
+``--requests`` without it, 1 with it) and the later wave's time. Run on another checkout
+(``PYTHONPATH=older/src``) to compare (the shared part needs a vault with ``hot_bytes``); the
+last line is one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import sys
@@ -59,6 +67,25 @@ def wait_all(worker: WorkerSide, want: set[str], timeout: float = 60.0) -> float
             raise SystemExit(f"loads not finished after {timeout} s: {sorted(want - done)}")
         time.sleep(0.0002)
     return time.perf_counter() - t0
+
+
+def shared_prefix(store: Any, layout: CacheLayout, spec: LoadSpec, caches: dict[str, Any], n: int,
+                  hot_mib: int) -> dict[str, float]:
+    """``n`` restores of one prefix (half together, half later) on a fresh worker."""
+    vault = Vault(store, layout, hot_bytes=hot_mib << 20)
+    worker = WorkerSide(layout, vault, 0, [["a"], ["s"]], load_timeout=60)
+    worker.register_kv_caches(caches)
+    first = [dataclasses.replace(spec, req_id=f"s{i}") for i in range(n // 2)]
+    later = [dataclasses.replace(spec, req_id=f"t{i}") for i in range(n - n // 2)]
+    worker.load(first)
+    wait_all(worker, {s.req_id for s in first})
+    worker.load(later)
+    later_s = wait_all(worker, {s.req_id for s in later})
+    refs = vault.needed(spec.hashes, spec.tokens, ranks=[0])
+    one_copy = sum(layout.groups[r.group].nbytes(0) for r in refs)
+    worker.close()
+    return {"reads_over_one_copy": round(vault.counters.get_bytes / one_copy, 2),
+            "later_wave_ms": round(later_s * 1e3, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -114,6 +141,9 @@ def main(argv: list[str] | None = None) -> int:
             together.append(wait_all(worker, {s.req_id for s in specs}))
         nbytes = n * (blocks * sizes[ObjectKind.BLOCK] + sizes[ObjectKind.STATE])
         worker.close()
+        if "hot_bytes" in inspect.signature(Vault).parameters:
+            out["shared"] = {f"hot_mib_{mib}": shared_prefix(store, layout, specs[0], caches, n, mib)
+                             for mib in (0, 512)}
         store.close()
     finally:
         link.close()
@@ -123,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"one load: {out['one_ms']} ms; {n} loads together: {out['together_ms']} ms "
           f"({out['mib_together']} MiB); together / one: {out['together_over_one']} "
           f"(link delay {args.delay_ms} ms per round trip)")
+    for name, fig in out.get("shared", {}).items():
+        print(f"one prefix restored {n} times, {name}: store bytes read / one copy "
+              f"{fig['reads_over_one_copy']}, later wave {fig['later_wave_ms']} ms")
     print(json.dumps(out))
     return 0
 

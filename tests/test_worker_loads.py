@@ -191,3 +191,29 @@ def test_a_load_past_its_deadline_is_recomputed_never_written_late_and_counts_fo
     assert worker.take_finished() == (set(), set())  # reported once
     assert worker.counters.loads == 1
     worker.close()
+
+
+def test_with_a_hot_set_overlapping_and_later_restores_of_a_prefix_read_the_store_once() -> None:
+    """Issue 33: a shared prefix was fetched from the store once per request. With the hot set
+    (``load_cache_mib``), a load queued behind a load of the same boundary, and a later one,
+    are served from the objects the first read."""
+    store = GatedGets()
+    fill(Vault(store, layout()), TOKENS, [16, 40])
+    vault = Vault(store, layout(), hot_bytes=1 << 20)
+    caches = _caches()
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]])
+    worker.register_kv_caches(caches)
+    hashes = vault.hashes(TOKENS[:41])[:5]
+    store.gate.clear()
+    worker.load([LoadSpec("first", hashes, 40, 0, ([1, 2, 3, 4, 5], [0, 0, 0, 0, 1], [0, 0, 0, 0, 1]))])
+    assert store.reading.wait(5)
+    worker.load([LoadSpec("overlap", hashes, 40, 0, ([6, 7, 8, 9, 10], [0, 0, 0, 0, 2], [0, 0, 0, 0, 2]))])
+    store.gate.set()
+    assert _finished(worker, 2) == ({"first", "overlap"}, set())
+    worker.load([LoadSpec("later", hashes, 40, 0, ([11, 12, 13, 14, 15], [0, 0, 0, 0, 3], [0, 0, 0, 0, 3]))])
+    assert _finished(worker, 1) == ({"later"}, set())
+    assert len(store.reads) == 1  # one fetch for three restores
+    for blocks, w in (([1, 2, 3, 4, 5], 1), ([6, 7, 8, 9, 10], 2), ([11, 12, 13, 14, 15], 3)):
+        assert [float(caches["a"][b][0, 0, 0]) for b in blocks] == [1.5, 2.5, 3.5, 4.5, 5.5]
+        assert np.all(caches["w"][w].numpy() == 104.5) and np.all(caches["s"][w].numpy() == 240.5)
+    worker.close()

@@ -48,6 +48,7 @@ from prefixvault.codec import (
 from prefixvault.codec import VERSION as CODEC_VERSION
 from prefixvault.coverage import Coverage
 from prefixvault.denylist import DENY_REFRESH_S, DENY_TTL_S, DenyList
+from prefixvault.hotset import HotSet
 from prefixvault.keys import ExtraKeys, KeySpace, chain_hashes
 from prefixvault.layout import CacheLayout, GroupKind
 from prefixvault.records import RECORD_VERSION, BoundaryRecord
@@ -138,6 +139,8 @@ class VaultCounters:
     get_keys: int = 0
     get_bytes: int = 0
     get_failed: int = 0
+    hot_keys: int = 0  # objects a load took from the hot set, not the store
+    hot_bytes: int = 0
     records_published: int = 0
     layout_writes: int = 0
     records_existing: int = 0
@@ -191,7 +194,9 @@ class Vault:
     record is sealed and must verify as sealed with it."""
 
     def __init__(self, store: Store, layout: CacheLayout, namespace: str = "default",
-                 key: NamespaceKey | None = None) -> None:
+                 key: NamespaceKey | None = None, hot_bytes: int = 0) -> None:
+        """``hot_bytes``: memory for objects recently loaded, served again without the store
+        (``HotSet``; 0: none)."""
         if key is not None and key.namespace != namespace:
             raise ValueError(f"namespace key for {key.namespace!r} given to namespace {namespace!r}")
         self.store = store
@@ -210,6 +215,7 @@ class Vault:
         self.deny = DenyList()
         self._deny_read: float | None = None  # monotonic time the stored list was last read
         self._deny_blob: bytes | None = None  # the stored list as last read
+        self.hot = HotSet(hot_bytes) if hot_bytes > 0 else None
 
     # -- naming -----------------------------------------------------------------------------
 
@@ -928,8 +934,14 @@ class Vault:
 
         With ``borrow``, payloads may be views of memory the store lent: use them before the
         next call on the same store (a load beside other calls on their own thread passes
-        ``borrow=False``)."""
+        ``borrow=False``). With a hot set, objects in it are served from it (the deny-list
+        still applies), and only the others are read, then kept in it."""
         refs = sorted(refs, key=chain_order)  # a read is a use: the store ranks them in this order
+        hot = self._from_hot(refs) if self.hot is not None else {}
+        if hot:
+            refs = [r for r in refs if r not in hot]
+            if not refs:
+                return Loaded(hot, {})
         headers = [self.expected_header(r) for r in refs]
         sizes = [HEADER_SIZE + h.length for h in headers]
         total = sum(sizes)
@@ -970,7 +982,27 @@ class Vault:
             self.counters.add(get_bytes=size)
         if bad_keys:  # proved wrong only: bytes of another format or key are someone else's
             self.store.delete_many(bad_keys)
+        if self.hot is not None:
+            for ref, payload in payloads.items():
+                self.hot.put(ref.key, payload)
+        payloads.update(hot)
         return Loaded(payloads, failed)
+
+    def _from_hot(self, refs: Sequence[ObjectRef]) -> dict[ObjectRef, memoryview]:
+        """The objects of ``refs`` the hot set holds, unless the deny-list names their bytes."""
+        assert self.hot is not None
+        self.refresh_deny()
+        out: dict[ObjectRef, memoryview] = {}
+        for ref in refs:
+            payload = self.hot.get(ref.key)
+            if payload is None:
+                continue
+            if self._is_denied(ref.key, self.expected_header(ref), payload):
+                self.hot.discard(ref.key)  # proved wrong since it was loaded: read (and refused) again
+                continue
+            out[ref] = memoryview(payload)
+            self.counters.add(hot_keys=1, hot_bytes=len(payload))
+        return out
 
 
 def _payload_shape(shard: Sequence[object]) -> tuple[tuple[int, ...], str]:

@@ -71,6 +71,10 @@ class ConnectorSettings:
     # ("auto", the default): sized from the model's geometry (``staging_bytes``).
     save_staging_mib: int | None = None
     save_drain_timeout: float = 30.0  # seconds a stopping engine waits for queued saves
+    # Host memory (MiB per worker) for objects recently loaded, served again without the store
+    # (``HotSet``). None ("auto", the default): ``HOT_SET_MIB`` for a network store, 0 for a
+    # local or in-process one (a load there is a memcpy: a copy would only double memory).
+    load_cache_mib: int | None = None
     # Where the namespace's secret is (a file path, or an environment variable's name); the
     # secret itself is never part of the config, so it never reaches vLLM's logs.
     namespace_secret_file: str = ""
@@ -86,7 +90,7 @@ class ConnectorSettings:
         known = {"store", "namespace", "capture", "capture_interval", "model_id", "verify_sample",
                  "namespace_secret_file", "namespace_secret_env", "capture_outputs", "lookup_timeout",
                  "load_timeout", "save_staging_mib", "save_drain_timeout", "output_boundaries",
-                 "save_hold_mib"}
+                 "save_hold_mib", "load_cache_mib"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -145,12 +149,26 @@ class ConnectorSettings:
             save_staging_mib=None if str(extra.get("save_staging_mib", "auto")) == "auto"
             else _mib(extra.get("save_staging_mib"), "save_staging_mib"),
             save_drain_timeout=_seconds(extra.get("save_drain_timeout", 30.0), "save_drain_timeout"),
+            load_cache_mib=None if str(extra.get("load_cache_mib", "auto")) == "auto"
+            else _mib(extra.get("load_cache_mib"), "load_cache_mib"),
         )
         try:
             out.namespace_key()  # a secret that cannot be read fails at start, not at the first request
         except SecretError as e:
             raise ValueError(f"prefixvault: {e}") from None
         return out
+
+
+#: The hot set ``load_cache_mib: auto`` keeps per worker over a network store.
+HOT_SET_MIB = 512
+
+
+def hot_set_bytes(settings: ConnectorSettings, remote: bool) -> int:
+    """The hot set of one worker: ``load_cache_mib``, or, on ``auto``, ``HOT_SET_MIB`` over a
+    network store and none over a local one."""
+    if settings.load_cache_mib is not None:
+        return settings.load_cache_mib << 20
+    return HOT_SET_MIB << 20 if remote else 0
 
 
 #: Bounds of the staging budget ``save_staging_mib: auto`` sizes (per worker, pinned on a GPU).

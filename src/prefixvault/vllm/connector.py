@@ -37,7 +37,7 @@ from prefixvault.vllm.compat import (
     running_version,
     unsupported_version,
 )
-from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries, staging_bytes
+from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries, hot_set_bytes, staging_bytes
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.layout import Unsupported, build_layout, cache_shape
 from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled
@@ -90,7 +90,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             self.settings = dataclasses.replace(self.settings, capture_outputs=False)
         key = self.settings.namespace_key()
         store = open_store_or_retry(self.settings.store)
-        self.vault = Vault(store, self.layout, self.settings.namespace, key)
+        hot = hot_set_bytes(self.settings, store.remote) if role != KVConnectorRole.SCHEDULER else 0
+        self.vault = Vault(store, self.layout, self.settings.namespace, key, hot_bytes=hot)
         if role == KVConnectorRole.SCHEDULER:
             if ktc.kv_load_failure_policy != "recompute" and ktc.is_kv_consumer:
                 # A bad or missing object must cost a recompute, never a failed request.
@@ -279,6 +280,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         totals = {
             "put_keys": c.put_keys, "put_bytes": c.put_bytes, "put_failed": c.put_failed,
             "get_keys": c.get_keys, "get_bytes": c.get_bytes, "get_failed": c.get_failed,
+            "hot_keys": c.hot_keys, "hot_bytes": c.hot_bytes,
             "records_published": c.records_published,
         }
         # Copies first: the lookup and load threads may add a reason while these are read.

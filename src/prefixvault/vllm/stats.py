@@ -25,6 +25,8 @@ COUNTERS: dict[str, str] = {
     "get_keys": "Objects read from the store and verified",
     "get_bytes": "Bytes read from the store and verified",
     "get_failed": "Objects missing or rejected on load",
+    "hot_keys": "Objects a load took from the worker's hot set (load_cache_mib), not the store",
+    "hot_bytes": "Bytes a load took from the worker's hot set, not the store",
     "records_published": "Boundary records published",
     "lookups": "Requests looked up in the store",
     "lookup_errors": "Lookups that failed (counted as misses)",
