@@ -6,19 +6,25 @@
 OpenAI servers as operators start them (``prefixvault serve`` for the connector; the cold
 server is plain vLLM with its own prefix cache): a producer fills the store with the workload,
 then a cold server and a consumer server each serve the same requests, one after the other.
+The cold server then serves the same requests a second time: ``local``, every prefix a hit in
+vLLM's own prefix cache, what a restore is measured against (restored TTFT / local-hit TTFT).
 Workload: vLLM's ``prefix_repetition`` dataset (shared prefixes, random suffixes), greedy,
 ``--ignore-eos``, at most ``--concurrency`` requests in flight. ``--store redis`` puts a Valkey
 server behind a loopback proxy that adds ``--redis-delay-ms`` to every round trip.
 ``--connector-path OTHER/src`` makes the servers import prefixvault from another checkout, to
 measure a version before a change with the same client and workload.
 
-Prints, for cold, producer and consumer: mean and p99 TTFT, p50 and p99 ITL, output
+Prints, for cold, local, producer and consumer: mean and p99 TTFT, p50 and p99 ITL, output
 throughput, mean TTFT after the first wave of ``--concurrency`` requests (cold's own prefix cache
 is warm by then), completed and failed requests, the consumer's external hit tokens, whether every
 generated text equals cold's, and which part from cold's, the consumer's beside the producer's
 (which restores nothing: where its texts part too, batching did it); then the ratios
-consumer/cold (what restoring gains and costs) and producer/cold (what saving costs: the
-producer computes everything, as cold does, and stores it). The last line is one JSON object.
+consumer/cold (what restoring gains and costs), consumer/local (a restore against a hit in the
+engine's own cache) and producer/cold (what saving costs: the producer computes everything, as
+cold does, and stores it); and the consumer's bytes read from the store over one copy of every
+object it restored (``store_reads_per_copy``: about 1 with the hot set of recent loads; a shared
+prefix's blocks read once per request without it) and the share of restored bytes the hot set
+served (``hot_share``). The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -74,27 +80,35 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     saves: dict[str, float] = {}
 
-    def serve(tag: str, command: list[str]) -> tuple[dict[str, Any], float]:
+    loads: dict[str, float] = {}
+    second: dict[str, Any] = {}
+
+    def serve(tag: str, command: list[str], again: bool = False) -> tuple[dict[str, Any], float]:
         with server(command, work / f"{tag}-server.log", env=env) as url:
             result = benchmark(url, name, work / f"{tag}.json", load)
             hits = metric(url, "vllm:external_prefix_cache_hits_total")
             if tag == "producer":  # what the saves came to (counters of the version measured)
                 for k in ("records_published", "save_dropped", "save_errors"):
                     saves[k] = metric(url, f"vllm:prefixvault_{k}_total")
+            if tag == "consumer":
+                for k in ("get_bytes", "hot_bytes", "reread_bytes", "loads"):
+                    loads[k] = metric(url, f"vllm:prefixvault_{k}_total")
+            if again:  # the same requests once more: each prefix a hit in the engine's own cache
+                second.update(benchmark(url, name, work / f"{tag}-again.json", load))
         print(f"  {tag} done", flush=True)
         return result, hits
 
     try:
         producer, _ = serve("producer", serve_command(name, store, "kv_producer", extra=flags))
         cold, _ = serve("cold", [*vllm_command(name), *flags, "--enable-prefix-caching",
-                                 "--mamba-cache-mode", "align"])
+                                 "--mamba-cache-mode", "align"], again=True)
         consumer, hits = serve("consumer", serve_command(name, store, "kv_consumer", extra=flags))
     finally:
         for close in cleanup:
             close()
     out: dict[str, Any] = {"profile": args.profile, "store": args.store, "prompts": args.prompts,
                            "concurrency": args.concurrency}
-    for tag, res in (("cold", cold), ("producer", producer), ("consumer", consumer)):
+    for tag, res in (("cold", cold), ("local", second), ("producer", producer), ("consumer", consumer)):
         out[tag] = {k: round(float(res.get(k, 0.0)), 3) for k in FIGURES}
         # (a failed request's TTFT reads 0: left out)
         later = [float(t) for t in res.get("ttfts", [])[args.concurrency:] if t]
@@ -102,6 +116,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out[tag]["completed"] = int(res.get("completed", 0))
         out[tag]["failed"] = int(res.get("failed", 0))
     out["consumer"]["external_hit_tokens"] = hits
+    # Bytes read from the store over one copy of every object restored (objects read again
+    # are what a hot set saves: a shared prefix's blocks, restored by each of its requests).
+    got, again = loads.get("get_bytes", 0.0), loads.get("reread_bytes", 0.0)
+    out["consumer"]["store_reads_per_copy"] = round(got / (got - again), 2) if got > again else None
+    hot = loads.get("hot_bytes", 0.0)
+    out["consumer"]["hot_share"] = round(hot / (got + hot), 3) if got else None
+    out["vs_local"] = {k: round(out["consumer"][k] / out["local"][k], 3) if out["local"][k] else None
+                       for k in ("mean_ttft_ms", "p99_ttft_ms")}
     out["producer"].update(saves)  # counted until its requests were done (queued saves drain after)
     out["ratios"] = {k: round(out["consumer"][k] / out["cold"][k], 3) if out["cold"][k] else None
                      for k in COLUMNS}
@@ -144,11 +166,14 @@ def main() -> None:
     out = run(args, work)
     names = [*FIGURES, "ttft_after_wave1_ms"]
     print(f"{'':10}" + "".join(f"{k:>20}" for k in names))
-    for tag in ("cold", "producer", "consumer"):
+    for tag in ("cold", "local", "producer", "consumer"):
         print(f"{tag:10}" + "".join(f"{out[tag][k]:>20.2f}" for k in COLUMNS))
     print(f"{'cons/cold':10}" + "".join(f"{out['ratios'][k] or 0:>20.3f}" for k in COLUMNS))
     print(f"{'prod/cold':10}" + "".join(f"{out['producer_ratios'][k] or 0:>20.3f}" for k in COLUMNS))
-    c = out["consumer"]
+    c, vs = out["consumer"], out["vs_local"]
+    print(f"restored / local-hit TTFT: mean {vs['mean_ttft_ms']}, p99 {vs['p99_ttft_ms']}; consumer "
+          f"store bytes read / one copy of each object: {c['store_reads_per_copy']}, "
+          f"from the hot set: {c['hot_share']}")
     print(f"completed {c['completed']}/{args.prompts}, failed {c['failed']}, "
           f"external hit tokens {c['external_hit_tokens']:.0f}, texts equal {out['texts_equal']}")
     differ = out["texts_differ"]

@@ -80,3 +80,15 @@ def test_a_quarantine_reaches_objects_already_in_the_hot_set() -> None:
     vault.quarantine(vault.keys.record(hashes[4]))  # the boundary's bytes proved wrong elsewhere
     again = vault.load(refs)
     assert not again.ok and state in again.failed  # not served from the set: refused
+
+
+def test_bytes_read_again_are_counted_without_a_hot_set() -> None:
+    """What an operator reads to size ``load_cache_mib``: bytes read again for objects the
+    worker read before."""
+    store = MemoryStore()
+    fill(Vault(store, layout()), TOKENS, [40])
+    vault = Vault(store, layout())
+    refs = vault.needed(vault.hashes(TOKENS), 40)
+    assert vault.load(refs).ok and vault.counters.reread_bytes == 0
+    first = vault.counters.get_bytes
+    assert vault.load(refs).ok and vault.counters.reread_bytes == first

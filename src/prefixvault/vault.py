@@ -27,7 +27,7 @@ import os
 import socket
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -80,6 +80,9 @@ def _is_layout(blob: bytes, expected: bytes, key: NamespaceKey | None) -> bool:
         return False
     return header == want_header and payload == want
 
+
+#: Keys a vault remembers having read, to count bytes read again (``reread_bytes``).
+READS_SEEN = 1 << 16
 
 @dataclass(frozen=True)
 class ObjectRef:
@@ -141,6 +144,7 @@ class VaultCounters:
     get_failed: int = 0
     hot_keys: int = 0  # objects a load took from the hot set, not the store
     hot_bytes: int = 0
+    reread_bytes: int = 0  # bytes read for objects this vault had read before (of the last READS_SEEN)
     records_published: int = 0
     layout_writes: int = 0
     records_existing: int = 0
@@ -216,6 +220,7 @@ class Vault:
         self._deny_read: float | None = None  # monotonic time the stored list was last read
         self._deny_blob: bytes | None = None  # the stored list as last read
         self.hot = HotSet(hot_bytes) if hot_bytes > 0 else None
+        self._seen: OrderedDict[int, None] = OrderedDict()  # hashes of the keys read last (READS_SEEN)
 
     # -- naming -----------------------------------------------------------------------------
 
@@ -980,6 +985,8 @@ class Vault:
             payloads[ref] = payload
             self.counters.add(get_keys=1)
             self.counters.add(get_bytes=size)
+            if self._read_before(ref.key):
+                self.counters.add(reread_bytes=size)
         if bad_keys:  # proved wrong only: bytes of another format or key are someone else's
             self.store.delete_many(bad_keys)
         if self.hot is not None:
@@ -987,6 +994,17 @@ class Vault:
                 self.hot.put(ref.key, payload)
         payloads.update(hot)
         return Loaded(payloads, failed)
+
+    def _read_before(self, key: str) -> bool:
+        """Whether ``key`` was among the last ``READS_SEEN`` keys this vault read (then it is
+        again, as the most recent)."""
+        h = hash(key)
+        seen = h in self._seen
+        self._seen[h] = None
+        self._seen.move_to_end(h)
+        if len(self._seen) > READS_SEEN:
+            self._seen.popitem(last=False)
+        return seen
 
     def _from_hot(self, refs: Sequence[ObjectRef]) -> dict[ObjectRef, memoryview]:
         """The objects of ``refs`` the hot set holds, unless the deny-list names their bytes."""

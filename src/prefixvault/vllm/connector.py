@@ -280,7 +280,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         totals = {
             "put_keys": c.put_keys, "put_bytes": c.put_bytes, "put_failed": c.put_failed,
             "get_keys": c.get_keys, "get_bytes": c.get_bytes, "get_failed": c.get_failed,
-            "hot_keys": c.hot_keys, "hot_bytes": c.hot_bytes,
+            "hot_keys": c.hot_keys, "hot_bytes": c.hot_bytes, "reread_bytes": c.reread_bytes,
             "records_published": c.records_published,
         }
         # Copies first: the lookup and load threads may add a reason while these are read.
