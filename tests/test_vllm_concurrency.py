@@ -14,7 +14,8 @@ wherever the shared token budget falls. Per scenario (model, token budget, arriv
 - ``producer``: the real connector, which also puts vLLM's chunk alignment back.
 - ``cold1`` / ``cold_load``: no connector, a unique cache salt per request (nothing reused),
   one at a time and under the same load; where their texts agree, cold is invariant to load.
-- ``consumer_load`` / ``consumer1``: the real connector restoring from ``producer``'s store.
+- ``consumer_load`` / ``consumer1``: the real connector restoring from ``producer``'s store,
+  with the hot set of recent loads on (requests of one prefix restore what the first read).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from prefixvault.stores import open_store
 pytestmark = pytest.mark.slow
 
 PREFIX, SUFFIX, PREFIXES, REQUESTS = 2048, 512, 4, 16
+HOT = {"load_cache_mib": 256}
 #: The least and the most drift of cold under load (|Δlogprob|) the text check works with: a
 #: floor should cold happen not to move at all, a ceiling past which the check means nothing.
 #: The drift is the host's: vLLM CPU picks its bf16 kernels by ISA, and the GDN scenario's cold
@@ -129,8 +131,10 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
         sc, prompts, store, bs, unaligned, producer,
         cold1=run("cold", alone, salts=salts),
         cold_load=run("cold", load, salts=salts),
-        consumer_load=run("kv_consumer", load),
-        consumer1=run("kv_consumer", alone),
+        # With the hot set of recent loads on (off by default over a local store): requests of
+        # one prefix restore its objects from memory the first one read.
+        consumer_load=run("kv_consumer", load, extra_config=HOT),
+        consumer1=run("kv_consumer", alone, extra_config=HOT),
     )
 
 
@@ -197,6 +201,7 @@ def test_consumer_under_load_departs_from_cold_no_more_than_cold_does(runs: Runs
     for name in ("consumer_load", "consumer1"):
         got: StaggeredRun = getattr(runs, name)
         assert sum(c.cached_tokens for c in got.completions) >= REQUESTS * PREFIX, name
+        assert got.metrics.get("hot_keys", 0) > 0, f"{name}: no restore was served from the hot set"
         parted = {i: divergence(cold[i], got.completions[i]) for i in invariant}
         far = {i: d for i, d in parted.items() if d.drift > bound or (d.margin or 0.0) > 2 * bound}
         assert not far, f"{name}: past drift {bound:.3g} (cold's own: {noise:.3g}): {far}"

@@ -72,7 +72,7 @@ MAX_STEPS = 10_000
 class Geometry:
     """One hybrid model's cache, as vLLM on CUDA gives it to the scheduler: a full-attention
     group and state groups of one kind, the block size vLLM derives for the model
-    (``prefixvault.geometry``; bench/model_configs), and whether its state layers reserve a
+    (`bench/geometry.py`; bench/model_configs), and whether its state layers reserve a
     prefill checkpoint block (vLLM's Mamba2 layers do: 1 block, alignment 1; 0.33+ Qwen GDN
     with FlashInfer too). Heads and state shapes are small: the scheduler never reads bytes."""
 
@@ -102,7 +102,11 @@ HEAD_SIZE = 8  # one KV head of 8 (fp16): a block is 2 * 8 * 2 = 32 bytes per to
 
 def kv_cache_config(geo: Geometry, num_blocks: int, spec_tokens: int = 0) -> KVCacheConfig:
     """The KV cache config vLLM's engine core would hand the scheduler for ``geo``: state pages
-    padded to the attention page (vLLM's hybrid page unification), align mode."""
+    padded to the attention page (vLLM's hybrid page unification), align mode, and the prefix
+    cache's retention interval resolved from vLLM's default (0: a state group keeps only each
+    request's replay boundary and junction), where the version has one."""
+    import dataclasses
+
     import torch
 
     attn = FullAttentionSpec(block_size=geo.block_size, num_kv_heads=1, head_size=HEAD_SIZE,
@@ -117,7 +121,9 @@ def kv_cache_config(geo: Geometry, num_blocks: int, spec_tokens: int = 0) -> KVC
             num_prefill_checkpoint_blocks=geo.checkpoint_blocks,
             prefill_checkpoint_alignment=1 if geo.checkpoint_blocks else None)
         groups.append(KVCacheGroupSpec([f"model.layers.{i + 1}.mixer"], state))
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
+    retention = {"prefix_cache_retention_interval": 0} \
+        if "prefix_cache_retention_interval" in {f.name for f in dataclasses.fields(KVCacheConfig)} else {}
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups, **retention)
 
 
 # -- the engine: vLLM's scheduler built from config objects, as its engine core builds it -------

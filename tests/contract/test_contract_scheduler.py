@@ -74,6 +74,27 @@ def test_concurrent_requests_sharing_prefixes(engines: Engines, geo: Geometry, b
     assert any(x.answer[0] == 0 for x in b.asks if x.req_id == "b-salted"), "a salted prompt hit"
 
 
+@_geo(list(GEOMETRIES))
+def test_a_prefix_restored_once_is_a_local_hit_for_the_requests_after_it(engines: Engines,
+                                                                         geo: Geometry) -> None:
+    """Issue 33: vLLM's own prefix cache (retention interval 0, its default) kept no state at a
+    restored boundary, so every later request of the prefix restored it from the store again.
+    A consumer restores the shared prefix for its first request; the next request of that prefix
+    on the same engine is a hit in vLLM's own cache at that boundary, and loads nothing."""
+    bs = geo.block_size
+    shared = prompts(bs + 1, 2 * bs)[0]
+    a = engines(geo, budget=2 * bs)
+    a.run({0: [make_request("a", shared + prompts(bs + 2, bs // 2 + 1)[0], bs)]})  # publishes 2 bs
+    b = engines(geo, a.store, budget=2 * bs)
+    # tails past a block: the shared boundary is neither request's replay boundary
+    b.run({0: [make_request("first", shared + prompts(bs + 3, bs + 5)[0], bs)]})
+    assert b.loads["first"] == 1 and b.hits, "the scenario restored nothing"
+    b.run({0: [make_request("next", shared + prompts(bs + 4, bs + 7)[0], bs)]})
+    asks = [x for x in b.asks if x.req_id == "next"]
+    assert asks and asks[0].computed == 2 * bs, f"vLLM's own cache had {asks[0].computed if asks else None}"
+    assert b.loads["next"] == 0
+
+
 #: KV cache sizes (blocks, every group drawing from one pool) tried in turn until vLLM
 #: preempts: six requests that need about 8 blocks each, so two to three fit at once.
 TIGHT_POOLS = (16, 18, 14, 12, 20)

@@ -76,6 +76,27 @@ def skips_external(request: Any) -> bool:
 # -- engine arguments ----------------------------------------------------------------------------
 
 
+def keep_restored_state(request: Any, boundary: int) -> bool:
+    """Make vLLM's own prefix cache keep the state block a restore fills at ``boundary``, so the
+    requests after it on this engine hit their shared prefix locally instead of restoring it
+    again. Whether the request now names it.
+
+    With ``prefix_cache_retention_interval`` 0 (vLLM's default), a state group keeps only the
+    states at a request's own replay boundary and at its ``shared_prefix_boundary`` (the
+    junction vLLM found with an earlier request); the restored boundary is neither, so its
+    block is dropped when the load lands (``MambaManager.reachable_block_mask``, 0.32-0.34). A
+    request with no junction of its own is given the restored boundary as its junction: vLLM
+    caches the block there as it caches a junction it computed. Its other readers are inert
+    at that position: the junction stop of a chunk needs the chunk to start before it, and the
+    in-chunk checkpoint needs the request to have computed less than it (both false: the
+    request resumes exactly there). A junction vLLM found is left as it is."""
+    current = getattr(request, "shared_prefix_boundary", None)
+    if current is None or current not in (0, boundary):
+        return False
+    request.shared_prefix_boundary = boundary
+    return True
+
+
 def needs_mamba_cache_mode_flag(version: tuple[int, int] | None = None) -> bool:
     """vLLM 0.32 needs ``--mamba-cache-mode align`` beside prefix caching; 0.33 deprecated the
     flag (align is derived from prefix caching) and announced its removal."""

@@ -38,7 +38,7 @@ from prefixvault.keys import ExtraKeys, MultimodalItem
 from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample
 from prefixvault.vault import Miss, Vault
-from prefixvault.vllm.compat import InternalCheckpoints, skips_external
+from prefixvault.vllm.compat import InternalCheckpoints, keep_restored_state, skips_external
 from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.lane import Lane, failure_of
@@ -345,6 +345,8 @@ class SchedulerSide:
         st.loaded = tokens
         st.saved = max(st.saved, tokens)
         st.loads += 1
+        if self.state_groups:  # a restore is done once per engine: vLLM keeps the state it lands in
+            keep_restored_state(request, tokens)
         # If vLLM asks again (the load failed and the request restarts, or it was preempted),
         # look up afresh: a rejected object has been removed by then.
         st.phase, st.hit = Phase.NEW, 0

@@ -27,7 +27,7 @@ COUNTERS: dict[str, str] = {
     "get_failed": "Objects missing or rejected on load",
     "hot_keys": "Objects a load took from the worker's hot set (load_cache_mib), not the store",
     "hot_bytes": "Bytes a load took from the worker's hot set, not the store",
-    "reread_bytes": "Bytes read again from the store for objects this worker read before (hot set off, small)",
+    "reread_bytes": "Bytes read again from the store for objects this worker read before (hot set too small)",
     "records_published": "Boundary records published",
     "lookups": "Requests looked up in the store",
     "lookup_errors": "Lookups that failed (counted as misses)",
