@@ -217,3 +217,19 @@ def test_with_a_hot_set_overlapping_and_later_restores_of_a_prefix_read_the_stor
         assert [float(caches["a"][b][0, 0, 0]) for b in blocks] == [1.5, 2.5, 3.5, 4.5, 5.5]
         assert np.all(caches["w"][w].numpy() == 104.5) and np.all(caches["s"][w].numpy() == 240.5)
     worker.close()
+
+
+def test_a_load_that_started_writing_is_never_expired_under_it() -> None:
+    """The expiry checks and ends a load in one hold of the lock: a load that moved to writing
+    meanwhile lands and is reported once, as loaded (never failed while its bytes go in)."""
+    from prefixvault.vllm.worker import LoadFailure, LoadJob, LoadState
+
+    vault = Vault(MemoryStore(), layout())
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]])
+    job = LoadJob(LoadSpec("r", [], 16, 0, ([1, 2], [0, 2], [0, 3])), ())
+    assert worker._begin_write(job) and job.state is LoadState.WRITING
+    assert not worker._end_load(job, False, LoadFailure.TIMEOUT, only=LoadState.QUEUED)
+    assert job.state is LoadState.WRITING and worker.take_finished() == (set(), set())
+    assert worker._end_load(job, True)
+    assert worker.take_finished() == ({"r"}, set()) and worker.counters.load_failures == 0
+    worker.close()

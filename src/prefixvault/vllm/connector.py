@@ -297,15 +297,16 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             with s._lock:
                 totals.update(lookups=s.lookups, lookup_errors=s.lookup_errors, hit_tokens=s.hit_tokens,
                               verify_samples=s.samples, verify_sample_errors=s.sample_errors)
-                totals.update({f"refused:{k}": v for k, v in s.refused.items()})
-                totals.update({f"holds_dropped:{k}": v for k, v in s.holds_dropped.items()})
+                totals.update({f"refused:{k}": v for k, v in dict(s.refused).items()})
+                totals.update({f"holds_dropped:{k}": v for k, v in dict(s.holds_dropped).items()})
         if self.worker is not None:
             w = self.worker.counters
             with w._lock:
                 totals.update(save_errors=w.save_errors, loads=w.loads, loaded_tokens=w.loaded_tokens,
                               saved_boundaries=w.saved_boundaries, saves_published=w.published)
-                totals.update({f"save_dropped:{k}": v for k, v in w.save_dropped.items()})
-                totals.update({f"load_failures:{k}": v for k, v in w.failure_reasons.items()})
+                # copies (one C call each): the lanes add reasons under the worker's own lock
+                totals.update({f"save_dropped:{k}": v for k, v in dict(w.save_dropped).items()})
+                totals.update({f"load_failures:{k}": v for k, v in dict(w.failure_reasons).items()})
         lanes = [*(self.scheduler.lanes if self.scheduler is not None else []),
                  *(self.worker.lanes if self.worker is not None else [])]
         for lane in lanes:

@@ -195,10 +195,10 @@ class Lane(Generic[J]):
                     return  # closed, and nothing left
                 now = time.monotonic()
                 batch = [q for q in self._queue if q.deadline is None or q.deadline >= now]
-                late = [q.job for q in self._queue if q.deadline is not None and q.deadline < now]
+                late = [q for q in self._queue if q.deadline is not None and q.deadline < now]
                 self._queue.clear()
-                self._running = batch
-            self._give_up(late, Failure.TIMEOUT, None)
+                self._running = [*late, *batch]  # busy until the late ones are given up too
+            self._give_up([q.job for q in late], Failure.TIMEOUT, None)
             if batch:
                 self._run_batch([q.job for q in batch])
             with self._cond:

@@ -545,14 +545,20 @@ class WorkerSide:
         self._finish_saves(batch, [False] * len(batch))
 
     def _finish_saves(self, batch: Sequence[StagedSave], outcomes: Sequence[bool]) -> None:
+        """Give each save's memory back and settle it, once. Never raises (the lane would then
+        drop the batch and settle it again): an error of ours here costs that save's memory."""
         assert self._staging is not None
         for job, ok in zip(batch, outcomes, strict=True):
-            for c in job.copies:
-                with contextlib.suppress(Exception):
-                    c.wait()  # never hand back memory a copy may still write
-            self._staging.release(job.reservation)
-            self._give(job.slot)
-            self._settle(job.sid, ok)
+            try:
+                for c in job.copies:
+                    with contextlib.suppress(Exception):
+                        c.wait()  # never hand back memory a copy may still write
+                self._staging.release(job.reservation)
+                self._give(job.slot)
+            except Exception as e:
+                self.guard.failed("save", e)
+            finally:
+                self._settle(job.sid, ok)
 
     def _store(self, spec: SaveSpec, read: Any, read_into: Any) -> bool:
         assert self.vault is not None
@@ -610,11 +616,15 @@ class WorkerSide:
         if self._disabled is not None:
             self.fail_loads(specs, LoadFailure.DISABLED)
             return
-        marks = [io.mark() for io in self._io]
+        marks = [io.mark() for io in self._io]  # (raises before any load is queued)
         for spec in specs:
             job = LoadJob(spec, marks)
-            refused = self._loads.put(job, timeout=self.load_deadline(spec))
-            if refused is not None:  # queue full, or shutting down: recomputed
+            try:  # never raises past here: a load queued is reported by its job alone
+                refused = self._loads.put(job, timeout=self.load_deadline(spec))
+            except Exception as e:
+                self.guard.failed("load", e)
+                refused = Failure.INTERNAL_ERROR
+            if refused is not None:  # queue full, shutting down, or ours: recomputed
                 self._end_load(job, False, LOAD_FAILED[refused])
 
     def load_deadline(self, spec: LoadSpec) -> float:
@@ -703,12 +713,14 @@ class WorkerSide:
             job.state = LoadState.WRITING
             return True
 
-    def _end_load(self, job: LoadJob, ok: bool, reason: LoadFailure | None = None) -> bool:
-        """Report a load finished (once: a job already done is left as it is); a failure is
+    def _end_load(self, job: LoadJob, ok: bool, reason: LoadFailure | None = None,
+                  only: LoadState | None = None) -> bool:
+        """Report a load finished (once: a job already done is left as it is; with ``only``, a
+        job in another state too, checked and changed in one hold of the lock); a failure is
         counted by ``reason``. Whether this call reported it."""
         spec = job.spec
         with self._lock:
-            if job.state is LoadState.DONE:
+            if job.state is LoadState.DONE or (only is not None and job.state is not only):
                 return False
             job.state = LoadState.DONE
             self.counters.add(loads=1)
@@ -727,10 +739,8 @@ class WorkerSide:
         recomputes them); their late bytes are never written. The store's breaker counts it: a
         store that hangs without an error is as unavailable as one that errs."""
         late = 0
-        for job in self._loads.overdue():
-            with self._lock:
-                expired = job.state is LoadState.QUEUED
-            if expired and self._end_load(job, False, LoadFailure.TIMEOUT):
+        for job in self._loads.overdue():  # (one that started writing is left to land)
+            if self._end_load(job, False, LoadFailure.TIMEOUT, only=LoadState.QUEUED):
                 late += 1
         if late:
             log.warning("prefixvault: %d loads past their deadline: recomputed instead", late)
