@@ -201,7 +201,8 @@ def test_consumer_under_load_departs_from_cold_no_more_than_cold_does(runs: Runs
     for name in ("consumer_load", "consumer1"):
         got: StaggeredRun = getattr(runs, name)
         assert sum(c.cached_tokens for c in got.completions) >= REQUESTS * PREFIX, name
-        assert got.metrics.get("hot_keys", 0) > 0, f"{name}: no restore was served from the hot set"
+        if runs.scenario.profile != "mamba2":  # (pure Mamba2: every restore is its own state, nothing shared)
+            assert got.metrics.get("hot_keys", 0) > 0, f"{name}: no restore was served from the hot set"
         parted = {i: divergence(cold[i], got.completions[i]) for i in invariant}
         far = {i: d for i, d in parted.items() if d.drift > bound or (d.margin or 0.0) > 2 * bound}
         assert not far, f"{name}: past drift {bound:.3g} (cold's own: {noise:.3g}): {far}"

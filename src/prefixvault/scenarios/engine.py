@@ -151,8 +151,9 @@ def connector_metrics(llm: Any) -> dict[str, float]:
         if name.startswith("vllm:prefixvault_") and hasattr(m, "value"):
             labels = getattr(m, "labels", {}) or {}
             key = name.removeprefix("vllm:prefixvault_")
-            if "reason" in labels:
-                key = f"{key}:{labels['reason']}"
+            for label in ("lane", "reason"):  # the connector's own labels, in its key order
+                if label in labels:
+                    key = f"{key}:{labels[label]}"
             out[key] = out.get(key, 0.0) + float(m.value)
     return out
 
