@@ -36,7 +36,9 @@ class HotSet:
             raise ValueError(f"hot set capacity must not be negative, not {capacity}")
         self.capacity = capacity
         self.stats = HotSetStats()
-        self._items: OrderedDict[str, bytes] = OrderedDict()
+        # bytearrays: a view of one is writable, as torch wants of what it reads from numpy
+        # (nothing writes to them: a load only copies out of them)
+        self._items: OrderedDict[str, bytearray] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -47,7 +49,7 @@ class HotSet:
     def nbytes(self) -> int:
         return self._bytes
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str) -> bytearray | None:
         with self._lock:
             payload = self._items.get(key)
             if payload is None:
@@ -63,7 +65,7 @@ class HotSet:
         n = len(payload)
         if n > self.capacity:
             return
-        data = bytes(payload)
+        data = bytearray(payload)
         with self._lock:
             old = self._items.pop(key, None)
             if old is not None:
