@@ -10,19 +10,20 @@ store stopped answering stops within its deadlines all the same.
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from prefixvault.scenarios.models import build_model, engine_kwargs
 from prefixvault.scenarios.netfault import SlowLink
-from prefixvault.scenarios.servers import free_port, wait_ready
+from prefixvault.scenarios.servers import free_port, server_env, wait_ready
 from prefixvault.scenarios.valkey import Valkey
 from prefixvault.serve import engine_flags, kv_transfer_config, serve_command
 
@@ -30,36 +31,49 @@ pytestmark = pytest.mark.slow
 PROFILE = "shortconv-hybrid"
 
 
+def _flags(model: Path) -> list[str]:
+    engine = engine_kwargs(PROFILE, model)
+    engine.pop("model")
+    engine["max_num_batched_tokens"] = 512
+    return [*engine_flags(engine), "--served-model-name", "tiny"]
+
+
+@contextmanager
+def _running(cmd: list[str], port: int, log: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """The server started and answering; killed on the way out if it is still there."""
+    with open(log, "w") as out:
+        proc = subprocess.Popen([*cmd, "--host", "127.0.0.1", "--port", str(port)], env=server_env(),
+                                stdout=out, stderr=subprocess.STDOUT)
+        try:
+            wait_ready(proc, f"http://127.0.0.1:{port}", log, time.monotonic() + 300)
+            yield proc
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+def _complete(port: int, prompt: list[int]) -> None:
+    body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0}).encode()
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200
+
+
 def test_sigterm_stores_the_queued_saves_first(tmp_path: Path) -> None:
     model = build_model(PROFILE, tmp_path / "m", seed=0)
     valkey = Valkey()
     link = SlowLink(valkey.port, 0.25)
     port = free_port()
-    engine = engine_kwargs(PROFILE, model)
-    engine.pop("model")
-    engine["max_num_batched_tokens"] = 512
     cmd = [sys.executable, "-m", "prefixvault.cli", "serve", str(model), "--store",
-           f"redis://127.0.0.1:{link.port}/0?timeout=10", "--role", "kv_producer", "--",
-           *engine_flags(engine), "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
+           f"redis://127.0.0.1:{link.port}/0?timeout=10", "--role", "kv_producer", "--", *_flags(model)]
     log = tmp_path / "server.log"
     try:
-        with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-            try:
-                wait_ready(proc, f"http://127.0.0.1:{port}", log, time.monotonic() + 300)
-                body = json.dumps({"model": "tiny", "prompt": [(7 * i) % 500 + 3 for i in range(400)],
-                                   "max_tokens": 1, "temperature": 0}).encode()
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    assert r.status == 200
-                proc.send_signal(signal.SIGTERM)  # at once: the saves are still on their way
-                proc.wait(timeout=120)
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+        with _running(cmd, port, log) as proc:
+            _complete(port, [(7 * i) % 500 + 3 for i in range(400)])
+            proc.send_signal(signal.SIGTERM)  # at once: the saves are still on their way
+            proc.wait(timeout=120)
         text = log.read_text(errors="replace")
         assert "queued saves before shutting down" in text, text[-3000:]
         assert "not stored at shutdown" not in text
@@ -82,38 +96,20 @@ def test_sigterm_with_a_stalled_store_abandons_within_its_deadline_and_leaves_th
     valkey = Valkey()
     link = SlowLink(valkey.port, 0.0)
     port = free_port()
-    engine = engine_kwargs(PROFILE, model)
-    engine.pop("model")
-    engine["max_num_batched_tokens"] = 512
     ktc = kv_transfer_config(f"redis://127.0.0.1:{link.port}/0?timeout=60", "kv_both", "default", "steps")
     ktc["kv_connector_extra_config"]["save_drain_timeout"] = 3
-    cmd = [*serve_command(str(model), "unused", "kv_both",
-                          extra=[*engine_flags(engine), "--served-model-name", "tiny"])]
+    cmd = serve_command(str(model), "unused", "kv_both", extra=_flags(model))
     cmd[cmd.index("--kv-transfer-config") + 1] = json.dumps(ktc)
-    cmd += ["--host", "127.0.0.1", "--port", str(port)]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_HOST_IP": "127.0.0.1"}
     log = tmp_path / "server.log"
     try:
-        with open(log, "w") as out:
-            proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-            try:
-                wait_ready(proc, f"http://127.0.0.1:{port}", log, time.monotonic() + 300)
-                link.delay = 120.0  # every round trip from now on: the store has stopped answering
-                body = json.dumps({"model": "tiny", "prompt": [(11 * i) % 500 + 3 for i in range(600)],
-                                   "max_tokens": 1, "temperature": 0}).encode()
-                req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", body,
-                                             {"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=120) as r:  # a lookup timeout, then computed
-                    assert r.status == 200
-                time.sleep(1.0)  # its saves are in the save lane's put, or queued behind it
-                t0 = time.monotonic()
-                proc.send_signal(signal.SIGTERM)
-                proc.wait(timeout=90)
-                stopped = time.monotonic() - t0
-            finally:
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
+        with _running(cmd, port, log) as proc:
+            link.delay = 120.0  # every round trip from now on: the store has stopped answering
+            _complete(port, [(11 * i) % 500 + 3 for i in range(600)])  # a lookup timeout, then computed
+            time.sleep(1.0)  # its saves are in the save lane's put, or queued behind it
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=90)
+            stopped = time.monotonic() - t0
         text = log.read_text(errors="replace")
         assert stopped < 40, f"shutdown took {stopped:.0f} s\n" + text[-3000:]
         assert "saves not stored at shutdown" in text, text[-3000:]

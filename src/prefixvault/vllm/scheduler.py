@@ -18,9 +18,7 @@ that save settled, and looked up then: what the store is about to hold is not co
 from __future__ import annotations
 
 import logging
-import os
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +35,7 @@ from prefixvault.identity import content_digest
 from prefixvault.keys import ExtraKeys, MultimodalItem
 from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample
-from prefixvault.vault import Miss, Vault
+from prefixvault.vault import Miss, Vault, producer_id
 from prefixvault.vllm.compat import InternalCheckpoints, keep_restored_state, skips_external
 from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.guard import Guard
@@ -567,7 +565,7 @@ class SchedulerSide:
         try:
             record = self.vault.keys.record(self._hashes(st, st.loaded)[-1])
             sample = VerifySample(st.prompt, st.loaded, record, output, time.time(),
-                                  f"{socket.gethostname()}:{os.getpid()}")
+                                  producer_id())
         except Exception as e:  # a sample is best effort, never an error in the engine
             self.counters.add(sample_errors=1)
             self.guard.failed("sample", e)
