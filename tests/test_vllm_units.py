@@ -6,7 +6,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from prefixvault.scenarios import scenario
-from prefixvault.vllm.config import CapturePolicy, ConnectorSettings, OutputBoundaries
+from prefixvault.vllm.config import CapturePolicy, ConnectorSettings, OutputBoundaries, restores_in_step
 from prefixvault.vllm.stats import PrefixVaultPromMetrics, PrefixVaultStats, Snapshot
 
 
@@ -21,6 +21,13 @@ def test_settings_defaults_and_policies() -> None:
     assert (s.capture_outputs, s.output_boundaries, s.save_hold_mib) == (True, OutputBoundaries.EVERY, 0)
 
 
+def test_restores_run_in_the_step_for_a_local_store_unless_told_otherwise() -> None:
+    auto = ConnectorSettings.from_extra({"restore_in_step": "auto"})
+    assert restores_in_step(auto, remote=False) and not restores_in_step(auto, remote=True)
+    on, off = (ConnectorSettings.from_extra({"restore_in_step": v}) for v in (True, "false"))
+    assert restores_in_step(on, remote=True) and not restores_in_step(off, remote=False)
+
+
 @pytest.mark.parametrize(
     "extra,needle",
     [({"stor": "x"}, "unknown kv_connector_extra_config"), ({"capture": "sometimes"}, "capture must be"),
@@ -28,7 +35,8 @@ def test_settings_defaults_and_policies() -> None:
      ({"verify_sample": 1.5}, "verify_sample must be"),
      ({"verify_sample": "often"}, "verify_sample must be"),
      ({"output_boundaries": "first"}, "output_boundaries must be last or every"),
-     ({"save_hold_mib": -1}, "save_hold_mib must be")],
+     ({"save_hold_mib": -1}, "save_hold_mib must be"),
+     ({"restore_in_step": "sometimes"}, "restore_in_step must be")],
 )
 def test_settings_errors_are_clear(extra: dict[str, str], needle: str) -> None:
     with pytest.raises(ValueError, match=needle):

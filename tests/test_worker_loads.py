@@ -233,3 +233,26 @@ def test_a_load_that_started_writing_is_never_expired_under_it() -> None:
     assert worker._end_load(job, True)
     assert worker.take_finished() == ({"r"}, set()) and worker.counters.load_failures == 0
     worker.close()
+
+
+def test_in_step_loads_have_landed_when_start_load_kv_returns_and_are_reported_that_step() -> None:
+    """``restore_in_step`` (a local store): the step's loads run as one batch in the engine's
+    thread, so a restored request is reported in the step its load was planned in, and vLLM
+    runs its first chunk in the next. A failed one is reported failed as on the lane."""
+    store = GatedGets()
+    vault = Vault(store, layout())
+    fill(vault, TOKENS, [16, 40])
+    caches = _caches()
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], load_in_step=True)
+    worker.register_kv_caches(caches)
+    hashes = vault.hashes(TOKENS[:41])
+    other = vault.hashes(list(range(100, 141)))  # nothing stored
+    gone = ([8, 10, 11, 12, 13], [9, 9, 9, 9, 14], [0, 0, 0, 0, 15])
+    worker.load([LoadSpec("r", hashes[:5], 40, 0, ([1, 2, 3, 4, 5], [9, 9, 9, 9, 6], [0, 0, 0, 0, 7])),
+                 LoadSpec("gone", other[:5], 40, 0, gone)])
+    assert len(store.reads) == 1  # one batch
+    assert worker.take_finished() == ({"r", "gone"}, {"gone"})
+    assert np.all(caches["a"][5].numpy() == 5.5) and np.all(caches["s"][7].numpy() == 240.5)
+    assert np.all(caches["a"][8].numpy() == -1) and np.all(caches["s"][15].numpy() == -1)
+    assert not worker._loads._started  # no load thread
+    worker.close()

@@ -54,17 +54,21 @@ def _family(geo: Geometry, seed: int) -> tuple[list[int], list[list[int]]]:
 
 @_geo(list(GEOMETRIES))
 @pytest.mark.parametrize("budget", ["multiple", "unaligned", "sub-block"])
-def test_concurrent_requests_sharing_prefixes(engines: Engines, geo: Geometry, budget: str) -> None:
+@pytest.mark.parametrize("in_step", [True, False], ids=["in-step", "beside"])
+def test_concurrent_requests_sharing_prefixes(engines: Engines, geo: Geometry, budget: str,
+                                              in_step: bool) -> None:
     """Requests arriving together and later on one engine; then a fresh engine on the same
-    store (its own prefix cache empty) restores what the first published."""
+    store (its own prefix cache empty) restores what the first published. Lookups and loads
+    in the step (a local store's default) and beside it on their lanes (a network store's)."""
     bs = geo.block_size
     shared, family = _family(geo, seed=bs)
-    a = engines(geo, budget=_budget(geo, budget))
+    mode = {"restore_in_step": in_step}
+    a = engines(geo, budget=_budget(geo, budget), extra=mode)
     arrivals = {0: [make_request(f"a{i}", p, bs) for i, p in enumerate(family)],
                 3: [make_request("a-late", shared + prompts(7, bs + 3)[0], bs),
                     make_request("a-late-same", family[1], bs)]}
     a.run(arrivals)
-    b = engines(geo, a.store, budget=_budget(geo, budget))
+    b = engines(geo, a.store, budget=_budget(geo, budget), extra=mode)
     b.run({0: [make_request("b-same", family[2], bs),
                make_request("b-longer", family[2] + prompts(9, bs // 3 + 2)[0], bs),
                make_request("b-new-tail", shared + prompts(11, 2 * bs)[0], bs),
@@ -93,6 +97,29 @@ def test_a_prefix_restored_once_is_a_local_hit_for_the_requests_after_it(engines
     asks = [x for x in b.asks if x.req_id == "next"]
     assert asks and asks[0].computed == 2 * bs, f"vLLM's own cache had {asks[0].computed if asks else None}"
     assert b.loads["next"] == 0
+
+
+@_geo(list(GEOMETRIES))
+def test_a_fast_store_restores_in_one_step(engines: Engines, geo: Geometry) -> None:
+    """Issue 33: a restore took at least two engine steps (the lookup answered in one, the load
+    landed in a later one), each a full batch step under load. Over a store that answers inside
+    the step (``restore_in_step``, a local store's default) the first ask is answered, never
+    left undetermined, the load is planned in that step, and the first chunk runs in the next
+    (the workers report the load landed in the step it was planned in, as ``WorkerSide`` does
+    in step)."""
+    bs = geo.block_size
+    shared = prompts(bs + 5, 2 * bs)[0]
+    a = engines(geo, budget=2 * bs)
+    a.run({0: [make_request("a", shared + prompts(bs + 6, bs // 2 + 1)[0], bs)]})  # publishes 2 bs
+    b = engines(geo, a.store, budget=2 * bs, extra={"restore_in_step": True})
+    b.run({0: [make_request("r", shared + prompts(bs + 7, bs + 5)[0], bs)]})
+    asks = [x.answer for x in b.asks if x.req_id == "r"]
+    assert asks[0] == (2 * bs, True), asks
+    planned = [s.number for s in b.steps if any(load.req_id == "r" for load in s.meta.loads)]
+    first = min(s.number for s in b.steps if "r" in s.chunks)
+    assert planned == [1] and first == 2, (planned, first)
+    assert b.steps[1].chunks["r"].start == 2 * bs
+    assert not b.connector.scheduler._lookups.lane._started, "a lookup thread ran: the step waited on it"
 
 
 #: KV cache sizes (blocks, every group drawing from one pool) tried in turn until vLLM

@@ -75,6 +75,12 @@ class ConnectorSettings:
     # (``HotSet``). None ("auto", the default): ``HOT_SET_MIB`` for a network store, 0 for a
     # local or in-process one (a load there is a memcpy: a copy would only double memory).
     load_cache_mib: int | None = None
+    # Whether lookups and loads run inside the engine's step, so that a restore takes one step
+    # (lookup and load in one, the first chunk in the next), or beside it on their lanes. None
+    # ("auto", the default): inside for a local or in-process store, where a read is a copy
+    # (beside the step it would only wait for the interpreter lock the engine's loop holds);
+    # beside for a network store, whose round trips must never hold the step.
+    restore_in_step: bool | None = None
     # Where the namespace's secret is (a file path, or an environment variable's name); the
     # secret itself is never part of the config, so it never reaches vLLM's logs.
     namespace_secret_file: str = ""
@@ -90,7 +96,7 @@ class ConnectorSettings:
         known = {"store", "namespace", "capture", "capture_interval", "model_id", "verify_sample",
                  "namespace_secret_file", "namespace_secret_env", "capture_outputs", "lookup_timeout",
                  "load_timeout", "save_staging_mib", "save_drain_timeout", "output_boundaries",
-                 "save_hold_mib", "load_cache_mib"}
+                 "save_hold_mib", "load_cache_mib", "restore_in_step"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -151,6 +157,7 @@ class ConnectorSettings:
             save_drain_timeout=_seconds(extra.get("save_drain_timeout", 30.0), "save_drain_timeout"),
             load_cache_mib=None if str(extra.get("load_cache_mib", "auto")) == "auto"
             else _mib(extra.get("load_cache_mib"), "load_cache_mib"),
+            restore_in_step=_auto_flag(extra.get("restore_in_step", "auto"), "restore_in_step"),
         )
         try:
             out.namespace_key()  # a secret that cannot be read fails at start, not at the first request
@@ -169,6 +176,12 @@ def hot_set_bytes(settings: ConnectorSettings, remote: bool) -> int:
     if settings.load_cache_mib is not None:
         return settings.load_cache_mib << 20
     return HOT_SET_MIB << 20 if remote else 0
+
+
+def restores_in_step(settings: ConnectorSettings, remote: bool) -> bool:
+    """Whether lookups and loads run inside the engine's step: ``restore_in_step``, or, on
+    ``auto``, for a store that is not a network one."""
+    return (not remote) if settings.restore_in_step is None else settings.restore_in_step
 
 
 #: Bounds of the staging budget ``save_staging_mib: auto`` sizes (per worker, pinned on a GPU).
@@ -227,6 +240,17 @@ def _flag(value: Any, name: str) -> bool:
     if str(value).lower() in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"prefixvault: {name} must be true or false, got {str(value)[:100]!r}")
+
+
+def _auto_flag(value: Any, name: str) -> bool | None:
+    """``auto`` (None: the connector decides), or a flag."""
+    if str(value).lower() == "auto":
+        return None
+    try:
+        return _flag(value, name)
+    except ValueError:
+        raise ValueError(f"prefixvault: {name} must be auto, true or false, "
+                         f"got {str(value)[:100]!r}") from None
 
 
 def _seconds(value: Any, name: str) -> float:

@@ -37,7 +37,13 @@ from prefixvault.vllm.compat import (
     running_version,
     unsupported_version,
 )
-from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries, hot_set_bytes, staging_bytes
+from prefixvault.vllm.config import (
+    ConnectorSettings,
+    OutputBoundaries,
+    hot_set_bytes,
+    restores_in_step,
+    staging_bytes,
+)
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.layout import Unsupported, build_layout, cache_shape
 from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled
@@ -92,23 +98,27 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         store = open_store_or_retry(self.settings.store)
         hot = hot_set_bytes(self.settings, store.remote) if role != KVConnectorRole.SCHEDULER else 0
         self.vault = Vault(store, self.layout, self.settings.namespace, key, hot_bytes=hot)
+        in_step = restores_in_step(self.settings, store.remote)
         if role == KVConnectorRole.SCHEDULER:
             if ktc.kv_load_failure_policy != "recompute" and ktc.is_kv_consumer:
                 # A bad or missing object must cost a recompute, never a failed request.
                 ktc.kv_load_failure_policy = "recompute"
             self._scheduler = SchedulerSide(self.settings, self.layout, self.vault,
-                                           load=ktc.is_kv_consumer, save=ktc.is_kv_producer, guard=self.guard)
+                                           load=ktc.is_kv_consumer, save=ktc.is_kv_producer, guard=self.guard,
+                                           in_step=in_step)
             device = current_platform.device_type
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
                                             enabled=self.layout.has_state,
                                             rewrite=resets_cpu_block_size(device, running_version()))
             self._scheduler.checkpoints = internal_checkpoints(vllm_config, kv_cache_config, device)
-            log.info("prefixvault: %s on %s, namespace %s%s, layout %s, block size %d, capture %s",
+            log.info("prefixvault: %s on %s, namespace %s%s, layout %s, block size %d, capture %s, "
+                     "restores %s the step",
                      ktc.kv_role, redact(self.settings.store), self.settings.namespace,
                      " (keyed: secret from " + (self.settings.namespace_secret_file
                                                 or "$" + self.settings.namespace_secret_env) + ")"
                      if key is not None else " (no secret: a label, not a tenant boundary)",
-                     self.vault.fingerprint.hex()[:12], self.layout.block_size, self.settings.capture.value)
+                     self.vault.fingerprint.hex()[:12], self.layout.block_size, self.settings.capture.value,
+                     "inside" if in_step else "beside")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -119,7 +129,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                                      staging_bytes=staging_bytes(self.settings, self.layout, vllm_config),
                                      hold_bytes=self.settings.save_hold_mib << 20 if hold_outputs else 0,
                                      drain_timeout=self.settings.save_drain_timeout,
-                                     load_timeout=self.settings.load_timeout,
+                                     load_timeout=self.settings.load_timeout, load_in_step=in_step,
                                      num_blocks=int(kv_cache_config.num_blocks), guard=self.guard)
 
     @property

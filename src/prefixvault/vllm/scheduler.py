@@ -1,6 +1,8 @@
 """Scheduler side of the connector: look up hits, and turn engine reports into save plans.
 
-Everything here runs in vLLM's engine-core process, inside the scheduler's step. Lookups
+Everything here runs in vLLM's engine-core process, inside the scheduler's step. Over a local
+store (``restore_in_step``) a lookup runs at once, in the step that asks: the request's
+load is then planned in that step. Otherwise lookups
 (hashing the prompt, then one or two store round trips) run on the lookup lane
 (``prefixvault.vllm.lane``), every lookup queued by then as one batch: the scheduler
 waits for a new one at most ``LOOKUP_WAIT_S`` (a local store answers within it), and not at
@@ -149,7 +151,8 @@ class SchedulerCounters:
 
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, layout: CacheLayout, vault: Vault | None,
-                 load: bool, save: bool, guard: Guard | None = None) -> None:
+                 load: bool, save: bool, guard: Guard | None = None, in_step: bool = False) -> None:
+        """``in_step``: lookups run in the scheduler's step (``restore_in_step``)."""
         self.settings = settings
         self.guard = guard or Guard()
         self.layout = layout
@@ -165,7 +168,7 @@ class SchedulerSide:
         self.counters = SchedulerCounters()
         # Which candidate boundaries to store: the same code the policy simulator replays.
         self.admission = Admission(Policy(settings.capture.value), settings.capture_interval, observes=load)
-        self._lookups = Lookups(vault, self.guard) if vault is not None else None
+        self._lookups = Lookups(vault, self.guard, in_step=in_step) if vault is not None else None
         self._samples = SampleWriter(vault, self.guard, lambda n: self.counters.add(sample_errors=n)) \
             if vault is not None else None
         self._wait_left = LOOKUP_WAIT_S  # what this step may still wait for new lookups

@@ -14,7 +14,10 @@ is reported finished (``get_finished``) only after its objects landed, and vLLM 
 first chunk only then. Its blocks are fresh (vLLM caches them only once loaded), so nothing else
 reads or writes them meanwhile. Each load has a deadline scaled to its bytes (``load_timeout``
 plus ``LOAD_FLOOR_BYTES_PER_S``): past it the load is reported failed (vLLM recomputes it), its
-late bytes are never written, and the store's breaker counts a failure.
+late bytes are never written, and the store's breaker counts a failure. Over a local store
+(``restore_in_step``) the step's loads run as one batch inside ``start_load_kv`` instead: they
+have landed (or failed) when it returns, so the request is reported in the same step, and its
+first chunk runs in the next.
 
 A held save (``output_boundaries: last``) copies only its states, into a slot of its own that
 the request's next held save reuses; when the request finishes, its KV blocks (kept by vLLM
@@ -166,11 +169,13 @@ class WorkerSide:
         self, layout: CacheLayout, vault: Vault | None, rank: int, layer_groups: Sequence[Sequence[str]],
         staging_bytes: int = 0, drain_timeout: float = 30.0, hold_bytes: int = 0,
         num_blocks: int | None = None, guard: Guard | None = None, load_timeout: float = 5.0,
+        load_in_step: bool = False,
     ) -> None:
         """``num_blocks``: the engine's manager blocks (``KVCacheConfig.num_blocks``); a layer
         with more (kernel blocks) is viewed as that many manager blocks. ``guard``: where errors
         of ours (not the store's) are counted and logged, the connector's own. ``load_timeout``:
-        the fixed part of a load's deadline (its bytes add to it)."""
+        the fixed part of a load's deadline (its bytes add to it). ``load_in_step``: ``load``
+        runs the loads before it returns (``restore_in_step``), not on the load lane."""
         self.guard = guard or Guard()
         self.layout = layout
         self.vault = vault
@@ -191,6 +196,7 @@ class WorkerSide:
         self._load_host: Any = None
         self._load_lock = threading.Lock()
         self._load_timeout = load_timeout
+        self._load_in_step = load_in_step
         self._loads: Lane[LoadJob] = Lane("load", self._load_batch, self._fail_load_jobs, capacity=LOAD_QUEUE,
                                           guard=self.guard, on_start=self._on_lane_thread)
         # No staging budget: saves are stored in the step, as they are copied. Allocated once the
@@ -617,6 +623,9 @@ class WorkerSide:
             self.fail_loads(specs, LoadFailure.DISABLED)
             return
         marks = [io.mark() for io in self._io]  # (raises before any load is queued)
+        if self._load_in_step:
+            self._load_here([LoadJob(spec, marks) for spec in specs])
+            return
         for spec in specs:
             job = LoadJob(spec, marks)
             try:  # never raises past here: a load queued is reported by its job alone
@@ -625,6 +634,17 @@ class WorkerSide:
                 self.guard.failed("load", e)
                 refused = Failure.INTERNAL_ERROR
             if refused is not None:  # queue full, shutting down, or ours: recomputed
+                self._end_load(job, False, LOAD_FAILED[refused])
+
+    def _load_here(self, jobs: list[LoadJob]) -> None:
+        """The step's loads as one batch, in this thread; each is reported by its job alone."""
+        try:
+            refused = self._loads.run_here(jobs)
+        except Exception as e:  # ours, outside the batch: recomputed
+            self.guard.failed("load", e)
+            refused = Failure.INTERNAL_ERROR
+        if refused is not None:
+            for job in jobs:
                 self._end_load(job, False, LOAD_FAILED[refused])
 
     def load_deadline(self, spec: LoadSpec) -> float:

@@ -1,0 +1,92 @@
+"""A restore on a real engine: one step over a local store, and once per engine (issue 33).
+
+A producer engine (vLLM CPU, the GDN hybrid, one request at a time, one block per step) serves
+X = P + x, which publishes the shared prefix P (4 blocks), and the references: Y1 and Y2 under
+cache salts of their own, so computed cold, with steps that end at every block boundary, P's
+included. A consumer engine then serves Y1, Y2 and Y3 (P + other suffixes), one at a time:
+
+- Y1 restores P from the store. Its lookup and its load run in the step that first sees it
+  (``restore_in_step``, the default over a local store), so its first chunk runs in the next
+  step. Before, the lookup and load lanes waited for the interpreter lock the engine's loop
+  held, and the first chunk came about a thousand (empty) steps later.
+- Y2 and Y3 are hits in vLLM's own prefix cache at P (the restored state is kept there) and
+  read nothing from the store: one load for the three.
+- Y1 and Y2 equal their cold references bit for bit (ids and top-5 logprobs): runs whose
+  steps end at P, the restored boundary.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from dataclasses import dataclass
+
+import pytest
+from vllm_support.seedlib import IN_PROCESS, SUPPORT
+
+from prefixvault.scenarios.engine import EngineSpec, identical
+from prefixvault.scenarios.models import build_model, engine_kwargs
+from prefixvault.scenarios.staggered import Arrivals, StaggeredRun, run_staggered
+
+pytestmark = pytest.mark.slow
+
+PROFILE, PREFIX, SUFFIX = "gdn-hybrid", 1024, 300
+
+
+@dataclass
+class Runs:
+    producer: StaggeredRun
+    consumer: StaggeredRun
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    work = tmp_path_factory.mktemp("restore-once")
+    model = str(build_model(PROFILE, tmp_path_factory.getbasetemp() / "models" / PROFILE, seed=0))
+    engine = engine_kwargs(PROFILE, model)
+    engine.pop("model")
+    rng = random.Random(33)
+    shared = [rng.randrange(3, 1000) for _ in range(PREFIX)]
+    x, y1, y2, y3 = ([*shared, *(rng.randrange(3, 1000) for _ in range(SUFFIX))] for _ in range(4))
+    store = f"local://{work}/store?capacity=1GiB"
+    env = {**IN_PROCESS, "PYTHONPATH": SUPPORT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    alone = Arrivals(concurrency=1)
+
+    def run(role: str, prompts: list[list[int]], salts: list[str]) -> StaggeredRun:
+        spec = EngineSpec(model=model, engine=engine, prompts=prompts, role=role, store=store,
+                          max_tokens=4, salts=salts)
+        return run_staggered(spec, alone, work, env)
+
+    producer = run("kv_producer", [x, y1, y2], ["", "ref-1", "ref-2"])
+    consumer = run("kv_consumer", [y1, y2, y3], ["", "", ""])
+    return Runs(producer, consumer)
+
+
+def _first_chunk(run: StaggeredRun, req: int) -> tuple[int, int]:
+    """(step, start) of request ``req``'s first chunk."""
+    first = min((c for c in run.chunks if c.req == req), key=lambda c: c.step)
+    return first.step, first.start
+
+
+def test_a_restore_over_a_local_store_takes_one_step(runs: Runs) -> None:
+    c = runs.consumer
+    assert _first_chunk(c, 0) == (2, PREFIX), "Y1 (asked in step 1) did not start at P in step 2"
+    # the next request arrives once Y1 finished, and is a local hit: it starts at once
+    last = max(ch.step for ch in c.chunks if ch.req == 0)
+    assert _first_chunk(c, 1) == (last + 1, PREFIX)
+
+
+def test_a_prefix_restored_once_is_a_hit_in_the_engines_own_cache_after_it(runs: Runs) -> None:
+    c = runs.consumer
+    assert [x.cached_tokens for x in c.completions] == [PREFIX] * 3
+    assert c.metrics.get("loads") == 1 and c.metrics.get("loaded_tokens") == PREFIX, c.metrics
+    assert c.metrics.get("hit_tokens") == PREFIX  # restored: Y1's only
+
+
+def test_every_output_equals_a_cold_run_whose_steps_end_at_the_restored_boundary(runs: Runs) -> None:
+    refs = runs.producer.completions[1:]
+    assert all(r.cached_tokens == 0 for r in refs)
+    assert any(ch.req == 1 and ch.start + ch.tokens == PREFIX for ch in runs.producer.chunks)
+    got = runs.consumer.completions
+    for i, want in [(0, refs[0]), (1, refs[1])]:
+        assert identical(want, got[i]), f"Y{i + 1} parts from cold"
