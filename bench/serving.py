@@ -1,6 +1,6 @@
 """Serving with prefixvault against serving without it, measured by vLLM's own benchmark client.
 
-    python bench/serving.py [--profile gdn-hybrid] [--store local|redis] [--redis-delay-ms 20]
+    python bench/serving.py [--profile gdn-hybrid] [--layers N] [--store local|redis] [--redis-delay-ms 20]
                             [--prompts 32] [--concurrency 8] [--prefix 2048] [--suffix 512]
 
 OpenAI servers as operators start them (``prefixvault serve`` for the connector; the cold
@@ -49,7 +49,8 @@ GOALS = {"p99_itl_ms": 1.1, "mean_ttft_ms": 0.5}  # consumer/cold at most
 
 
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    model = build_model(args.profile, work / "models" / args.profile, seed=0)
+    model = build_model(args.profile, work / "models" / f"{args.profile}-{args.layers or 'default'}", seed=0,
+                        layers=args.layers)
     engine = engine_kwargs(args.profile, model)
     engine.pop("model")
     engine.pop("tokenizer", None)
@@ -106,7 +107,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     finally:
         for close in cleanup:
             close()
-    out: dict[str, Any] = {"profile": args.profile, "store": args.store, "prompts": args.prompts,
+    out: dict[str, Any] = {"profile": args.profile, "layers": args.layers, "store": args.store,
+                           "prompts": args.prompts,
                            "concurrency": args.concurrency}
     for tag, res in (("cold", cold), ("local", second), ("producer", producer), ("consumer", consumer)):
         out[tag] = {k: round(float(res.get(k, 0.0)), 3) for k in FIGURES}
@@ -154,6 +156,9 @@ def main() -> None:
     p.add_argument("--profile", default="gdn-hybrid")
     p.add_argument("--store", choices=["local", "redis"], default="local")
     p.add_argument("--redis-delay-ms", type=float, default=20.0)
+    p.add_argument("--layers", type=int, default=None,
+                   help="repeat the profile's layer pattern to this many layers (a deeper model, whose "
+                        "prefill costs more per restored byte, as a real model's does)")
     add_workload_args(p)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--reserved-cpus", type=int, default=1,

@@ -702,11 +702,13 @@ def _recency_heads(params: dict[str, Any], config: Any) -> None:
             param[pair + half] = gain
 
 
-def build_model(profile: str, path: Path | str, seed: int = 0) -> Path:
+def build_model(profile: str, path: Path | str, seed: int = 0, layers: int | None = None) -> Path:
     """Build ``profile`` (random weights + tokenizer) into ``path`` and return it.
 
     Deterministic: the same profile, seed and library versions write the same bytes.
-    Load it with ``vllm.LLM(**engine_kwargs(profile, path))``.
+    Load it with ``vllm.LLM(**engine_kwargs(profile, path))``. ``layers``: the profile's layer
+    pattern repeated to that many layers (a deeper model, whose prefill costs as many times more
+    per cached byte as a real model's does; profiles with a ``layer_types`` pattern only).
     """
     if profile not in _CONFIGS:
         raise KeyError(f"unknown profile {profile!r}; choose from {sorted(_CONFIGS)}")
@@ -715,8 +717,15 @@ def build_model(profile: str, path: Path | str, seed: int = 0) -> Path:
 
     config_name, model_name, make_config = _CONFIGS[profile]
     out = Path(path)
-    train_tokenizer(out)
     kwargs = make_config()
+    if layers is not None:
+        pattern = kwargs.get("layer_types")
+        if not pattern or layers < 1:
+            why = "it has no layer pattern to repeat" if not pattern else "at least 1"
+            raise ValueError(f"profile {profile!r} cannot be built with {layers} layers ({why})")
+        repeated = [pattern[i % len(pattern)] for i in range(layers)]
+        kwargs.update(num_hidden_layers=layers, layer_types=repeated)
+    train_tokenizer(out)
     kwargs.update(pad_token_id=0, bos_token_id=1, eos_token_id=2)
     config = getattr(transformers, config_name)(**kwargs)
     config.architectures = [model_name]

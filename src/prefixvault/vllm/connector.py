@@ -277,9 +277,10 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.worker is None:
             return KVConnectorTransferResults()
-        done, failed = self.worker.take_finished()
-        return KVConnectorTransferResults(finished_sending=self.worker.take_sent(),
-                                          finished_recving=done, failed_recving=failed)
+        worker = self.worker
+        done, failed = self.guard.call("get_finished", worker.take_finished, lambda: (set(), set()))
+        sent: set[str] = self.guard.call("get_finished", worker.take_sent, set)
+        return KVConnectorTransferResults(finished_sending=sent, finished_recving=done, failed_recving=failed)
 
     # -- metrics ----------------------------------------------------------------------------------
 

@@ -5,8 +5,8 @@ store (``restore_in_step``) a lookup runs at once, in the step that asks: the re
 load is then planned in that step. Otherwise lookups
 (hashing the prompt, then one or two store round trips) run on the lookup lane
 (``prefixvault.vllm.lane``), every lookup queued by then as one batch: the scheduler
-waits for a new one at most ``LOOKUP_WAIT_S`` (a local store answers within it), and not at
-all for one already in flight; until it answers the request is reported undetermined
+waits for a new one at most ``LOOKUP_WAIT_S``, and for one already in flight ``LOOKUP_YIELD_S``
+(to hand the lookup lane the interpreter lock); until it answers the request is reported undetermined
 (``None``: vLLM keeps it waiting and asks again next step)
 while every other request goes on, and a lookup that takes longer than ``lookup_timeout`` is a
 miss. A store error is a miss, never a failed request.
@@ -56,6 +56,10 @@ SAMPLE_DRAIN_S = 5.0
 MAX_LOADS_PER_REQUEST = 2
 #: How long the scheduler waits for a lookup before it lets the step go on without it.
 LOOKUP_WAIT_S = 0.005
+#: How long it waits, within that, for a lookup already in flight: an engine with nothing else
+#: to run spins through empty steps holding the interpreter lock, which the lookup lane then
+#: got back only at the 5 ms switch interval after each store call.
+LOOKUP_YIELD_S = 0.0005
 #: How a request may end for its held output boundary to be stored (vLLM's ``RequestStatus``
 #: names): a stop token, its length limit, a repetition stop, or an abort — which is also how
 #: vLLM ends a request at a stop *string* (the frontend finds it and aborts the request); the
@@ -273,8 +277,8 @@ class SchedulerSide:
                 st.phase = Phase.LOOKING_UP
                 st.lookup_since = time.monotonic()
                 wait = self._wait_left  # one budget per step, however many requests are new
-            else:
-                wait = 0.0  # asked again: never hold the step for a lookup already in flight
+            else:  # asked again: hold the step only to hand the lookup lane the interpreter lock
+                wait = min(LOOKUP_YIELD_S, self._wait_left)
             t0 = time.monotonic()
             done = self._finish_lookup(st, request.request_id, wait)
             self._wait_left = max(0.0, self._wait_left - (time.monotonic() - t0))

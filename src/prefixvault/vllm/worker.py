@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
@@ -69,6 +70,9 @@ LOAD_STAGING_BYTES = 32 << 20
 #: How long a stopping worker waits for a load already running (loads queued are dropped: the
 #: engine they were for is stopping).
 LOAD_DRAIN_S = 5.0
+#: How long the engine's thread sleeps per step while a load runs beside it (``take_finished``):
+#: a step that computes anything takes tens of milliseconds or more.
+LOAD_YIELD_S = 0.0005
 #: A load's deadline is ``load_timeout`` plus its bytes at this rate (a store slower than this
 #: is no faster than recomputing on any engine worth restoring for).
 LOAD_FLOOR_BYTES_PER_S = 64 << 20
@@ -810,7 +814,12 @@ class WorkerSide:
 
     def take_finished(self) -> tuple[set[str], set[str]]:
         """Loads finished (and of them, failed) since the last call; loads past their deadline
-        are failed first."""
+        are failed first. While a load runs on the load lane, the engine's thread first sleeps
+        ``LOAD_YIELD_S``: an engine with nothing else to run spins through empty steps holding
+        the interpreter lock, which the load lane then got back only at the 5 ms switch interval
+        after each of its store and copy calls."""
+        if self._loads.busy:
+            time.sleep(LOAD_YIELD_S)
         self._expire_loads()
         with self._lock:
             done, failed = self._finished_loads, self._failed_loads
