@@ -193,36 +193,3 @@ def test_every_job_is_resolved_exactly_once(plan: list[tuple[int, bool, float | 
     assert not ran & failed
     assert ran | failed | refused == set(range(len(plan)))
     assert not (ran | failed) & refused
-
-
-def test_run_here_runs_one_batch_in_the_callers_thread_with_the_same_error_sorting() -> None:
-    """``restore_in_step``: a local store's lookups and loads run in the engine's own thread
-    (beside it they only waited for the interpreter lock its loop holds). Same batch, same
-    counters, same sorting of errors as on the lane's thread; no thread is started."""
-    threads: list[str] = []
-    owner = Owner(raise_for={9: StoreUnavailable("down")})
-    ln = Lane("test", lambda b: (threads.append(threading.current_thread().name), owner.run(b))[1],
-              owner.fail, capacity=1, guard=Guard())
-    assert ln.run_here([1, 2, 3]) is None  # one batch, however small the lane's queue
-    assert owner.batches == [[1, 2, 3]] and threads == [threading.current_thread().name]
-    assert ln.run_here([8, 9]) is None  # the store failed the batch: every job failed, by reason
-    assert owner.failed == {8: Failure.STORE_ERROR, 9: Failure.STORE_ERROR}
-    assert ln.counters.snapshot() == {"jobs": 5, "batches": 2, "failed:store_error": 2}
-    assert not ln.busy and not ln._started
-    assert ln.close(1)
-    assert ln.run_here([4]) is Failure.CLOSED and 4 not in owner.ran and 4 not in owner.failed
-
-
-def test_a_batch_running_here_keeps_the_lane_busy_and_close_waits_for_it() -> None:
-    owner = Owner()
-    ln = lane(owner)
-    owner.gate.clear()
-    t = threading.Thread(target=ln.run_here, args=([1],))
-    t.start()
-    assert owner.running.wait(5)
-    assert ln.busy
-    assert not ln.close(0.05)  # still inside the owner's call: not idle
-    owner.gate.set()
-    t.join(5)
-    assert not ln.busy and ln.close(1)
-    assert owner.ran == Counter({1: 1})

@@ -21,11 +21,14 @@ def test_settings_defaults_and_policies() -> None:
     assert (s.capture_outputs, s.output_boundaries, s.save_hold_mib) == (True, OutputBoundaries.EVERY, 0)
 
 
-def test_restores_run_in_the_step_for_a_local_store_unless_told_otherwise() -> None:
+def test_steps_wait_for_restores_on_cpu_over_a_local_store_unless_told_otherwise() -> None:
     auto = ConnectorSettings.from_extra({"restore_in_step": "auto"})
-    assert restores_in_step(auto, remote=False) and not restores_in_step(auto, remote=True)
+    assert restores_in_step(auto, remote=False, device="cpu")
+    assert not restores_in_step(auto, remote=True, device="cpu")
+    assert not restores_in_step(auto, remote=False, device="cuda")
     on, off = (ConnectorSettings.from_extra({"restore_in_step": v}) for v in (True, "false"))
-    assert restores_in_step(on, remote=True) and not restores_in_step(off, remote=False)
+    assert restores_in_step(on, remote=True, device="cuda")
+    assert not restores_in_step(off, remote=False, device="cpu")
 
 
 @pytest.mark.parametrize(

@@ -235,10 +235,11 @@ def test_a_load_that_started_writing_is_never_expired_under_it() -> None:
     worker.close()
 
 
-def test_in_step_loads_have_landed_when_start_load_kv_returns_and_are_reported_that_step() -> None:
-    """``restore_in_step`` (a local store): the step's loads run as one batch in the engine's
-    thread, so a restored request is reported in the step its load was planned in, and vLLM
-    runs its first chunk in the next. A failed one is reported failed as on the lane."""
+def test_in_step_loads_are_waited_for_and_reported_in_the_step_they_were_planned_in() -> None:
+    """``restore_in_step`` (a local store on CPU): ``get_finished`` waits for the step's loads
+    (up to ``IN_STEP_WAIT_S``), so a restored request is reported in the step its load was
+    planned in, and vLLM runs its first chunk in the next. A failed one is reported failed; one
+    slower than the wait is reported in a later step, as beside the step."""
     store = GatedGets()
     vault = Vault(store, layout())
     fill(vault, TOKENS, [16, 40])
@@ -247,12 +248,17 @@ def test_in_step_loads_have_landed_when_start_load_kv_returns_and_are_reported_t
     worker.register_kv_caches(caches)
     hashes = vault.hashes(TOKENS[:41])
     other = vault.hashes(list(range(100, 141)))  # nothing stored
+    table = ([1, 2, 3, 4, 5], [9, 9, 9, 9, 6], [0, 0, 0, 0, 7])
     gone = ([8, 10, 11, 12, 13], [9, 9, 9, 9, 14], [0, 0, 0, 0, 15])
-    worker.load([LoadSpec("r", hashes[:5], 40, 0, ([1, 2, 3, 4, 5], [9, 9, 9, 9, 6], [0, 0, 0, 0, 7])),
-                 LoadSpec("gone", other[:5], 40, 0, gone)])
-    assert len(store.reads) == 1  # one batch
-    assert worker.take_finished() == ({"r", "gone"}, {"gone"})
+    worker.load([LoadSpec("r", hashes[:5], 40, 0, table), LoadSpec("gone", other[:5], 40, 0, gone)])
+    assert worker.take_finished() == ({"r", "gone"}, {"gone"})  # no sleep: waited for
     assert np.all(caches["a"][5].numpy() == 5.5) and np.all(caches["s"][7].numpy() == 240.5)
     assert np.all(caches["a"][8].numpy() == -1) and np.all(caches["s"][15].numpy() == -1)
-    assert not worker._loads._started  # no load thread
+    store.gate.clear()  # a store slower than the step's wait
+    worker.load([LoadSpec("slow", hashes[:5], 40, 0, table)])
+    t0 = time.monotonic()
+    assert worker.take_finished() == (set(), set())
+    assert 0.04 <= time.monotonic() - t0 < 1.0  # waited IN_STEP_WAIT_S, not for the store
+    store.gate.set()
+    assert _finished(worker, 1) == ({"slow"}, set())
     worker.close()

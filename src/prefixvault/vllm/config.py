@@ -75,11 +75,11 @@ class ConnectorSettings:
     # (``HotSet``). None ("auto", the default): ``HOT_SET_MIB`` for a network store, 0 for a
     # local or in-process one (a load there is a memcpy: a copy would only double memory).
     load_cache_mib: int | None = None
-    # Whether lookups and loads run inside the engine's step, so that a restore takes one step
-    # (lookup and load in one, the first chunk in the next), or beside it on their lanes. None
-    # ("auto", the default): inside for a local or in-process store, where a read is a copy
-    # (beside the step it would only wait for the interpreter lock the engine's loop holds);
-    # beside for a network store, whose round trips must never hold the step.
+    # Whether a step waits (up to 50 ms) for the lookups and loads it starts, so that a restore
+    # takes one step (lookup and load in one, the first chunk in the next), or lets them finish
+    # beside later steps. None ("auto", the default): waits on a CPU engine over a local or
+    # in-process store, where a read is a copy; not over a network store, whose round trips must
+    # never hold the step, nor on a GPU engine, which would lose the overlap of its steps.
     restore_in_step: bool | None = None
     # Where the namespace's secret is (a file path, or an environment variable's name); the
     # secret itself is never part of the config, so it never reaches vLLM's logs.
@@ -178,10 +178,13 @@ def hot_set_bytes(settings: ConnectorSettings, remote: bool) -> int:
     return HOT_SET_MIB << 20 if remote else 0
 
 
-def restores_in_step(settings: ConnectorSettings, remote: bool) -> bool:
-    """Whether lookups and loads run inside the engine's step: ``restore_in_step``, or, on
-    ``auto``, for a store that is not a network one."""
-    return (not remote) if settings.restore_in_step is None else settings.restore_in_step
+def restores_in_step(settings: ConnectorSettings, remote: bool, device: str) -> bool:
+    """Whether a step waits for its lookups and loads: ``restore_in_step``, or, on ``auto``, on
+    a CPU engine (``device``: vLLM's platform device type) over a store that is not a network
+    one."""
+    if settings.restore_in_step is not None:
+        return settings.restore_in_step
+    return not remote and device == "cpu"
 
 
 #: Bounds of the staging budget ``save_staging_mib: auto`` sizes (per worker, pinned on a GPU).

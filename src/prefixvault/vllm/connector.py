@@ -98,7 +98,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         store = open_store_or_retry(self.settings.store)
         hot = hot_set_bytes(self.settings, store.remote) if role != KVConnectorRole.SCHEDULER else 0
         self.vault = Vault(store, self.layout, self.settings.namespace, key, hot_bytes=hot)
-        in_step = restores_in_step(self.settings, store.remote)
+        in_step = restores_in_step(self.settings, store.remote, current_platform.device_type)
         if role == KVConnectorRole.SCHEDULER:
             if ktc.kv_load_failure_policy != "recompute" and ktc.is_kv_consumer:
                 # A bad or missing object must cost a recompute, never a failed request.
@@ -112,13 +112,13 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                                             rewrite=resets_cpu_block_size(device, running_version()))
             self._scheduler.checkpoints = internal_checkpoints(vllm_config, kv_cache_config, device)
             log.info("prefixvault: %s on %s, namespace %s%s, layout %s, block size %d, capture %s, "
-                     "restores %s the step",
+                     "restores waited for in the step: %s",
                      ktc.kv_role, redact(self.settings.store), self.settings.namespace,
                      " (keyed: secret from " + (self.settings.namespace_secret_file
                                                 or "$" + self.settings.namespace_secret_env) + ")"
                      if key is not None else " (no secret: a label, not a tenant boundary)",
                      self.vault.fingerprint.hex()[:12], self.layout.block_size, self.settings.capture.value,
-                     "inside" if in_step else "beside")
+                     "yes" if in_step else "no")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -278,7 +278,10 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker is None:
             return KVConnectorTransferResults()
         worker = self.worker
-        done, failed = self.guard.call("get_finished", worker.take_finished, lambda: (set(), set()))
+        meta = getattr(self, "_connector_metadata", None)  # bound for the step (vLLM base class)
+        idle = isinstance(meta, PrefixVaultMetadata) and meta.idle
+        done, failed = self.guard.call("get_finished", lambda: worker.take_finished(idle),
+                                       lambda: (set(), set()))
         sent: set[str] = self.guard.call("get_finished", worker.take_sent, set)
         return KVConnectorTransferResults(finished_sending=sent, finished_recving=done, failed_recving=failed)
 

@@ -1,8 +1,8 @@
 """A lane: the one way the connector runs store work in the background.
 
-Every store call of the connector (lookups, verification samples, saves, loads) runs on a lane:
-beside the engine's step, never in it, except a local store's lookups and loads
-(``restore_in_step``). A lane is one daemon thread with a bounded queue:
+Every store round trip of the connector (lookups, verification samples, saves, loads) runs on a
+lane, never in the engine's step (over a local store the step may wait a bounded time for a
+lookup or load to finish: ``restore_in_step``). A lane is one daemon thread with a bounded queue:
 
 - ``put`` queues a job with an optional deadline, or refuses it at once (queue full, lane
   closed): the caller's job is then failed with ``FULL`` or ``CLOSED``, never waited for.
@@ -14,9 +14,6 @@ beside the engine's step, never in it, except a local store's lookups and loads
   ``StoreError`` is the store's failure (a warning; quiet for an open breaker, which said so
   when it opened); anything else is a bug of ours, counted by the ``Guard`` and logged once per
   type with its traceback: a bug never looks like a flaky store on a dashboard.
-- ``run_here(jobs)`` runs jobs as one batch in the caller's thread instead, with the same
-  error sorting: for a store fast enough to answer inside the engine's step (a local one), where
-  a thread beside the step would only wait for the interpreter lock the engine's loop holds.
 - ``close(timeout)`` drops the jobs not started (or lets them run, ``drop_queued=False``) and
   waits for the rest up to ``timeout``; it returns whether the thread is idle. If not, a job is
   still inside a store call, and the store must stay open under it.
@@ -118,11 +115,9 @@ class Lane(Generic[J]):
         self._on_start = on_start
         self._cond = threading.Condition()
         # Invariant (under _cond): a job is in exactly one of _queue, _running, or resolved
-        # by its owner; the thread exists iff ``_started``. ``_here``: batches running in callers'
-        # threads (``run_here``).
+        # by its owner; the thread exists iff ``_started``.
         self._queue: deque[_Queued[J]] = deque()
         self._running: list[_Queued[J]] = []
-        self._here = 0
         self._closed = False
         self._started = False
 
@@ -145,28 +140,6 @@ class Lane(Generic[J]):
             self.counters.tally(refused)
         return refused
 
-    def run_here(self, jobs: Sequence[J]) -> Failure | None:
-        """Run ``jobs`` now, as one batch, in the caller's thread (no deadline: they run at
-        once). Returns None, or ``CLOSED`` if the lane is closing: the caller then resolves
-        them itself."""
-        with self._cond:
-            if self._closed:
-                refused: Failure | None = Failure.CLOSED
-            else:
-                refused = None
-                self._here += 1
-        if refused is not None:
-            self.counters.tally(refused, len(jobs))
-            return refused
-        try:
-            if jobs:
-                self._run_batch(list(jobs))
-        finally:
-            with self._cond:
-                self._here -= 1
-                self._cond.notify_all()
-        return None
-
     def overdue(self, now: float | None = None) -> list[J]:
         """Jobs queued or running past their deadline (running ones cannot be stopped: their
         owner decides what their late answer is worth)."""
@@ -179,7 +152,7 @@ class Lane(Generic[J]):
     def busy(self) -> bool:
         """Whether a job is queued or running."""
         with self._cond:
-            return bool(self._queue or self._running or self._here)
+            return bool(self._queue or self._running)
 
     def close(self, timeout: float, drop_queued: bool = True) -> bool:
         """Refuse new jobs; fail the queued ones (``CLOSED``) or, with ``drop_queued=False``,
@@ -191,10 +164,9 @@ class Lane(Generic[J]):
             self._cond.notify_all()
         self._give_up(dropped, Failure.CLOSED, None)
         with self._cond:
-            idle = self._cond.wait_for(lambda: not self._queue and not self._running and not self._here,
-                                       timeout=timeout)
+            idle = self._cond.wait_for(lambda: not self._queue and not self._running, timeout=timeout)
             left = self._take_queue()
-            running = len(self._running) + self._here
+            running = len(self._running)
         self._give_up(left, Failure.CLOSED, None)
         if dropped or left:
             log.info("prefixvault: %s lane closing: %d jobs dropped before they ran", self.name,

@@ -1,5 +1,4 @@
-"""Lookups on the lookup lane: every lookup queued by then hashed and looked up as one batch
-(or, in step, each one at once in the scheduler's thread).
+"""Lookups on the lookup lane: every lookup queued by then hashed and looked up as one batch.
 
 The scheduler hands a request's prompt over (``Lookups.submit``) and takes the answer from a
 future when it is in; nothing here touches request state. A prompt naming a boundary with a
@@ -59,23 +58,18 @@ LOOKUP_MISS = {Failure.STORE_ERROR: Miss.STORE_ERROR, Failure.BREAKER_OPEN: Miss
 
 
 class Lookups:
-    def __init__(self, vault: Vault, guard: Guard, capacity: int = LOOKUP_QUEUE,
-                 in_step: bool = False) -> None:
-        """``in_step``: each lookup runs as it is submitted, in the caller's thread (a local
-        store: it is answered in the step that asked)."""
+    def __init__(self, vault: Vault, guard: Guard, capacity: int = LOOKUP_QUEUE) -> None:
         self.vault = vault
         self.guard = guard
-        self.in_step = in_step
-        # One lane: the scheduler's store calls stay in order, and run in its step only in_step.
+        # One lane: the scheduler's store calls stay in order, and never run in its step.
         self.lane: Lane[LookupJob] = Lane("lookup", self._run, self._fail, capacity=capacity, guard=guard)
 
     def submit(self, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
                min_tokens: int, saving: Counter[bytes] | None) -> Future[Answer]:
         """Queue a lookup; it is answered with every lookup queued by the time the lane is free
-        (``Vault.lookup_many``: one or two round trips for all of them). In step: answered
-        before this returns."""
+        (``Vault.lookup_many``: one or two round trips for all of them)."""
         job = LookupJob(Future(), prompt, extra, known, num_tokens, min_tokens, saving)
-        refused = self.lane.run_here([job]) if self.in_step else self.lane.put(job)
+        refused = self.lane.put(job)
         if refused is not None:
             job.future.set_exception(LaneFailed(refused))
         return job.future

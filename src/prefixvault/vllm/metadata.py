@@ -49,6 +49,7 @@ class PrefixVaultMetadata(KVConnectorMetadata):
     loads: list[LoadSpec] = field(default_factory=list)
     saves: list[SaveSpec] = field(default_factory=list)
     releases: list[Release] = field(default_factory=list)
+    idle: bool = False  # the step computes no token (the engine waits, for loads among others)
 
 
 def save_id(step: int, req_id: str) -> str:

@@ -1,12 +1,12 @@
 """Scheduler side of the connector: look up hits, and turn engine reports into save plans.
 
-Everything here runs in vLLM's engine-core process, inside the scheduler's step. Over a local
-store (``restore_in_step``) a lookup runs at once, in the step that asks: the request's
-load is then planned in that step. Otherwise lookups
+Everything here runs in vLLM's engine-core process, inside the scheduler's step. Lookups
 (hashing the prompt, then one or two store round trips) run on the lookup lane
 (``prefixvault.vllm.lane``), every lookup queued by then as one batch: the scheduler
-waits for a new one at most ``LOOKUP_WAIT_S``, and for one already in flight ``LOOKUP_YIELD_S``
-(to hand the lookup lane the interpreter lock); until it answers the request is reported undetermined
+waits for new ones at most ``LOOKUP_WAIT_S`` per step (``IN_STEP_WAIT_S`` over a local store,
+``restore_in_step``: the answer, and the request's load, then come in the step that asked), and
+once per step ``LOOKUP_YIELD_S`` for one already in flight (to hand the lookup lane the
+interpreter lock); until it answers the request is reported undetermined
 (``None``: vLLM keeps it waiting and asks again next step)
 while every other request goes on, and a lookup that takes longer than ``lookup_timeout`` is a
 miss. A store error is a miss, never a failed request.
@@ -56,9 +56,11 @@ SAMPLE_DRAIN_S = 5.0
 MAX_LOADS_PER_REQUEST = 2
 #: How long the scheduler waits for a lookup before it lets the step go on without it.
 LOOKUP_WAIT_S = 0.005
-#: How long it waits, within that, for a lookup already in flight: an engine with nothing else
-#: to run spins through empty steps holding the interpreter lock, which the lookup lane then
-#: got back only at the 5 ms switch interval after each store call.
+#: ... over a store that answers within the step (``restore_in_step``).
+IN_STEP_WAIT_S = 0.05
+#: How long it waits once per step, within that, for lookups already in flight: an engine with
+#: nothing else to run spins through empty steps holding the interpreter lock, which the lookup
+#: lane then got back only at the 5 ms switch interval after each store call.
 LOOKUP_YIELD_S = 0.0005
 #: How a request may end for its held output boundary to be stored (vLLM's ``RequestStatus``
 #: names): a stop token, its length limit, a repetition stop, or an abort — which is also how
@@ -156,7 +158,7 @@ class SchedulerCounters:
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, layout: CacheLayout, vault: Vault | None,
                  load: bool, save: bool, guard: Guard | None = None, in_step: bool = False) -> None:
-        """``in_step``: lookups run in the scheduler's step (``restore_in_step``)."""
+        """``in_step``: a step waits for new lookups up to ``IN_STEP_WAIT_S`` (``restore_in_step``)."""
         self.settings = settings
         self.guard = guard or Guard()
         self.layout = layout
@@ -172,10 +174,12 @@ class SchedulerSide:
         self.counters = SchedulerCounters()
         # Which candidate boundaries to store: the same code the policy simulator replays.
         self.admission = Admission(Policy(settings.capture.value), settings.capture_interval, observes=load)
-        self._lookups = Lookups(vault, self.guard, in_step=in_step) if vault is not None else None
+        self._lookups = Lookups(vault, self.guard) if vault is not None else None
         self._samples = SampleWriter(vault, self.guard, lambda n: self.counters.add(sample_errors=n)) \
             if vault is not None else None
-        self._wait_left = LOOKUP_WAIT_S  # what this step may still wait for new lookups
+        self._wait_budget = IN_STEP_WAIT_S if in_step else LOOKUP_WAIT_S
+        self._wait_left = self._wait_budget  # what this step may still wait for lookups
+        self._yielded = False  # whether this step waited for a lookup in flight
         self._in_flight = SavesInFlight(layout.world_size)  # saves planned, not yet settled by every rank
         # Held saves to store or drop, for the next step's workers (a store: with its boundaries).
         self._releases: list[tuple[Release, list[bytes]]] = []
@@ -278,7 +282,8 @@ class SchedulerSide:
                 st.lookup_since = time.monotonic()
                 wait = self._wait_left  # one budget per step, however many requests are new
             else:  # asked again: hold the step only to hand the lookup lane the interpreter lock
-                wait = min(LOOKUP_YIELD_S, self._wait_left)
+                wait = 0.0 if self._yielded else min(LOOKUP_YIELD_S, self._wait_left)
+                self._yielded = True
             t0 = time.monotonic()
             done = self._finish_lookup(st, request.request_id, wait)
             self._wait_left = max(0.0, self._wait_left - (time.monotonic() - t0))
@@ -374,8 +379,9 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixVaultMetadata:
         self._step += 1
-        self._wait_left = LOOKUP_WAIT_S  # the next step's scheduling may wait again
-        meta = PrefixVaultMetadata(step=self._step, loads=self._pending_loads)
+        self._wait_left, self._yielded = self._wait_budget, False  # the next step's may wait again
+        meta = PrefixVaultMetadata(step=self._step, loads=self._pending_loads,
+                                   idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         now = time.monotonic()
         self._in_flight.forget_older_than(now)
         self._pending_loads = []  # loads are handed over whatever happens below

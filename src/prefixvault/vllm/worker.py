@@ -15,9 +15,9 @@ first chunk only then. Its blocks are fresh (vLLM caches them only once loaded),
 reads or writes them meanwhile. Each load has a deadline scaled to its bytes (``load_timeout``
 plus ``LOAD_FLOOR_BYTES_PER_S``): past it the load is reported failed (vLLM recomputes it), its
 late bytes are never written, and the store's breaker counts a failure. Over a local store
-(``restore_in_step``) the step's loads run as one batch inside ``start_load_kv`` instead: they
-have landed (or failed) when it returns, so the request is reported in the same step, and its
-first chunk runs in the next.
+(``restore_in_step``) ``get_finished`` waits for the step's loads up to ``IN_STEP_WAIT_S``:
+one that lands by then is reported in the step it was planned in, and its first chunk runs in
+the next (waiting, the engine's thread leaves the load lane the interpreter lock).
 
 A held save (``output_boundaries: last``) copies only its states, into a slot of its own that
 the request's next held save reuses; when the request finishes, its KV blocks (kept by vLLM
@@ -70,9 +70,12 @@ LOAD_STAGING_BYTES = 32 << 20
 #: How long a stopping worker waits for a load already running (loads queued are dropped: the
 #: engine they were for is stopping).
 LOAD_DRAIN_S = 5.0
-#: How long the engine's thread sleeps per step while a load runs beside it (``take_finished``):
-#: a step that computes anything takes tens of milliseconds or more.
+#: How long the engine's thread sleeps in a step that computes nothing while a load runs beside
+#: it (``take_finished``).
 LOAD_YIELD_S = 0.0005
+#: How long a step waits for the loads it started to land, over a store that answers within the
+#: step (``restore_in_step``): one that lands by then is reported in that step.
+IN_STEP_WAIT_S = 0.05
 #: A load's deadline is ``load_timeout`` plus its bytes at this rate (a store slower than this
 #: is no faster than recomputing on any engine worth restoring for).
 LOAD_FLOOR_BYTES_PER_S = 64 << 20
@@ -178,8 +181,9 @@ class WorkerSide:
         """``num_blocks``: the engine's manager blocks (``KVCacheConfig.num_blocks``); a layer
         with more (kernel blocks) is viewed as that many manager blocks. ``guard``: where errors
         of ours (not the store's) are counted and logged, the connector's own. ``load_timeout``:
-        the fixed part of a load's deadline (its bytes add to it). ``load_in_step``: ``load``
-        runs the loads before it returns (``restore_in_step``), not on the load lane."""
+        the fixed part of a load's deadline (its bytes add to it). ``load_in_step``:
+        ``take_finished`` waits for the loads queued since the last call up to
+        ``IN_STEP_WAIT_S`` (``restore_in_step``)."""
         self.guard = guard or Guard()
         self.layout = layout
         self.vault = vault
@@ -193,6 +197,7 @@ class WorkerSide:
         # back); under _lock.
         self._settled: list[tuple[str, bool]] = []
         self._lock = threading.Lock()
+        self._landed = threading.Condition(self._lock)  # notified as each load ends
         self.num_blocks = num_blocks
         self._disabled: str | None = None  # why the worker touches no cache tensor (``disable``)
         self._cuda_device: Any = None  # the caches' CUDA device, once registered
@@ -201,6 +206,7 @@ class WorkerSide:
         self._load_lock = threading.Lock()
         self._load_timeout = load_timeout
         self._load_in_step = load_in_step
+        self._step_loads: list[LoadJob] = []  # queued since the last take_finished (engine's thread)
         self._loads: Lane[LoadJob] = Lane("load", self._load_batch, self._fail_load_jobs, capacity=LOAD_QUEUE,
                                           guard=self.guard, on_start=self._on_lane_thread)
         # No staging budget: saves are stored in the step, as they are copied. Allocated once the
@@ -627,28 +633,15 @@ class WorkerSide:
             self.fail_loads(specs, LoadFailure.DISABLED)
             return
         marks = [io.mark() for io in self._io]  # (raises before any load is queued)
-        if self._load_in_step:
-            self._load_here([LoadJob(spec, marks) for spec in specs])
-            return
         for spec in specs:
             job = LoadJob(spec, marks)
+            self._step_loads.append(job)
             try:  # never raises past here: a load queued is reported by its job alone
                 refused = self._loads.put(job, timeout=self.load_deadline(spec))
             except Exception as e:
                 self.guard.failed("load", e)
                 refused = Failure.INTERNAL_ERROR
             if refused is not None:  # queue full, shutting down, or ours: recomputed
-                self._end_load(job, False, LOAD_FAILED[refused])
-
-    def _load_here(self, jobs: list[LoadJob]) -> None:
-        """The step's loads as one batch, in this thread; each is reported by its job alone."""
-        try:
-            refused = self._loads.run_here(jobs)
-        except Exception as e:  # ours, outside the batch: recomputed
-            self.guard.failed("load", e)
-            refused = Failure.INTERNAL_ERROR
-        if refused is not None:
-            for job in jobs:
                 self._end_load(job, False, LOAD_FAILED[refused])
 
     def load_deadline(self, spec: LoadSpec) -> float:
@@ -747,6 +740,7 @@ class WorkerSide:
             if job.state is LoadState.DONE or (only is not None and job.state is not only):
                 return False
             job.state = LoadState.DONE
+            self._landed.notify_all()
             self.counters.add(loads=1)
             if ok:
                 self.counters.add(loaded_tokens=spec.tokens - spec.local_tokens)
@@ -812,13 +806,18 @@ class WorkerSide:
     def lanes(self) -> list[Lane[Any]]:
         return [self._saves, self._loads]
 
-    def take_finished(self) -> tuple[set[str], set[str]]:
+    def take_finished(self, idle: bool = False) -> tuple[set[str], set[str]]:
         """Loads finished (and of them, failed) since the last call; loads past their deadline
-        are failed first. While a load runs on the load lane, the engine's thread first sleeps
-        ``LOAD_YIELD_S``: an engine with nothing else to run spins through empty steps holding
-        the interpreter lock, which the load lane then got back only at the 5 ms switch interval
-        after each of its store and copy calls."""
-        if self._loads.busy:
+        are failed first. ``load_in_step``: the loads queued since the last call are waited for
+        up to ``IN_STEP_WAIT_S`` first. Else, in an ``idle`` step (no token computed) while a
+        load runs, the engine's thread sleeps ``LOAD_YIELD_S``: an engine with nothing else to
+        run spins through empty steps holding the interpreter lock, which the load lane then got
+        back only at the 5 ms switch interval after each of its store and copy calls."""
+        step, self._step_loads = self._step_loads, []
+        if self._load_in_step and step:
+            with self._lock:
+                self._landed.wait_for(lambda: all(j.state is LoadState.DONE for j in step), IN_STEP_WAIT_S)
+        elif idle and self._loads.busy:
             time.sleep(LOAD_YIELD_S)
         self._expire_loads()
         with self._lock:
