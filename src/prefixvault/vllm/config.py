@@ -178,6 +178,11 @@ def hot_set_bytes(settings: ConnectorSettings, remote: bool) -> int:
     return HOT_SET_MIB << 20 if remote else 0
 
 
+#: How long a step waits, with ``restore_in_step``, for the lookups it starts (in all) and for the
+#: loads it started: what answers or lands by then is in that step.
+IN_STEP_WAIT_S = 0.05
+
+
 def restores_in_step(settings: ConnectorSettings, remote: bool, device: str) -> bool:
     """Whether a step waits for its lookups and loads: ``restore_in_step``, or, on ``auto``, on
     a CPU engine (``device``: vLLM's platform device type) over a store that is not a network

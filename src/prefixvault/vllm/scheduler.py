@@ -39,7 +39,7 @@ from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample
 from prefixvault.vault import Miss, Vault, producer_id
 from prefixvault.vllm.compat import InternalCheckpoints, keep_restored_state, skips_external
-from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
+from prefixvault.vllm.config import IN_STEP_WAIT_S, ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.lane import Lane, failure_of
 from prefixvault.vllm.ledger import SavesInFlight
@@ -56,8 +56,6 @@ SAMPLE_DRAIN_S = 5.0
 MAX_LOADS_PER_REQUEST = 2
 #: How long the scheduler waits for a lookup before it lets the step go on without it.
 LOOKUP_WAIT_S = 0.005
-#: ... over a store that answers within the step (``restore_in_step``).
-IN_STEP_WAIT_S = 0.05
 #: How long it waits once per step, within that, for lookups already in flight: an engine with
 #: nothing else to run spins through empty steps holding the interpreter lock, which the lookup
 #: lane then got back only at the 5 ms switch interval after each store call.

@@ -58,6 +58,7 @@ from prefixvault.staging import Reservation, SlotPool, StagingRing
 from prefixvault.stores.base import StoreError
 from prefixvault.stores.breaker import BreakerOpen, BreakerStore
 from prefixvault.vault import ObjectRef, RankAck, Vault
+from prefixvault.vllm.config import IN_STEP_WAIT_S
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.lane import Failure, Lane
 from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec, save_id
@@ -73,9 +74,6 @@ LOAD_DRAIN_S = 5.0
 #: How long the engine's thread sleeps in a step that computes nothing while a load runs beside
 #: it (``take_finished``).
 LOAD_YIELD_S = 0.0005
-#: How long a step waits for the loads it started to land, over a store that answers within the
-#: step (``restore_in_step``): one that lands by then is reported in that step.
-IN_STEP_WAIT_S = 0.05
 #: A load's deadline is ``load_timeout`` plus its bytes at this rate (a store slower than this
 #: is no faster than recomputing on any engine worth restoring for).
 LOAD_FLOOR_BYTES_PER_S = 64 << 20
@@ -206,7 +204,8 @@ class WorkerSide:
         self._load_lock = threading.Lock()
         self._load_timeout = load_timeout
         self._load_in_step = load_in_step
-        self._step_loads: list[LoadJob] = []  # queued since the last take_finished (engine's thread)
+        # With load_in_step: loads queued since the last take_finished (the engine's thread only).
+        self._step_loads: list[LoadJob] = []
         self._loads: Lane[LoadJob] = Lane("load", self._load_batch, self._fail_load_jobs, capacity=LOAD_QUEUE,
                                           guard=self.guard, on_start=self._on_lane_thread)
         # No staging budget: saves are stored in the step, as they are copied. Allocated once the
@@ -635,7 +634,8 @@ class WorkerSide:
         marks = [io.mark() for io in self._io]  # (raises before any load is queued)
         for spec in specs:
             job = LoadJob(spec, marks)
-            self._step_loads.append(job)
+            if self._load_in_step:
+                self._step_loads.append(job)
             try:  # never raises past here: a load queued is reported by its job alone
                 refused = self._loads.put(job, timeout=self.load_deadline(spec))
             except Exception as e:
@@ -814,7 +814,7 @@ class WorkerSide:
         run spins through empty steps holding the interpreter lock, which the load lane then got
         back only at the 5 ms switch interval after each of its store and copy calls."""
         step, self._step_loads = self._step_loads, []
-        if self._load_in_step and step:
+        if step:
             with self._lock:
                 self._landed.wait_for(lambda: all(j.state is LoadState.DONE for j in step), IN_STEP_WAIT_S)
         elif idle and self._loads.busy:
