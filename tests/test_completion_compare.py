@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 
-from prefixvault.scenarios.engine import Completion, divergence, identical, max_logprob_diff
+from prefixvault.scenarios.engine import Completion, divergence, identical, last_error, max_logprob_diff
 
 
 def completion(ids: list[int], logprobs: list[dict[int, float]]) -> Completion:
@@ -47,3 +47,15 @@ def test_a_shorter_completion_parts_where_it_ends() -> None:
 def test_without_cold_logprobs_a_parting_has_an_infinite_margin() -> None:
     d = divergence(completion([5, 7, 9], []), completion([5, 8, 9], [{5: -0.5}, {8: -0.7}, {9: -0.1}]))
     assert d.at == 1 and d.drift == 0.0 and d.margin == math.inf
+
+
+def test_an_engine_that_does_not_start_is_reported_by_its_last_exception() -> None:
+    """``prefixvault repro`` shows the first line of the error: it names the engine's cause."""
+    log = ("[rank0]: Traceback (most recent call last):\n[rank0]:   File \"x.py\", line 1, in <module>\n"
+           "[rank0]:     raise ValueError(\n"
+           "[rank0]: ValueError: Layer 0 (linear_attention) does not dispatch\n"
+           "INFO 12-03 shutting down\n")
+    assert last_error(log) == "ValueError: Layer 0 (linear_attention) does not dispatch"
+    oom = "torch.OutOfMemoryError: CUDA out of memory"
+    assert last_error(f"{oom}\n") == oom
+    assert last_error("INFO: all fine\nnothing: here\n") == ""

@@ -262,8 +262,10 @@ def run_engine(
                 check=False,
             ).returncode
     if rc != 0 or not out_path.exists():
-        tail = log_path.read_text()[-4000:] if log_path.exists() else "(no log)"
-        raise RuntimeError(f"engine ({spec.role}) exited with {rc}; log {log_path}:\n{tail}")
+        tail = log_path.read_text(errors="replace")[-4000:] if log_path.exists() else "(no log)"
+        cause = last_error(tail)
+        raise RuntimeError(f"engine ({spec.role}) exited with {rc}{': ' + cause if cause else ''}; "
+                           f"log {log_path}:\n{tail}")
     result: dict[str, Any] = json.loads(out_path.read_text())
     result["log"] = str(log_path)
     return result
@@ -316,6 +318,18 @@ def divergence(a: Completion, b: Completion) -> Divergence:
         if mine is not None and theirs is not None:
             margin = mine - theirs
     return Divergence(at, drift, margin)
+
+
+def last_error(log: str) -> str:
+    """The last exception line of an engine's log (``ValueError: ...``, vLLM's rank prefix
+    dropped), or "": what a user reads first when an engine does not start."""
+    for line in reversed(log.splitlines()):
+        text = line.split("]: ", 1)[1] if line.startswith("[rank") and "]: " in line else line
+        head = text.split(":", 1)[0].strip()
+        named = bool(head) and all(part.isidentifier() for part in head.split("."))
+        if ":" in text and named and head.endswith(("Error", "Exception")):
+            return text.strip()[:300]
+    return ""
 
 
 def identical(a: Completion, b: Completion) -> bool:
