@@ -21,7 +21,6 @@ from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
 from prefixvault.vllm.config import ConnectorSettings
-from prefixvault.vllm.passed import PassedBoundaries
 from prefixvault.vllm.scheduler import SchedulerSide
 
 BS = 4
@@ -139,10 +138,11 @@ def test_vllm_is_told_a_load_completes_a_divergent_hit_only_where_it_brings_ever
                              load=True, save=True).completes_divergent_hits
 
 
-def test_boundaries_passed_through_are_remembered_up_to_a_bound_and_forgotten_once_kept() -> None:
-    passed = PassedBoundaries(capacity=3)
-    passed.passed([b"a", b"b", b"c"])
-    passed.passed([b"a", b"d"])  # "a" passed again: "b", the oldest, goes
-    assert list(passed) == [b"c", b"a", b"d"]
-    passed.kept([b"a", b"x"])
-    assert list(passed) == [b"c", b"d"] and b"a" not in passed
+def test_boundaries_a_restore_passed_through_are_remembered_up_to_a_bound(monkeypatch: Any) -> None:
+    import prefixvault.vllm.scheduler as scheduler
+
+    monkeypatch.setattr(scheduler, "PASSED_BOUNDARIES", 3)
+    side = SchedulerSide(ConnectorSettings(), LAYOUT, VAULT, load=True, save=True)
+    side._pass_through([b"a", b"b", b"c"])
+    side._pass_through([b"a", b"d"])  # "a" used again: "b", the oldest, goes
+    assert list(side._passed) == [b"c", b"a", b"d"]

@@ -131,11 +131,6 @@ def test_a_restore_past_a_prefix_the_engine_holds_reads_only_what_lies_past_it(e
     asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "third"]
     assert asks[0] == (2 * bs, (None, False)) and asks[-1] == (0, (2 * bs, True)), asks
     assert b.loads["third"] == 1 and b.local_loaded["third"] == 0
-    # vLLM keeps the state the third restored: a fourth is a hit in its own cache there, every
-    # group agreeing, and is answered at once (nothing to ask again for).
-    b.run({0: [make_request("fourth", shared + prompts(bs + 11, 2 * bs + 3)[0], bs)]})
-    asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "fourth"]
-    assert asks == [(2 * bs, (0, False))], asks
 
 
 @_geo(list(GEOMETRIES))

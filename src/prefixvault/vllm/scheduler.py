@@ -23,6 +23,7 @@ import logging
 import random
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -45,7 +46,6 @@ from prefixvault.vllm.lane import Lane, failure_of
 from prefixvault.vllm.ledger import SavesInFlight
 from prefixvault.vllm.lookups import LOOKUP_MISS, Answer, LaneFailed, Lookups
 from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, Release, SaveSpec, SavesSettled, save_id
-from prefixvault.vllm.passed import PassedBoundaries
 from prefixvault.vllm.planner import StepView, plan_step
 from prefixvault.vllm.verify_samples import SampleWriter
 
@@ -61,6 +61,8 @@ LOOKUP_WAIT_S = 0.005
 #: nothing else to run spins through empty steps holding the interpreter lock, which the lookup
 #: lane then got back only at the 5 ms switch interval after each store call.
 LOOKUP_YIELD_S = 0.0005
+#: Boundaries remembered as passed through by a restore (``SchedulerSide._passed``).
+PASSED_BOUNDARIES = 1 << 16
 #: How a request may end for its held output boundary to be stored (vLLM's ``RequestStatus``
 #: names): a stop token, its length limit, a repetition stop, or an abort — which is also how
 #: vLLM ends a request at a stop *string* (the frontend finds it and aborts the request); the
@@ -120,8 +122,7 @@ class _Request:
     waited_for_save: bool = False  # its lookup found a save of its prefix in flight; it waits once
     local: int = 0  # tokens vLLM's own prefix cache had when the request was looked up
     counted: bool = False  # told the admission policy whether it shares a prefix (once)
-    # Asked again for vLLM's agreed hit (``_agreed_hit_wanted``), once: the hit it was offered.
-    asked_agreed: int = 0
+    asked_agreed: bool = False  # asked again for vLLM's agreed hit (``_agreed_hit_wanted``), once
     # Its last output boundary, held by the workers until it finishes (output_boundaries: last);
     # its plans' KV blocks are checked against the request's blocks then.
     hold: SaveSpec | None = None
@@ -177,9 +178,9 @@ class SchedulerSide:
         self.completes_divergent_hits = (load and vault is not None and bool(self.state_groups)
                                          and all(g.kind is GroupKind.FULL_ATTENTION for g in layout.groups
                                                  if not g.is_state))
-        # Boundaries this engine holds the KV up to, and likely no state at (restores and
-        # computations passed through them).
-        self._passed = PassedBoundaries()
+        # Block hashes whose end this engine holds the KV of but, as far as its restores go, no
+        # state at: boundaries a restore passed through (bounded, oldest forgotten first).
+        self._passed: OrderedDict[bytes, None] = OrderedDict()
         # Requests that asked for vLLM's agreed hit instead (``_agreed_hit_wanted``): while any
         # waits, vLLM is not offered divergent hits.
         self._want_agreed: set[str] = set()
@@ -254,11 +255,8 @@ class SchedulerSide:
     # save, or a load that fails and is recomputed.
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
-        def miss() -> tuple[int | None, bool]:
-            self._want_agreed.discard(getattr(request, "request_id", None))  # (an error: asked no more)
-            return 0, False
         return self.guard.call("get_num_new_matched_tokens",
-                               lambda: self._matched(request, num_computed_tokens), miss)
+                               lambda: self._matched(request, num_computed_tokens), lambda: (0, False))
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.guard.call("update_state_after_alloc",
@@ -296,11 +294,6 @@ class SchedulerSide:
                         return None, False
                 elif not st.asked_agreed:  # (asked again for vLLM's agreed hit: counted once)
                     self.counters.add(lookups=1)
-                elif num_computed_tokens == st.asked_agreed:  # not divergent: vLLM holds a state there
-                    self._passed.kept([st.hashes[num_computed_tokens // self.block_size - 1]])
-                    self._want_agreed.discard(request.request_id)
-                    st.phase = Phase.ANSWERED  # nothing past it in the store (``hit`` is 0)
-                    return 0, False
                 st.local = num_computed_tokens
                 assert self._lookups is not None
                 saving = None if st.waited_for_save else self._in_flight.hashes
@@ -339,7 +332,7 @@ class SchedulerSide:
         n = num_computed_tokens // self.block_size
         if not 0 < n <= len(st.hashes) or st.hashes[n - 1] not in self._passed:
             return False
-        st.asked_agreed = n * self.block_size
+        st.asked_agreed = True
         return True
 
     def settle(self, report: SavesSettled) -> None:
@@ -394,11 +387,7 @@ class SchedulerSide:
 
     def _after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
-        if st is None:
-            return
-        if num_external_tokens <= 0 or st.phase is not Phase.ANSWERED or not st.hit:
-            if self.completes_divergent_hits and st.phase is Phase.ANSWERED:
-                self._note_kv(request, st, st.local, None)  # it computes from its local hit
+        if st is None or num_external_tokens <= 0 or st.phase is not Phase.ANSWERED or not st.hit:
             return
         tokens = st.hit
         local = tokens - num_external_tokens
@@ -408,10 +397,10 @@ class SchedulerSide:
         st.loaded = tokens
         st.saved = max(st.saved, tokens)
         st.loads += 1
-        # a restore is done once per engine: vLLM keeps the state it lands in
-        kept = keep_restored_state(request, tokens) if self.state_groups else False
         if self.completes_divergent_hits:
-            self._note_kv(request, st, local, tokens if kept else None)
+            self._pass_through(st.hashes[local // self.block_size : tokens // self.block_size - 1])
+        if self.state_groups:  # a restore is done once per engine: vLLM keeps the state it lands in
+            keep_restored_state(request, tokens)
         # If vLLM asks again (the load failed and the request restarts, or it was preempted),
         # look up afresh: a rejected object has been removed by then.
         st.phase, st.hit = Phase.NEW, 0
@@ -419,18 +408,12 @@ class SchedulerSide:
         log.info("prefixvault: request %s restores %d tokens from the store (%d local)",
                  request.request_id, num_external_tokens, local)
 
-    def _note_kv(self, request: Any, st: _Request, start: int, restored: int | None) -> None:
-        """What a request scheduled from ``start`` leaves in the engine: the KV of every full
-        block of its prompt, and states only where vLLM keeps them (its junction, its replay
-        boundary, the boundary it restored if vLLM keeps that one)."""
-        bs = self.block_size
-        end = len(st.prompt) // bs
-        hashes = self._hashes(st, end * bs)
-        junction = int(getattr(request, "shared_prefix_boundary", 0) or 0)
-        keeps = {junction, max_resume_tokens(len(st.prompt), bs), end * bs, restored or 0}
-        boundaries = range(start // bs + 1, min(end, len(hashes)) + 1)
-        self._passed.passed(hashes[b - 1] for b in boundaries if b * bs not in keeps)
-        self._passed.kept(hashes[b - 1] for b in boundaries if b * bs in keeps)
+    def _pass_through(self, hashes: Sequence[bytes]) -> None:
+        for h in hashes:
+            self._passed[h] = None
+            self._passed.move_to_end(h)
+        while len(self._passed) > PASSED_BOUNDARIES:
+            self._passed.popitem(last=False)
 
     # -- saves ------------------------------------------------------------------------------------
 
