@@ -119,30 +119,3 @@ def test_a_failed_alloc_is_loaded_as_a_failure_once_then_computed() -> None:
                                                                                           num_computed_tokens=[])))
     assert [spec.req_id for spec in meta.loads] == ["f"] and meta.loads[0].hashes == []
     assert ask(side, req, 0) == (0, False)
-
-
-def test_vllm_is_told_a_load_completes_a_divergent_hit_only_where_it_brings_every_object() -> None:
-    """A load past vLLM's full-attention hit brings the state at its boundary and the KV past
-    the hit: all a resume needs for full attention and states, not a sliding window's blocks
-    before the hit (the engine may have let them go), and nothing for an engine that only saves."""
-    assert SchedulerSide(ConnectorSettings(), LAYOUT, VAULT, load=True, save=True).completes_divergent_hits
-    saves_only = SchedulerSide(ConnectorSettings(), LAYOUT, VAULT, load=False, save=True)
-    assert not saves_only.completes_divergent_hits
-    attention = CacheLayout(model="inputs", block_size=BS, groups=LAYOUT.groups[:1])
-    assert not SchedulerSide(ConnectorSettings(), attention, Vault(MemoryStore(), attention, "inputs"),
-                             load=True, save=True).completes_divergent_hits
-    windowed = CacheLayout(model="inputs", block_size=BS, groups=(
-        *LAYOUT.groups,
-        CacheGroup.uniform(GroupKind.SLIDING_WINDOW, [TensorSpec((8,), "uint8")], 1, window=2 * BS)))
-    assert not SchedulerSide(ConnectorSettings(), windowed, Vault(MemoryStore(), windowed, "inputs"),
-                             load=True, save=True).completes_divergent_hits
-
-
-def test_boundaries_a_restore_passed_through_are_remembered_up_to_a_bound(monkeypatch: Any) -> None:
-    import prefixvault.vllm.scheduler as scheduler
-
-    monkeypatch.setattr(scheduler, "PASSED_BOUNDARIES", 3)
-    side = SchedulerSide(ConnectorSettings(), LAYOUT, VAULT, load=True, save=True)
-    side._pass_through([b"a", b"b", b"c"])
-    side._pass_through([b"a", b"d"])  # "a" used again: "b", the oldest, goes
-    assert list(side._passed) == [b"c", b"a", b"d"]

@@ -23,7 +23,6 @@ import logging
 import random
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import wait as futures_wait
@@ -36,7 +35,7 @@ from prefixvault.admission import Admission, Kind, Policy
 from prefixvault.boundary import StateCapture, StepChunk, max_resume_tokens, plan_saves, step_end_captures
 from prefixvault.identity import content_digest
 from prefixvault.keys import ExtraKeys, MultimodalItem
-from prefixvault.layout import CacheLayout, GroupKind
+from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample
 from prefixvault.vault import Miss, Vault, producer_id
 from prefixvault.vllm.compat import InternalCheckpoints, keep_restored_state, skips_external
@@ -61,8 +60,6 @@ LOOKUP_WAIT_S = 0.005
 #: nothing else to run spins through empty steps holding the interpreter lock, which the lookup
 #: lane then got back only at the 5 ms switch interval after each store call.
 LOOKUP_YIELD_S = 0.0005
-#: Boundaries remembered as passed through by a restore (``SchedulerSide._passed``).
-PASSED_BOUNDARIES = 1 << 16
 #: How a request may end for its held output boundary to be stored (vLLM's ``RequestStatus``
 #: names): a stop token, its length limit, a repetition stop, or an abort — which is also how
 #: vLLM ends a request at a stop *string* (the frontend finds it and aborts the request); the
@@ -122,7 +119,6 @@ class _Request:
     waited_for_save: bool = False  # its lookup found a save of its prefix in flight; it waits once
     local: int = 0  # tokens vLLM's own prefix cache had when the request was looked up
     counted: bool = False  # told the admission policy whether it shares a prefix (once)
-    asked_agreed: bool = False  # asked again for vLLM's agreed hit (``_agreed_hit_wanted``), once
     # Its last output boundary, held by the workers until it finishes (output_boundaries: last);
     # its plans' KV blocks are checked against the request's blocks then.
     hold: SaveSpec | None = None
@@ -170,20 +166,6 @@ class SchedulerSide:
         self.block_size = layout.block_size
         self.state_groups = [i for i, g in enumerate(layout.groups) if g.is_state]
         self.attn_groups = [i for i, g in enumerate(layout.groups) if not g.is_state]
-        # vLLM may then offer the full-attention groups' local hit even where no state was kept
-        # at it (``supports_divergent_local_hybrid_hits``): a load from there brings the state
-        # at its own boundary and the KV past the local hit, which is every object a resume
-        # needs when the other groups are full attention (a sliding window's blocks before the
-        # local hit might not be in the engine's cache: then vLLM is not told we can).
-        self.completes_divergent_hits = (load and vault is not None and bool(self.state_groups)
-                                         and all(g.kind is GroupKind.FULL_ATTENTION for g in layout.groups
-                                                 if not g.is_state))
-        # Block hashes whose end this engine holds the KV of but, as far as its restores go, no
-        # state at: boundaries a restore passed through (bounded, oldest forgotten first).
-        self._passed: OrderedDict[bytes, None] = OrderedDict()
-        # Requests that asked for vLLM's agreed hit instead (``_agreed_hit_wanted``): while any
-        # waits, vLLM is not offered divergent hits.
-        self._want_agreed: set[str] = set()
         self._reqs: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
         self._step = 0
@@ -203,11 +185,6 @@ class SchedulerSide:
         # vLLM's rule for states its layers export from inside a prompt's last chunk, where this
         # platform's kernels do (None: every offer strictly inside a chunk is refused).
         self.checkpoints: InternalCheckpoints | None = None
-
-    @property
-    def offers_divergent_hits(self) -> bool:
-        """What the connector tells vLLM now (``supports_divergent_local_hybrid_hits``)."""
-        return self.completes_divergent_hits and not self._want_agreed
 
     def close(self) -> bool:
         """Drop lookups still queued and wait for a running one up to ``lookup_timeout`` (its
@@ -292,7 +269,7 @@ class SchedulerSide:
                     if (self._in_flight.names_any(st.hashes)
                             and time.monotonic() - st.lookup_since < self.settings.lookup_timeout):
                         return None, False
-                elif not st.asked_agreed:  # (asked again for vLLM's agreed hit: counted once)
+                else:
                     self.counters.add(lookups=1)
                 st.local = num_computed_tokens
                 assert self._lookups is not None
@@ -310,30 +287,9 @@ class SchedulerSide:
             self._wait_left = max(0.0, self._wait_left - (time.monotonic() - t0))
             if not done:
                 return None, False  # still in flight: vLLM asks again next step
-        self._want_agreed.discard(request.request_id)
         if st.hit > num_computed_tokens:
             return st.hit - num_computed_tokens, True
-        if self._agreed_hit_wanted(st, num_computed_tokens):
-            self._want_agreed.add(request.request_id)
-            st.phase = Phase.NEW  # looked up again from the hit vLLM then offers
-            return None, False
         return 0, False
-
-    def _agreed_hit_wanted(self, st: _Request, num_computed_tokens: int) -> bool:
-        """Whether vLLM's offer is probably a divergent hit a shorter boundary in the store
-        would serve: nothing past it in the store, and a restore of this engine passed through
-        it (its KV is here, its state likely not). An answer of 0 would make vLLM compute from
-        the hit every group agrees on, which may be far shorter; instead the request is asked
-        again, once, with divergent hits not offered (one step later)."""
-        if not (self.completes_divergent_hits and num_computed_tokens and st.local == num_computed_tokens):
-            return False
-        if st.asked_agreed:
-            return False
-        n = num_computed_tokens // self.block_size
-        if not 0 < n <= len(st.hashes) or st.hashes[n - 1] not in self._passed:
-            return False
-        st.asked_agreed = True
-        return True
 
     def settle(self, report: SavesSettled) -> None:
         """Workers' reports of saves stored or dropped: lookups they held may go on. A save not
@@ -397,8 +353,6 @@ class SchedulerSide:
         st.loaded = tokens
         st.saved = max(st.saved, tokens)
         st.loads += 1
-        if self.completes_divergent_hits:
-            self._pass_through(st.hashes[local // self.block_size : tokens // self.block_size - 1])
         if self.state_groups:  # a restore is done once per engine: vLLM keeps the state it lands in
             keep_restored_state(request, tokens)
         # If vLLM asks again (the load failed and the request restarts, or it was preempted),
@@ -407,13 +361,6 @@ class SchedulerSide:
         self.counters.add(hit_tokens=num_external_tokens)
         log.info("prefixvault: request %s restores %d tokens from the store (%d local)",
                  request.request_id, num_external_tokens, local)
-
-    def _pass_through(self, hashes: Sequence[bytes]) -> None:
-        for h in hashes:
-            self._passed[h] = None
-            self._passed.move_to_end(h)
-        while len(self._passed) > PASSED_BOUNDARIES:
-            self._passed.popitem(last=False)
 
     # -- saves ------------------------------------------------------------------------------------
 
@@ -599,7 +546,6 @@ class SchedulerSide:
 
     def _finished(self, request: Any, block_ids: Sequence[Sequence[int]] = ()) -> bool:
         st = self._reqs.pop(request.request_id, None)
-        self._want_agreed.discard(request.request_id)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()  # aborted or finished while its lookup waits: drop the lookup
         if st is None:
