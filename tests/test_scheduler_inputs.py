@@ -21,6 +21,7 @@ from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
 from prefixvault.vllm.config import ConnectorSettings
+from prefixvault.vllm.restored import RestoredBlocks
 from prefixvault.vllm.scheduler import SchedulerSide
 
 BS = 4
@@ -119,3 +120,43 @@ def test_a_failed_alloc_is_loaded_as_a_failure_once_then_computed() -> None:
                                                                                           num_computed_tokens=[])))
     assert [spec.req_id for spec in meta.loads] == ["f"] and meta.loads[0].hashes == []
     assert ask(side, req, 0) == (0, False)
+
+
+def test_vllm_is_told_a_load_completes_a_divergent_hit_only_where_it_brings_every_object() -> None:
+    """A load past vLLM's full-attention hit brings the state at its boundary and the KV past
+    the hit: all a resume needs for full attention and states, not a sliding window's blocks
+    before the hit (the engine may have let them go), and nothing for an engine that only saves."""
+    assert SchedulerSide(ConnectorSettings(), LAYOUT, VAULT, load=True, save=True).completes_divergent_hits
+    saves_only = SchedulerSide(ConnectorSettings(), LAYOUT, VAULT, load=False, save=True)
+    assert not saves_only.completes_divergent_hits
+    attention = CacheLayout(model="inputs", block_size=BS, groups=LAYOUT.groups[:1])
+    assert not SchedulerSide(ConnectorSettings(), attention, Vault(MemoryStore(), attention, "inputs"),
+                             load=True, save=True).completes_divergent_hits
+    windowed = CacheLayout(model="inputs", block_size=BS, groups=(
+        *LAYOUT.groups,
+        CacheGroup.uniform(GroupKind.SLIDING_WINDOW, [TensorSpec((8,), "uint8")], 1, window=2 * BS)))
+    assert not SchedulerSide(ConnectorSettings(), windowed, Vault(MemoryStore(), windowed, "inputs"),
+                             load=True, save=True).completes_divergent_hits
+
+
+def test_a_block_a_load_wrote_is_forgotten_when_vllms_pool_hands_it_out_again() -> None:
+    """vLLM's own block pool: a block loaded, then freed and handed out to be computed into, is
+    no longer one a load wrote."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    pool = BlockPool(num_gpu_blocks=4, enable_caching=True, hash_block_size=BS)
+    restored = RestoredBlocks()
+    restored.watch(pool)
+    blocks = pool.get_new_blocks(3)
+    ids = [b.block_id for b in blocks]
+    restored.loaded(0, ids)
+    restored.loaded(1, ids[:1])
+    assert restored.all_loaded(0, ids) and restored.all_loaded(1, ids[:1]) and not restored.all_loaded(1, ids)
+    pool.free_blocks(blocks[:1])
+    assert restored.all_loaded(0, ids)  # freed, not written: no hit can name it uncached
+    again = pool.get_new_blocks(1)[0]
+    assert again.block_id == ids[0]
+    assert not restored.all_loaded(0, ids[:1]) and not restored.all_loaded(1, ids[:1])
+    assert restored.all_loaded(0, ids[1:]) and len(restored) == 2
+    restored.forget([ids[2]])
+    assert len(restored) == 1 and restored.all_loaded(0, [ids[1]]) and restored.all_loaded(0, [])

@@ -15,7 +15,8 @@ wherever the shared token budget falls. Per scenario (model, token budget, arriv
 - ``cold1`` / ``cold_load``: no connector, a unique cache salt per request (nothing reused),
   one at a time and under the same load; where their texts agree, cold is invariant to load.
 - ``consumer_load`` / ``consumer1``: the real connector restoring from ``producer``'s store,
-  with the hot set of recent loads on (requests of one prefix restore what the first read).
+  with the hot set of recent loads on; requests of one prefix after the first find its KV in
+  the engine's own cache and restore only their own state and what lies past the prefix.
 """
 
 from __future__ import annotations
@@ -202,7 +203,11 @@ def test_consumer_under_load_departs_from_cold_no_more_than_cold_does(runs: Runs
         got: StaggeredRun = getattr(runs, name)
         assert sum(c.cached_tokens for c in got.completions) >= REQUESTS * PREFIX, name
         if runs.scenario.profile != "mamba2":  # (pure Mamba2: every restore is its own state, nothing shared)
-            assert got.metrics.get("hot_keys", 0) > 0, f"{name}: no restore was served from the hot set"
+            # A shared prefix's KV is restored about once per engine: the requests after the
+            # first find it in the engine's own cache (vLLM's full-attention hit) and load only
+            # their own state and the KV past it.
+            loaded = got.metrics.get("loaded_tokens", 0)
+            assert loaded < REQUESTS * PREFIX, f"{name}: {loaded} tokens restored, shared prefixes again"
         parted = {i: divergence(cold[i], got.completions[i]) for i in invariant}
         far = {i: d for i, d in parted.items() if d.drift > bound or (d.margin or 0.0) > 2 * bound}
         assert not far, f"{name}: past drift {bound:.3g} (cold's own: {noise:.3g}): {far}"

@@ -52,6 +52,7 @@ from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
 from prefixvault.boundary import max_resume_tokens
+from prefixvault.codec import ObjectKind
 from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled, save_id
 
 VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
@@ -325,6 +326,7 @@ class Engine:
         self.asks: list[Ask] = []
         self.first_ask: dict[str, int] = {}  # request -> Published.version at its first ask
         self.loads: Counter[str] = Counter()  # LoadSpecs issued per request
+        self.local_loaded: dict[str, int] = {}  # the engine's own tokens at a request's last load
         self.problems = Problems()
         self.offers_inside = 0  # offers strictly inside their request's chunk
         self.checkpoints_valid = 0  # chunks in which vLLM's rule says a checkpoint was exported
@@ -489,10 +491,12 @@ class Engine:
         vault, bs = self.vault, self.bs
         for load in meta.loads:
             self.loads[load.req_id] += 1
+            self.local_loaded[load.req_id] = load.local_tokens
             req = self.requests.get(load.req_id)
             self.problems.check(req is not None and load.tokens % bs == 0 and load.tokens > 0
                                 and self.published.has(req.cache_salt, list(req.all_token_ids)[:load.tokens]),
                                 f"load of {load.req_id} at {load.tokens}: not a published boundary")
+            self._check_load_blocks(load)
         saves = [s for s in meta.saves if not s.hold]
         if not saves:
             return {load.req_id for load in meta.loads}, None
@@ -516,6 +520,18 @@ class Engine:
             if any(why is not None for why in results.values()):
                 settled.failed[sid] += 1
         return {load.req_id for load in meta.loads}, settled
+
+    def _check_load_blocks(self, load: Any) -> None:
+        """Every object a load writes has a real block in the request's tables, as
+        ``WorkerSide`` picks it: a KV block by its index, a state at the boundary's block."""
+        if not load.hashes:
+            return  # a load failed on purpose (an error of ours): reported failed, writes nothing
+        for ref in self.vault.needed(load.hashes, load.tokens, ranks=[0], since=load.local_tokens):
+            table = load.block_ids[ref.group] if ref.group < len(load.block_ids) else []
+            idx = (load.tokens - 1) // self.bs if ref.kind is ObjectKind.STATE else ref.block_index
+            block = table[idx] if idx < len(table) else 0
+            self.problems.check(block != 0, f"load of {load.req_id} at {load.tokens} (local "
+                                f"{load.local_tokens}): group {ref.group} block {idx} is not allocated")
 
     # -- the model runner --
 

@@ -100,6 +100,69 @@ def test_a_prefix_restored_once_is_a_local_hit_for_the_requests_after_it(engines
 
 
 @_geo(list(GEOMETRIES))
+def test_a_restore_past_a_prefix_the_engine_holds_reads_only_what_lies_past_it(engines: Engines,
+                                                                              geo: Geometry) -> None:
+    """Issue 33: two prompts share a prefix and each has its own deeper boundary in the store.
+    The first restores its own boundary; the engine then holds the prefix's KV, but no state at
+    the prefix's end (vLLM keeps a state only at a request's own boundaries). The second was
+    read whole from the store again, shared KV included: once per request, not once per engine.
+    Now vLLM offers the full-attention hit (``supports_divergent_local_hybrid_hits``) and the
+    second reads only its state and the KV past the prefix, into blocks vLLM allocated."""
+    bs = geo.block_size
+    shared = prompts(bs + 8, 2 * bs)[0]
+    # tails past two blocks: each prompt's own boundary (4 blocks) ends a chunk, also where the
+    # state layers reserve a checkpoint block (never published from inside a chunk on CPU)
+    one, two = (shared + t for t in prompts(bs + 9, 2 * bs + 5, 2 * bs + 7))
+    a = engines(geo, budget=2 * bs)
+    a.run({0: [make_request("a1", one, bs)], 4: [make_request("a2", two, bs)]})  # 4 bs each, 2 bs
+    b = engines(geo, a.store, budget=2 * bs)
+    b.run({0: [make_request("first", one, bs)]})
+    assert b.loads["first"] == 1 and b.local_loaded["first"] == 0, "the first restored nothing"
+    b.run({0: [make_request("second", two, bs)]})
+    asks = [x for x in b.asks if x.req_id == "second" and x.answer[0] is not None]
+    assert asks and asks[0].computed == 2 * bs, f"vLLM offered {asks[0].computed if asks else None}"
+    assert asks[0].answer == (2 * bs, True), asks[0]
+    assert b.loads["second"] == 1 and b.local_loaded["second"] == 2 * bs
+    # A third shares the prefix and has no deeper boundary of its own in the store. Its
+    # divergent hit (the prefix) would answer 0 and vLLM would compute it from the hit every
+    # group agrees on (nothing): it is asked again with divergent hits not offered, and
+    # restores the prefix's boundary, one step later.
+    b.run({0: [make_request("third", shared + prompts(bs + 10, 2 * bs + 9)[0], bs)]})
+    asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "third"]
+    assert asks[0] == (2 * bs, (None, False)) and asks[-1] == (0, (2 * bs, True)), asks
+    assert b.loads["third"] == 1 and b.local_loaded["third"] == 0
+    # vLLM keeps the state the third restored: a fourth is a hit in its own cache there, every
+    # group agreeing, and is answered at once (nothing to ask again for).
+    b.run({0: [make_request("fourth", shared + prompts(bs + 11, 2 * bs + 3)[0], bs)]})
+    asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "fourth"]
+    assert asks == [(2 * bs, (0, False))], asks
+
+
+@_geo(list(GEOMETRIES))
+def test_a_divergent_hit_on_kv_the_engine_computed_is_not_completed(engines: Engines,
+                                                                  geo: Geometry) -> None:
+    """The state a store holds was computed over its producer's KV; KV an engine computed itself
+    for the same tokens may differ in the last bits, and a resume on the mix matches no run.
+    The engine computes a prompt (the store is empty), then a producer publishes a deeper
+    boundary of a second prompt sharing its prefix. vLLM offers the second the prefix's
+    full-attention hit, KV the engine computed: the connector does not complete it but asks
+    again for the hit every group holds (none) and restores the whole boundary."""
+    bs = geo.block_size
+    shared = prompts(bs + 12, 2 * bs)[0]
+    one, two = (shared + t for t in prompts(bs + 13, 2 * bs + 5, 2 * bs + 7))
+    b = engines(geo, budget=2 * bs)
+    b.run({0: [make_request("computed", one, bs)]})
+    assert b.loads["computed"] == 0
+    a = engines(geo, b.store, budget=2 * bs)
+    a.run({0: [make_request("published", two, bs)]})
+    b.run({0: [make_request("second", two, bs)]})
+    asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "second" and x.answer[0] != 0]
+    assert asks[0] == (2 * bs, (None, False)), asks
+    assert asks[-1][0] == 0 and asks[-1][1][1] and asks[-1][1][0] >= 4 * bs, asks
+    assert b.loads["second"] == 1 and b.local_loaded["second"] == 0
+
+
+@_geo(list(GEOMETRIES))
 def test_a_fast_store_restores_in_one_step(engines: Engines, geo: Geometry) -> None:
     """Issue 33: a restore took at least two engine steps (the lookup answered in one, the load
     landed in a later one), each a full batch step under load. Over a store that answers inside

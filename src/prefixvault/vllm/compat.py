@@ -4,8 +4,10 @@ Supported: vLLM 0.32, 0.33 and 0.34 (``SUPPORTED``). The adapter asks this modul
 ``getattr`` guesses of its own, about anything a version changed: how a request says it must
 not read an external cache, whether the CPU platform still resets the hybrid block size,
 whether ``--mamba-cache-mode`` is still a flag, and vLLM's own rule for the prefill
-checkpoints a recurrent layer exports from inside a chunk. Each function says which versions
-differ and how (file:line references: ``shared/reference/gpu-and-vllm-versions.md``).
+checkpoints a recurrent layer exports from inside a chunk; and the two places the connector
+reaches into the scheduler's cache manager (per-group hits, the block pool's hand-outs). Each
+function says which versions differ and how (file:line references:
+``shared/reference/gpu-and-vllm-versions.md``).
 
 Functions that only read installed package metadata import no vLLM (``prefixvault serve``
 runs them without it); the others import vLLM on first use.
@@ -13,9 +15,11 @@ runs them without it); the others import vLLM on first use.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import inspect
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
@@ -71,6 +75,42 @@ def skips_external(request: Any) -> bool:
         if value is not None:
             return value is True
     return False
+
+
+# -- the scheduler's cache manager ----------------------------------------------------------------
+
+
+def per_group_hits(cache_manager: Any, request: Any) -> tuple[list[list[int]], list[int]]:
+    """The local hit of each cache group for ``request``: its block ids and its tokens. The
+    lookup ``get_computed_blocks_for_connector`` makes for divergent hits, made again (it only
+    reads): ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``, the same in
+    0.32-0.34."""
+    blocks, hits = cache_manager.coordinator.find_longest_cache_hit_per_group(
+        request.block_hashes, request.num_tokens - 1)
+    return [[b.block_id for b in group] for group in blocks], list(hits)
+
+
+def watch_handouts(block_pool: Any, forget: Callable[[list[int]], None]) -> None:
+    """Call ``forget`` with the ids of the blocks vLLM's ``BlockPool`` hands out
+    (``get_new_blocks``, each allocation, an evicted cached block included) or moves a cache
+    entry between (``move_block_hashes``, a copy-on-write), before it returns them: the moments
+    a block's bytes become another computation's. The same two methods in 0.32-0.34."""
+    get_new_blocks = block_pool.get_new_blocks
+    move_block_hashes = block_pool.move_block_hashes
+
+    @functools.wraps(get_new_blocks)
+    def handed_out(*args: Any, **kwargs: Any) -> Any:
+        blocks = get_new_blocks(*args, **kwargs)
+        forget([b.block_id for b in blocks])
+        return blocks
+
+    @functools.wraps(move_block_hashes)
+    def moved(source: Any, target: Any, *args: Any, **kwargs: Any) -> Any:
+        forget([source.block_id, target.block_id])
+        return move_block_hashes(source, target, *args, **kwargs)
+
+    block_pool.get_new_blocks = handed_out
+    block_pool.move_block_hashes = moved
 
 
 # -- engine arguments ----------------------------------------------------------------------------

@@ -181,7 +181,21 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     def requires_kv_delivery(self) -> bool:
         return False  # a cache, not a transfer: preempted work is simply recomputed
 
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        """Whether vLLM may offer a hybrid request the full-attention groups' local hit where
+        its state groups kept no state (a prefix whose KV this engine holds, read for a deeper
+        boundary it restored): a load past it brings the state, and only the KV past it. Else
+        such a request reads the shared prefix's KV from the store once more."""
+        return self._scheduler is not None and self._scheduler.offers_divergent_hits
+
     # -- scheduler side ---------------------------------------------------------------------------
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        scheduler = self.scheduler
+        if scheduler is not None:  # an error leaves divergent hits unoffered (never watched)
+            self.guard.call("bind_kv_cache_manager", lambda: scheduler.bind(kv_cache_manager), lambda: None)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

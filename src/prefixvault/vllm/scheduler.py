@@ -35,10 +35,10 @@ from prefixvault.admission import Admission, Kind, Policy
 from prefixvault.boundary import StateCapture, StepChunk, max_resume_tokens, plan_saves, step_end_captures
 from prefixvault.identity import content_digest
 from prefixvault.keys import ExtraKeys, MultimodalItem
-from prefixvault.layout import CacheLayout
+from prefixvault.layout import CacheLayout, GroupKind
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample
 from prefixvault.vault import Miss, Vault, producer_id
-from prefixvault.vllm.compat import InternalCheckpoints, keep_restored_state, skips_external
+from prefixvault.vllm.compat import InternalCheckpoints, keep_restored_state, per_group_hits, skips_external
 from prefixvault.vllm.config import IN_STEP_WAIT_S, ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.lane import Lane, failure_of
@@ -46,6 +46,7 @@ from prefixvault.vllm.ledger import SavesInFlight
 from prefixvault.vllm.lookups import LOOKUP_MISS, Answer, LaneFailed, Lookups
 from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, Release, SaveSpec, SavesSettled, save_id
 from prefixvault.vllm.planner import StepView, plan_step
+from prefixvault.vllm.restored import RestoredBlocks
 from prefixvault.vllm.verify_samples import SampleWriter
 
 log = logging.getLogger("vllm.prefixvault")
@@ -119,9 +120,19 @@ class _Request:
     waited_for_save: bool = False  # its lookup found a save of its prefix in flight; it waits once
     local: int = 0  # tokens vLLM's own prefix cache had when the request was looked up
     counted: bool = False  # told the admission policy whether it shares a prefix (once)
+    # Asked again for vLLM's agreed hit, once (``_matched``): the divergent hit it was offered.
+    asked_agreed: int = 0
     # Its last output boundary, held by the workers until it finishes (output_boundaries: last);
     # its plans' KV blocks are checked against the request's blocks then.
     hold: SaveSpec | None = None
+
+
+class Offer(StrEnum):
+    """What vLLM offers a request as its local hit (``SchedulerSide._offer``)."""
+
+    AGREED = "agreed"  # every cache group holds it, a state included
+    ON_RESTORED_KV = "on restored KV"  # divergent: no state there; every KV block below it a load wrote
+    ON_COMPUTED_KV = "on computed KV"  # divergent, and some KV block below it this engine computed
 
 
 class HoldDrop(StrEnum):
@@ -166,6 +177,21 @@ class SchedulerSide:
         self.block_size = layout.block_size
         self.state_groups = [i for i, g in enumerate(layout.groups) if g.is_state]
         self.attn_groups = [i for i, g in enumerate(layout.groups) if not g.is_state]
+        # vLLM may then offer the full-attention groups' local hit even where no state was kept
+        # at it (``supports_divergent_local_hybrid_hits``): a load from there brings the state
+        # at its own boundary and the KV past the local hit, which is every object a resume
+        # needs when the other groups are full attention (a sliding window's blocks before the
+        # local hit might not be in the engine's cache: then vLLM is not told we can).
+        self.completes_divergent_hits = (load and vault is not None and bool(self.state_groups)
+                                         and all(g.kind is GroupKind.FULL_ATTENTION for g in layout.groups
+                                                 if not g.is_state))
+        # Requests asked again for vLLM's agreed hit: while any waits, vLLM is not offered
+        # divergent hits.
+        self._want_agreed: set[str] = set()
+        # Which of vLLM's blocks a load wrote: a divergent hit is completed only on those
+        # (``vllm/restored.py``). vLLM's cache manager tells a divergent hit (``bind``).
+        self._restored = RestoredBlocks()
+        self._cache_manager: Any = None
         self._reqs: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
         self._step = 0
@@ -185,6 +211,18 @@ class SchedulerSide:
         # vLLM's rule for states its layers export from inside a prompt's last chunk, where this
         # platform's kernels do (None: every offer strictly inside a chunk is refused).
         self.checkpoints: InternalCheckpoints | None = None
+
+    @property
+    def offers_divergent_hits(self) -> bool:
+        """What the connector tells vLLM now (``supports_divergent_local_hybrid_hits``)."""
+        return self.completes_divergent_hits and self._restored.watching and not self._want_agreed
+
+    def bind(self, kv_cache_manager: Any) -> None:
+        """vLLM's cache manager (``bind_kv_cache_manager``): which blocks a hit names, and the
+        pool whose hand-outs end a block's restored bytes."""
+        if self.completes_divergent_hits:
+            self._cache_manager = kv_cache_manager
+            self._restored.watch(kv_cache_manager.block_pool)
 
     def close(self) -> bool:
         """Drop lookups still queued and wait for a running one up to ``lookup_timeout`` (its
@@ -232,8 +270,11 @@ class SchedulerSide:
     # save, or a load that fails and is recomputed.
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        def miss() -> tuple[int | None, bool]:
+            self._want_agreed.discard(getattr(request, "request_id", None))  # (an error: asked no more)
+            return 0, False
         return self.guard.call("get_num_new_matched_tokens",
-                               lambda: self._matched(request, num_computed_tokens), lambda: (0, False))
+                               lambda: self._matched(request, num_computed_tokens), miss)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.guard.call("update_state_after_alloc",
@@ -269,7 +310,7 @@ class SchedulerSide:
                     if (self._in_flight.names_any(st.hashes)
                             and time.monotonic() - st.lookup_since < self.settings.lookup_timeout):
                         return None, False
-                else:
+                elif not st.asked_agreed:  # (asked again for vLLM's agreed hit: counted once)
                     self.counters.add(lookups=1)
                 st.local = num_computed_tokens
                 assert self._lookups is not None
@@ -287,9 +328,35 @@ class SchedulerSide:
             self._wait_left = max(0.0, self._wait_left - (time.monotonic() - t0))
             if not done:
                 return None, False  # still in flight: vLLM asks again next step
-        if st.hit > num_computed_tokens:
+        self._want_agreed.discard(request.request_id)
+        offer = self._offer(request, num_computed_tokens)
+        if st.hit > num_computed_tokens and offer is not Offer.ON_COMPUTED_KV:
             return st.hit - num_computed_tokens, True
-        return 0, False
+        if offer is Offer.AGREED or st.asked_agreed:  # (asked again, vLLM offered its agreed hit)
+            return 0, False
+        # A divergent hit the store cannot complete here: answered 0, vLLM would compute from
+        # the hit every group agrees on, past boundaries the store may hold. Asked again, once,
+        # with divergent hits not offered (one step later), it is looked up from that hit.
+        log.debug("prefixvault: request %s: divergent hit at %d (%s); asked again for vLLM's agreed hit",
+                  request.request_id, num_computed_tokens, offer.value)
+        st.asked_agreed = num_computed_tokens
+        self._want_agreed.add(request.request_id)
+        st.phase = Phase.NEW
+        return None, False
+
+    def _offer(self, request: Any, offered: int) -> Offer:
+        """What vLLM's offer ``offered`` is: a hit every cache group holds (with the connector
+        unbound, vLLM offers only those), or a divergent hit (a state group holds less), on KV
+        that loads wrote or on KV this engine computed (``vllm/restored.py``)."""
+        if not (self.completes_divergent_hits and offered and self._cache_manager is not None):
+            return Offer.AGREED
+        blocks, hits = per_group_hits(self._cache_manager, request)
+        if min(hits) >= offered:
+            return Offer.AGREED
+        n = offered // self.block_size
+        restored = all(len(blocks[g]) >= n and self._restored.all_loaded(g, blocks[g][:n])
+                       for g in self.attn_groups)
+        return Offer.ON_RESTORED_KV if restored else Offer.ON_COMPUTED_KV
 
     def settle(self, report: SavesSettled) -> None:
         """Workers' reports of saves stored or dropped: lookups they held may go on. A save not
@@ -355,6 +422,9 @@ class SchedulerSide:
         st.loads += 1
         if self.state_groups:  # a restore is done once per engine: vLLM keeps the state it lands in
             keep_restored_state(request, tokens)
+        if self.completes_divergent_hits:
+            for g in self.attn_groups:  # handed out for this load just now: its bytes will be the store's
+                self._restored.loaded(g, block_ids[g][local // self.block_size:tokens // self.block_size])
         # If vLLM asks again (the load failed and the request restarts, or it was preempted),
         # look up afresh: a rejected object has been removed by then.
         st.phase, st.hit = Phase.NEW, 0
@@ -546,6 +616,7 @@ class SchedulerSide:
 
     def _finished(self, request: Any, block_ids: Sequence[Sequence[int]] = ()) -> bool:
         st = self._reqs.pop(request.request_id, None)
+        self._want_agreed.discard(request.request_id)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()  # aborted or finished while its lookup waits: drop the lookup
         if st is None:
