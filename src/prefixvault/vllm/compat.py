@@ -80,13 +80,13 @@ def skips_external(request: Any) -> bool:
 # -- the scheduler's cache manager ----------------------------------------------------------------
 
 
-def per_group_hits(cache_manager: Any, request: Any) -> tuple[list[list[int]], list[int]]:
-    """The local hit of each cache group for ``request``: its block ids and its tokens. The
-    lookup ``get_computed_blocks_for_connector`` makes for divergent hits, made again (it only
-    reads): ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``, the same in
-    0.32-0.34."""
-    blocks, hits = cache_manager.coordinator.find_longest_cache_hit_per_group(
-        request.block_hashes, request.num_tokens - 1)
+def per_group_hits(cache_manager: Any, request: Any, up_to: int) -> tuple[list[list[int]], list[int]]:
+    """The local hit of each cache group for ``request``, at most ``up_to`` tokens: its block
+    ids and its tokens. The lookup ``get_computed_blocks_for_connector`` makes for divergent
+    hits, made again (it only reads) and bounded by the hit vLLM offered, so a state past it
+    (vLLM's own bound may be tighter: 0.33/0.34 aux outputs) is never taken for one at it:
+    ``HybridKVCacheCoordinator.find_longest_cache_hit_per_group``, the same in 0.32-0.34."""
+    blocks, hits = cache_manager.coordinator.find_longest_cache_hit_per_group(request.block_hashes, up_to)
     return [[b.block_id for b in group] for group in blocks], list(hits)
 
 

@@ -120,7 +120,8 @@ class _Request:
     waited_for_save: bool = False  # its lookup found a save of its prefix in flight; it waits once
     local: int = 0  # tokens vLLM's own prefix cache had when the request was looked up
     counted: bool = False  # told the admission policy whether it shares a prefix (once)
-    # Asked again for vLLM's agreed hit, once (``_matched``): the divergent hit it was offered.
+    # Asked again for vLLM's agreed hit (``_matched``), once until vLLM allocates it blocks: the
+    # divergent hit it was offered.
     asked_agreed: int = 0
     # Its last output boundary, held by the workers until it finishes (output_boundaries: last);
     # its plans' KV blocks are checked against the request's blocks then.
@@ -310,13 +311,16 @@ class SchedulerSide:
                     if (self._in_flight.names_any(st.hashes)
                             and time.monotonic() - st.lookup_since < self.settings.lookup_timeout):
                         return None, False
-                elif not st.asked_agreed:  # (asked again for vLLM's agreed hit: counted once)
+                else:
                     self.counters.add(lookups=1)
                 st.local = num_computed_tokens
                 assert self._lookups is not None
                 saving = None if st.waited_for_save else self._in_flight.hashes
+                # from the hit every cache group holds: past a divergent offer the store may not
+                # complete, it may hold a boundary past that one (asked again for it, below)
+                since = self._offer(request, num_computed_tokens)[1]
                 st.lookup = self._lookups.submit(list(st.prompt), st.extra, list(st.hashes),
-                                                 request.num_tokens, num_computed_tokens, saving)
+                                                 request.num_tokens, since, saving)
                 st.phase = Phase.LOOKING_UP
                 st.lookup_since = time.monotonic()
                 wait = self._wait_left  # one budget per step, however many requests are new
@@ -329,34 +333,36 @@ class SchedulerSide:
             if not done:
                 return None, False  # still in flight: vLLM asks again next step
         self._want_agreed.discard(request.request_id)
-        offer = self._offer(request, num_computed_tokens)
+        offer, agreed = self._offer(request, num_computed_tokens)
         if st.hit > num_computed_tokens and offer is not Offer.ON_COMPUTED_KV:
             return st.hit - num_computed_tokens, True
-        if offer is Offer.AGREED or st.asked_agreed:  # (asked again, vLLM offered its agreed hit)
-            return 0, False
-        # A divergent hit the store cannot complete here: answered 0, vLLM would compute from
-        # the hit every group agrees on, past boundaries the store may hold. Asked again, once,
-        # with divergent hits not offered (one step later), it is looked up from that hit.
-        log.debug("prefixvault: request %s: divergent hit at %d (%s); asked again for vLLM's agreed hit",
-                  request.request_id, num_computed_tokens, offer.value)
+        if offer is Offer.AGREED or st.hit <= agreed or st.asked_agreed:
+            return 0, False  # vLLM computes from the hit every group holds (it reconciles to it)
+        # The store holds a boundary past vLLM's agreed hit that this divergent offer cannot
+        # use (on KV this engine computed, or past the boundary): asked again, once, with
+        # divergent hits not offered meanwhile (one step later), vLLM offers its agreed hit, and
+        # the request is answered from the same lookup.
+        log.debug("prefixvault: request %s: divergent hit at %d (%s); asked again for vLLM's agreed hit %d",
+                  request.request_id, num_computed_tokens, offer.value, agreed)
         st.asked_agreed = num_computed_tokens
         self._want_agreed.add(request.request_id)
-        st.phase = Phase.NEW
         return None, False
 
-    def _offer(self, request: Any, offered: int) -> Offer:
-        """What vLLM's offer ``offered`` is: a hit every cache group holds (with the connector
-        unbound, vLLM offers only those), or a divergent hit (a state group holds less), on KV
-        that loads wrote or on KV this engine computed (``vllm/restored.py``)."""
+    def _offer(self, request: Any, offered: int) -> tuple[Offer, int]:
+        """What vLLM's offer ``offered`` is, and the hit every cache group holds up to it: a hit
+        every group holds (with the connector unbound, vLLM offers only those), or a divergent
+        hit (a state group holds less), on KV that loads wrote or on KV this engine computed
+        (``vllm/restored.py``)."""
         if not (self.completes_divergent_hits and offered and self._cache_manager is not None):
-            return Offer.AGREED
-        blocks, hits = per_group_hits(self._cache_manager, request)
-        if min(hits) >= offered:
-            return Offer.AGREED
+            return Offer.AGREED, offered
+        blocks, hits = per_group_hits(self._cache_manager, request, offered)
+        agreed = min(hits)
+        if agreed >= offered:
+            return Offer.AGREED, offered
         n = offered // self.block_size
         restored = all(len(blocks[g]) >= n and self._restored.all_loaded(g, blocks[g][:n])
                        for g in self.attn_groups)
-        return Offer.ON_RESTORED_KV if restored else Offer.ON_COMPUTED_KV
+        return (Offer.ON_RESTORED_KV if restored else Offer.ON_COMPUTED_KV), agreed
 
     def settle(self, report: SavesSettled) -> None:
         """Workers' reports of saves stored or dropped: lookups they held may go on. A save not
@@ -410,7 +416,10 @@ class SchedulerSide:
 
     def _after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         st = self._reqs.get(request.request_id)
-        if st is None or num_external_tokens <= 0 or st.phase is not Phase.ANSWERED or not st.hit:
+        if st is None:
+            return
+        st.asked_agreed = 0  # allocated: if vLLM asks again (a failed load, a preemption), afresh
+        if num_external_tokens <= 0 or st.phase is not Phase.ANSWERED or not st.hit:
             return
         tokens = st.hit
         local = tokens - num_external_tokens
