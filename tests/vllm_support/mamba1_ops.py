@@ -217,8 +217,11 @@ def register() -> None:
     if not torch.cuda.is_available():
         sys.meta_path.insert(0, _AfterImport("vllm.model_executor.layers.mamba.mamba_mixer",
                                              _patch_mixer))
-    with contextlib.suppress(ImportError):
-        import vllm._C  # noqa: F401  (the build's own ops first)
+    else:  # the build's own ops first. Not on CPU: vLLM CPU has no selective_scan_fwd, and its
+        # ``_C`` is the AVX-512 build (it dies of an illegal instruction on a CPU without it;
+        # vLLM itself picks the library the CPU can run)
+        with contextlib.suppress(ImportError):
+            import vllm._C  # noqa: F401
     if hasattr(torch.ops._C, "selective_scan_fwd"):
         return
     _lib = torch.library.Library("_C", "FRAGMENT")
