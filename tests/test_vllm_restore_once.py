@@ -7,10 +7,12 @@ Z2 under cache salts of their own, so computed cold, with steps that end at ever
 boundary, P's and Q + 1 block's included. A consumer engine then serves Y1, Y2, Y3 (P + other
 suffixes), Z1 and Z2, one at a time:
 
-- Y1 restores P from the store. Its lookup and its load run in the step that first sees it
-  (``restore_in_step``, the default over a local store), so its first chunk runs in the next
-  step. Before, the lookup and load lanes waited for the interpreter lock the engine's loop
-  held, and the first chunk came about a thousand (empty) steps later.
+- Y1 restores P from the store. Its lookup runs in the step that first sees it
+  (``restore_in_step``, the default over a local store) and reads P's objects too; the engine's
+  one worker runs in the scheduler's process, so the load is synchronous, written before that
+  step's forward, which runs Y1's first chunk. Before, the first chunk ran one step later
+  (an asynchronous load), and before that about a thousand (empty) steps later (the lookup
+  and load lanes waited for the interpreter lock the engine's loop held).
 - Y2 and Y3 are hits in vLLM's own prefix cache at P (the restored state is kept there) and
   read nothing from the store: one load for the three.
 - Z1 restores its own boundary, Q + 1 block. Z2 shares only Q with it: the engine holds Q's KV
@@ -76,9 +78,10 @@ def _first_chunk(run: StaggeredRun, req: int) -> tuple[int, int]:
     return first.step, first.start
 
 
-def test_a_restore_over_a_local_store_takes_one_step(runs: Runs) -> None:
+def test_a_restore_over_a_local_store_runs_its_first_chunk_in_the_step_that_restores_it(runs: Runs) -> None:
     c = runs.consumer
-    assert _first_chunk(c, 0) == (2, PREFIX), "Y1 (asked in step 1) did not start at P in step 2"
+    assert _first_chunk(c, 0) == (1, PREFIX), "Y1 (asked in step 1) did not start at P in step 1"
+    assert c.metrics.get("loads_in_step") == c.metrics.get("loads"), c.metrics
     # the next request arrives once Y1 finished, and is a local hit: it starts at once
     last = max(ch.step for ch in c.chunks if ch.req == 0)
     assert _first_chunk(c, 1) == (last + 1, PREFIX)

@@ -53,6 +53,7 @@ from vllm.v1.request import Request
 
 from prefixvault.boundary import max_resume_tokens
 from prefixvault.codec import ObjectKind
+from prefixvault.vllm import handoff
 from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled, save_id
 
 VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
@@ -307,7 +308,9 @@ class Engine:
     """vLLM's scheduler with the test as model runner and workers."""
 
     def __init__(self, scheduler: Scheduler, geo: Geometry, published: Published, store: str = "",
-                 exporting: bool = False) -> None:
+                 exporting: bool = False, in_process_worker: bool = True) -> None:
+        """``in_process_worker``: the engine's one worker runs in the scheduler's process, as
+        on a one-rank engine (restores over a fast store are synchronous loads then)."""
         self.scheduler = scheduler
         self.store = store
         self.geo = geo
@@ -332,6 +335,10 @@ class Engine:
         self.checkpoints_valid = 0  # chunks in which vLLM's rule says a checkpoint was exported
         self.inside_published = 0  # in-chunk checkpoints the connector planned
         self.hits = 0  # lookup answers > 0
+        self.loads_in_step = 0  # synchronous loads (written before the step's forward)
+        self.state_copies = 0  # states of synchronous loads also written for another request
+        engine_id = str(scheduler.vllm_config.kv_transfer_config.engine_id)
+        self.handoff = handoff.serve(engine_id) if in_process_worker else None
         self.preemptions = 0
         self.drafted = 0
         self._step_chunks: dict[str, Chunk] = {}
@@ -497,9 +504,13 @@ class Engine:
                                 and self.published.has(req.cache_salt, list(req.all_token_ids)[:load.tokens]),
                                 f"load of {load.req_id} at {load.tokens}: not a published boundary")
             self._check_load_blocks(load)
+            if load.in_step:
+                self._check_in_step(load, meta.step)
+        # a synchronous load is written before the forward: vLLM is told of asynchronous ones only
+        recving = {load.req_id for load in meta.loads if not load.in_step}
         saves = [s for s in meta.saves if not s.hold]
         if not saves:
-            return {load.req_id for load in meta.loads}, None
+            return recving, None
 
         def read(ref: Any, block_id: int) -> bytes:
             return bytes(vault.layout.groups[ref.group].nbytes(ref.rank))
@@ -519,7 +530,42 @@ class Engine:
                     self.published.add(req.cache_salt, tokens[:b])
             if any(why is not None for why in results.values()):
                 settled.failed[sid] += 1
-        return {load.req_id for load in meta.loads}, settled
+        return recving, settled
+
+    def _check_in_step(self, load: Any, step: int) -> None:
+        """A synchronous load: the engine's worker runs in this process; the scheduler handed it
+        every object the load writes, read and verified; its request is scheduled this step,
+        starting at the boundary; and its state is also written into the running state block
+        of exactly the requests this step whose align-mode pre-copy reads the block it fills
+        (vLLM's tables: from the block at a request's start to the block at its chunk's end)."""
+        p, bs = self.problems, self.bs
+        where = f"step {step}: synchronous load of {load.req_id} at {load.tokens}"
+        self.loads_in_step += 1
+        p.check(self.handoff is not None, f"{where} with no worker in the scheduler's process")
+        p.check(load.in_step > 0, f"{where} failed (in_step {load.in_step})")
+        handed = self.handoff is not None and load.in_step > 0
+        payloads = self.handoff.take(load.req_id, load.in_step, step) if handed and self.handoff else None
+        p.check(payloads is not None, f"{where}: its payloads were not handed over")
+        if payloads is not None and load.hashes:
+            refs = self.vault.needed(load.hashes, load.tokens, ranks=[0], since=load.local_tokens)
+            p.check(all(r in payloads and len(payloads[r]) == self.vault.layout.groups[r.group].nbytes(0)
+                        for r in refs), f"{where}: payloads missing or of the wrong size")
+        chunks = self.steps[-1].chunks  # (this step's: ``step`` appended it before its work)
+        own = chunks.get(load.req_id)
+        p.check(own is not None and own.start == load.tokens,
+                f"{where}: its request is not scheduled from the boundary ({own and own.start})")
+        want = set()
+        for c in chunks.values():
+            if not c.start:
+                continue
+            src, dst = (c.start - 1) // bs, (c.end - 1) // bs
+            for g in self.state_groups:
+                fills = load.block_ids[g][(load.tokens - 1) // bs]
+                if src != dst and src < len(c.tables[g]) and c.tables[g][src] == fills:
+                    want.add((g, c.tables[g][dst]))
+        p.check(set(load.state_copies) == want and len(want) == len(load.state_copies),
+                f"{where}: state copies {sorted(load.state_copies)}, vLLM's pre-copies {sorted(want)}")
+        self.state_copies += max(0, len(load.state_copies) - len(self.state_groups))
 
     def _check_load_blocks(self, load: Any) -> None:
         """Every object a load writes has a real block in the request's tables, as
@@ -600,6 +646,8 @@ class Engine:
             f"\n... {len(self.problems.found)} problems" if len(self.problems.found) > 20 else "")
 
     def close(self) -> None:
+        if self.handoff is not None:
+            handoff.withdraw(str(self.scheduler.vllm_config.kv_transfer_config.engine_id))
         self.scheduler.shutdown()
 
 
@@ -613,10 +661,11 @@ class Engines:
         self.oracles: dict[str, Published] = {}
 
     def __call__(self, geo: Geometry, store: str | None = None, *, exporting: bool = False,
-                 **kw: Any) -> Engine:
+                 in_process_worker: bool = True, **kw: Any) -> Engine:
         store = store or store_name()
         engine = Engine(build_scheduler(self.model_dir, geo, store, **kw), geo,
-                        self.oracles.setdefault(store, Published()), store, exporting=exporting)
+                        self.oracles.setdefault(store, Published()), store, exporting=exporting,
+                        in_process_worker=in_process_worker)
         self.made.append(engine)
         return engine
 

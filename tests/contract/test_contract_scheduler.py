@@ -121,7 +121,7 @@ def test_a_restore_past_a_prefix_the_engine_holds_reads_only_what_lies_past_it(e
     b.run({0: [make_request("second", two, bs)]})
     asks = [x for x in b.asks if x.req_id == "second" and x.answer[0] is not None]
     assert asks and asks[0].computed == 2 * bs, f"vLLM offered {asks[0].computed if asks else None}"
-    assert asks[0].answer == (2 * bs, True), asks[0]
+    assert asks[0].answer == (2 * bs, False), asks[0]  # synchronous: a worker in this process
     assert b.loads["second"] == 1 and b.local_loaded["second"] == 2 * bs
     # A third shares the prefix and has no deeper boundary of its own in the store. Its
     # divergent hit (the prefix) would answer 0 and vLLM would compute it from the hit every
@@ -129,7 +129,7 @@ def test_a_restore_past_a_prefix_the_engine_holds_reads_only_what_lies_past_it(e
     # restores the prefix's boundary, one step later.
     b.run({0: [make_request("third", shared + prompts(bs + 10, 2 * bs + 9)[0], bs)]})
     asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "third"]
-    assert asks[0] == (2 * bs, (None, False)) and asks[-1] == (0, (2 * bs, True)), asks
+    assert asks[0] == (2 * bs, (None, False)) and asks[-1] == (0, (2 * bs, False)), asks
     assert b.loads["third"] == 1 and b.local_loaded["third"] == 0
     # vLLM keeps the state the third restored: a fourth is a hit in its own cache there, every
     # group agreeing, and is answered at once (nothing to ask again for).
@@ -158,30 +158,57 @@ def test_a_divergent_hit_on_kv_the_engine_computed_is_not_completed(engines: Eng
     b.run({0: [make_request("second", two, bs)]})
     asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "second" and x.answer[0] != 0]
     assert asks[0] == (2 * bs, (None, False)), asks
-    assert asks[-1][0] == 0 and asks[-1][1][1] and asks[-1][1][0] >= 4 * bs, asks
+    assert asks[-1][0] == 0 and (asks[-1][1][0] or 0) >= 4 * bs, asks
     assert b.loads["second"] == 1 and b.local_loaded["second"] == 0
 
 
 @_geo(list(GEOMETRIES))
-def test_a_fast_store_restores_in_one_step(engines: Engines, geo: Geometry) -> None:
+@pytest.mark.parametrize("in_process_worker", [True, False], ids=["one-rank", "worker-elsewhere"])
+def test_a_fast_store_restores_in_one_step(engines: Engines, geo: Geometry, in_process_worker: bool) -> None:
     """Issue 33: a restore took at least two engine steps (the lookup answered in one, the load
     landed in a later one), each a full batch step under load. Over a store that answers inside
     the step (``restore_in_step``: the step waits for it, a CPU engine's default over a local
-    store) the first ask is answered, never left undetermined, the load is planned in that step,
-    and the first chunk runs in the next (the workers report the load landed in the step it was
-    planned in, as ``WorkerSide`` does when it waits for it)."""
+    store) the first ask is answered, never left undetermined, and the load is planned in that
+    step. Where the engine's worker runs in the scheduler's process (one rank), the lookup read
+    the objects too and the load is synchronous: written before that step's forward, which runs
+    the first chunk. Elsewhere the first chunk runs in the next step (the workers report the
+    load landed in the step it was planned in, as ``WorkerSide`` does when it waits for it)."""
     bs = geo.block_size
     shared = prompts(bs + 5, 2 * bs)[0]
     a = engines(geo, budget=2 * bs)
     a.run({0: [make_request("a", shared + prompts(bs + 6, bs // 2 + 1)[0], bs)]})  # publishes 2 bs
-    b = engines(geo, a.store, budget=2 * bs, extra={"restore_in_step": True})
+    b = engines(geo, a.store, budget=2 * bs, extra={"restore_in_step": True},
+                in_process_worker=in_process_worker)
     b.run({0: [make_request("r", shared + prompts(bs + 7, bs + 5)[0], bs)]})
     asks = [x.answer for x in b.asks if x.req_id == "r"]
-    assert asks[0] == (2 * bs, True), asks
+    assert asks[0] == (2 * bs, not in_process_worker), asks
     planned = [s.number for s in b.steps if any(load.req_id == "r" for load in s.meta.loads)]
     first = min(s.number for s in b.steps if "r" in s.chunks)
-    assert planned == [1] and first == 2, (planned, first)
-    assert b.steps[1].chunks["r"].start == 2 * bs
+    assert planned == [1] and first == (1 if in_process_worker else 2), (planned, first)
+    assert b.steps[first - 1].chunks["r"].start == 2 * bs
+    assert b.loads_in_step == int(in_process_worker)
+
+
+@_geo(list(GEOMETRIES))
+def test_a_request_starting_from_a_synchronous_loads_state_in_its_step_gets_it(engines: Engines,
+                                                                              geo: Geometry) -> None:
+    """vLLM caches a synchronous load's blocks as it allocates them, and align mode's pre-copy
+    (from the state block at a request's start into its running block) runs before the load is
+    written. Two requests for the same prompt arrive together: the first restores it; the
+    second is a hit in vLLM's own cache on the blocks the first loads. If vLLM schedules it in
+    the same step, its pre-copy reads the state block the load fills, and the load writes its
+    state into the second's running block too (the harness checks every load's copies against
+    vLLM's tables); a later step finds the state written."""
+    bs = geo.block_size
+    prompt = prompts(bs + 14, 2 * bs + bs // 2 + 1)[0]
+    a = engines(geo, budget=2 * bs)
+    a.run({0: [make_request("a", prompt, bs)]})  # publishes 2 bs (a chunk ends there)
+    b = engines(geo, a.store, budget=4 * bs)
+    b.run({0: [make_request("first", prompt, bs), make_request("second", prompt, bs)]})
+    assert b.loads["first"] == 1 and b.loads_in_step == 1 and b.loads["second"] == 0, b.loads
+    step, start = min((x.number, x.chunks["second"].start) for x in b.steps if "second" in x.chunks)
+    assert start == 2 * bs, "the second was not a hit on the first's blocks"
+    assert b.state_copies == (len(b.state_groups) if step == 1 else 0)
 
 
 #: KV cache sizes (blocks, every group drawing from one pool) tried in turn until vLLM

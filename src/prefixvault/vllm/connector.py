@@ -45,6 +45,7 @@ from prefixvault.vllm.config import (
     staging_bytes,
 )
 from prefixvault.vllm.guard import Guard
+from prefixvault.vllm.handoff import serve, served, withdraw
 from prefixvault.vllm.layout import Unsupported, build_layout, cache_shape
 from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled
 from prefixvault.vllm.preflight import can_cache, outputs_refused, preflight
@@ -79,6 +80,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         # never released there: the child gets ``ForkedConnector`` from every call that reaches
         # a side (before any lock), and its ``shutdown`` is a no-op, never a hang.
         self._pid = os.getpid()
+        engine_id = getattr(ktc, "engine_id", None)  # vLLM sets one (a uuid) where none is given
+        self._engine_id: str | None = str(engine_id) if engine_id else None
         self._scheduler: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
         self.vault: Vault | None = None
@@ -106,6 +109,10 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(self.settings, self.layout, self.vault,
                                            load=ktc.is_kv_consumer, save=ktc.is_kv_producer, guard=self.guard,
                                            in_step=in_step)
+            # A restore's load is synchronous (its first chunk in the step that restores it)
+            # where this engine's one worker runs in this process (``vllm/handoff.py``).
+            engine_id = self._engine_id
+            self._scheduler.handoff = lambda: served(engine_id)
             device = current_platform.device_type
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
                                             enabled=self.layout.has_state,
@@ -239,6 +246,10 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("prefixvault: off for this worker (rank %d): its cache tensors do not match the "
                         "layout (logged above); every request it serves is computed", worker.rank)
         self.guard.call("register_kv_caches", lambda: worker.register_kv_caches(kv_caches), inert)
+        if (worker.disabled is None and self.layout.world_size == 1 and worker.handoff is None
+                and self._engine_id is not None):
+            # synchronous loads: the scheduler of this process may hand this worker their bytes
+            worker.handoff = serve(self._engine_id)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
@@ -251,11 +262,16 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         worker = self.worker
         assert isinstance(meta, PrefixVaultMetadata)
         if meta.loads and worker is not None:
-            self.guard.call("start_load_kv", lambda: worker.load(meta.loads),
-                            lambda: worker.fail_loads(meta.loads))
+            self.guard.call("start_load_kv", lambda: worker.load(meta.loads, meta.step),
+                            lambda: worker.fail_loads([spec for spec in meta.loads if not spec.in_step]))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of synchronous loads that could not be written (``vllm/handoff.py``)."""
+        worker = self.worker
+        return worker.take_unloaded() if worker is not None else set()
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return None
@@ -331,6 +347,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             w = self.worker.counters
             with w._lock:
                 totals.update(save_errors=w.save_errors, loads=w.loads, loaded_tokens=w.loaded_tokens,
+                              loads_in_step=w.loads_in_step,
                               saved_boundaries=w.saved_boundaries, saves_published=w.published)
                 # copies (one C call each): the lanes add reasons under the worker's own lock
                 totals.update({f"save_dropped:{k}": v for k, v in dict(w.save_dropped).items()})
@@ -362,6 +379,9 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             return  # a forked child: the threads and what they hold are the parent's to close
         drained = self.scheduler.close() if self.scheduler is not None else True
         if self.worker is not None:
+            if self.worker.handoff is not None and self._engine_id is not None:
+                withdraw(self._engine_id)
+                self.worker.handoff = None
             drained = self.worker.close() and drained
         if self.vault is None:
             return

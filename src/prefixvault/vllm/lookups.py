@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from prefixvault.keys import ExtraKeys
 from prefixvault.vault import LookupResult, Miss, Vault
 from prefixvault.vllm.guard import Guard
+from prefixvault.vllm.handoff import Payloads
 from prefixvault.vllm.lane import Failure, Lane
 
 log = logging.getLogger("vllm.prefixvault")
@@ -24,8 +25,10 @@ log = logging.getLogger("vllm.prefixvault")
 #: Lookups queued or running at most; past it a request is a ``busy`` miss (computed).
 LOOKUP_QUEUE = 4096
 
-#: What a lookup answers: the prompt's chain hashes, and its result (None: held for a save).
-Answer = tuple[list[bytes], LookupResult | None]
+#: What a lookup answers: the prompt's chain hashes, its result (None: held for a save), and
+#: with ``read_ahead`` the verified payloads of every object a load of its hit needs past
+#: ``min_tokens`` (rank 0), or None if any could not be read.
+Answer = tuple[list[bytes], LookupResult | None, Payloads | None]
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,7 @@ class LookupJob:
     # Boundaries with a save in flight (the scheduler's live counter, read with ``in`` only);
     # a prompt naming one is answered None. None: not held for saves.
     saving: Counter[bytes] | None
+    read_ahead: bool = False  # also read the objects of the hit (``restore_in_step``, one rank)
 
 
 class LaneFailed(Exception):
@@ -65,10 +69,11 @@ class Lookups:
         self.lane: Lane[LookupJob] = Lane("lookup", self._run, self._fail, capacity=capacity, guard=guard)
 
     def submit(self, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
-               min_tokens: int, saving: Counter[bytes] | None) -> Future[Answer]:
+               min_tokens: int, saving: Counter[bytes] | None, read_ahead: bool = False) -> Future[Answer]:
         """Queue a lookup; it is answered with every lookup queued by the time the lane is free
-        (``Vault.lookup_many``: one or two round trips for all of them)."""
-        job = LookupJob(Future(), prompt, extra, known, num_tokens, min_tokens, saving)
+        (``Vault.lookup_many``: one or two round trips for all of them; with ``read_ahead``, one
+        more read for the objects of every hit that asked for them)."""
+        job = LookupJob(Future(), prompt, extra, known, num_tokens, min_tokens, saving, read_ahead)
         refused = self.lane.put(job)
         if refused is not None:
             job.future.set_exception(LaneFailed(refused))
@@ -88,7 +93,7 @@ class Lookups:
         """Hash each queued prompt, then look them up together. A prompt naming a boundary in
         ``saving`` (a save in flight) answers None instead."""
         asks: list[tuple[list[bytes], int, int]] = []
-        waiting: list[tuple[Future[Answer], list[bytes]]] = []
+        waiting: list[tuple[LookupJob, list[bytes]]] = []
         for job in batch:
             if not job.future.set_running_or_notify_cancel():
                 continue  # timed out or finished while queued
@@ -99,17 +104,37 @@ class Lookups:
                 job.future.set_exception(e)
                 continue
             if job.saving and any(h in job.saving for h in hashes):
-                job.future.set_result((hashes, None))
+                job.future.set_result((hashes, None, None))
                 continue
             asks.append((hashes, job.num_tokens, job.min_tokens))
-            waiting.append((job.future, hashes))
+            waiting.append((job, hashes))
         if not asks:
             return
         touches: list[tuple[list[str], list[bool]]] = []
         found = self.vault.lookup_many(asks, touch_later=touches)  # raises: the lane fails the batch
-        for (future, hashes), result in zip(waiting, found, strict=True):
-            future.set_result((hashes, result))
+        answers = [(job, hashes, result) for (job, hashes), result in zip(waiting, found, strict=True)]
+        read = self._read_ahead([a for a in answers if a[0].read_ahead and a[2].hit > a[0].min_tokens])
+        for job, hashes, result in answers:
+            job.future.set_result((hashes, result, read.get(id(job))))
         try:  # answered: now keep what the hits use fresh for the store's eviction
             self.vault.touch(touches)
         except Exception as e:  # the answers stand; a store error here costs freshness only
             log.debug("prefixvault: touching what a lookup found failed: %s", e)
+
+    def _read_ahead(self, hits: list[tuple[LookupJob, list[bytes], LookupResult]]) -> dict[int, Payloads]:
+        """Read and verify, in one batch, the objects each hit's load needs past its job's
+        ``min_tokens``; by ``id(job)``, only the hits whose objects all verified. Best effort:
+        a hit without them is still answered (its load then reads them itself)."""
+        if not hits:
+            return {}
+        bs = self.vault.layout.block_size
+        try:
+            wanted = [(job, self.vault.needed(hashes[: r.hit // bs], r.hit, ranks=[0], since=job.min_tokens))
+                      for job, hashes, r in hits]
+            refs = list(dict.fromkeys(ref for _, job_refs in wanted for ref in job_refs))
+            loaded = self.vault.load(refs, borrow=False)  # kept past this call: never lent memory
+        except Exception as e:  # the store's or ours: the answers stand, their loads read later
+            log.debug("prefixvault: reading ahead for %d hits failed: %s", len(hits), e)
+            return {}
+        return {id(job): {ref: loaded.payloads[ref] for ref in job_refs}
+                for job, job_refs in wanted if all(ref in loaded.payloads for ref in job_refs)}

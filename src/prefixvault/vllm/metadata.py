@@ -9,6 +9,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from prefixvault.boundary import SavePlan
 
+#: ``LoadSpec.in_step`` of a synchronous load that cannot be written (an error of ours): the
+#: worker reports its blocks unloaded, as vLLM asks of a failed synchronous load.
+FAILED_IN_STEP = -1
+
 
 @dataclass
 class LoadSpec:
@@ -19,6 +23,15 @@ class LoadSpec:
     tokens: int
     local_tokens: int  # already in the engine's own prefix cache; not loaded again
     block_ids: tuple[list[int], ...]  # per cache group, by block index
+    # A synchronous load (vLLM runs it before the step's forward, the request's first chunk in
+    # the same step): the ``Handoff`` token of the payloads the scheduler read for it
+    # (``vllm/handoff.py``). 0: asynchronous, read by the worker's load lane. ``FAILED_IN_STEP``.
+    in_step: int = 0
+    # Synchronous loads only: (group, block) the boundary's state is also written into: the
+    # running state block of every request scheduled this step whose state vLLM's runner copies
+    # from the block this load fills (align mode's pre-copy runs before the load), this request's
+    # own included.
+    state_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

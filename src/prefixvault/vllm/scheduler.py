@@ -19,6 +19,7 @@ that save settled, and looked up then: what the store is about to hold is not co
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import threading
@@ -41,10 +42,19 @@ from prefixvault.vault import Miss, Vault, producer_id
 from prefixvault.vllm.compat import InternalCheckpoints, keep_restored_state, per_group_hits, skips_external
 from prefixvault.vllm.config import IN_STEP_WAIT_S, ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.guard import Guard
+from prefixvault.vllm.handoff import Handoff, Payloads
 from prefixvault.vllm.lane import Lane, failure_of
 from prefixvault.vllm.ledger import SavesInFlight
 from prefixvault.vllm.lookups import LOOKUP_MISS, Answer, LaneFailed, Lookups
-from prefixvault.vllm.metadata import LoadSpec, PrefixVaultMetadata, Release, SaveSpec, SavesSettled, save_id
+from prefixvault.vllm.metadata import (
+    FAILED_IN_STEP,
+    LoadSpec,
+    PrefixVaultMetadata,
+    Release,
+    SaveSpec,
+    SavesSettled,
+    save_id,
+)
 from prefixvault.vllm.planner import StepView, plan_step
 from prefixvault.vllm.restored import RestoredBlocks
 from prefixvault.vllm.verify_samples import SampleWriter
@@ -55,6 +65,9 @@ log = logging.getLogger("vllm.prefixvault")
 SAMPLE_DRAIN_S = 5.0
 #: After this many loads for one request, it is computed without the store.
 MAX_LOADS_PER_REQUEST = 2
+#: Bytes read ahead for synchronous loads that the scheduler holds at most, for requests not yet
+#: allocated their blocks (past it, lookups do not read ahead: those restores load asynchronously).
+READ_AHEAD_BYTES = 256 << 20
 #: How long the scheduler waits for a lookup before it lets the step go on without it.
 LOOKUP_WAIT_S = 0.005
 #: How long it waits once per step, within that, for lookups already in flight: an engine with
@@ -123,6 +136,10 @@ class _Request:
     # Asked again for vLLM's agreed hit (``_matched``), once until vLLM allocates it blocks: the
     # divergent hit it was offered.
     asked_agreed: int = 0
+    # The verified payloads its lookup read ahead (``restore_in_step``), until its load is
+    # planned; and whether its hit was answered for a synchronous load (``_matched``).
+    read_ahead: Payloads | None = None
+    sync: bool = False
     # Its last output boundary, held by the workers until it finishes (output_boundaries: last);
     # its plans' KV blocks are checked against the request's blocks then.
     hold: SaveSpec | None = None
@@ -195,6 +212,13 @@ class SchedulerSide:
         self._cache_manager: Any = None
         self._reqs: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
+        # Synchronous loads (``vllm/handoff.py``): where the worker of this process takes the
+        # payloads (None: every load is asynchronous), and the bytes held for them (under the
+        # counters' lock: the lookup lane's answers are taken on the scheduler's thread only,
+        # but the total is read by metrics).
+        self.in_step = in_step
+        self.handoff: Callable[[], Handoff | None] = lambda: None
+        self._read_ahead_bytes = 0
         self._step = 0
         self.counters = SchedulerCounters()
         # Which candidate boundaries to store: the same code the policy simulator replays.
@@ -280,7 +304,7 @@ class SchedulerSide:
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         self.guard.call("update_state_after_alloc",
                         lambda: self._after_alloc(request, blocks, num_external_tokens),
-                        lambda: self.fail_load(request, num_external_tokens))
+                        lambda: self.fail_load(request, num_external_tokens, blocks))
 
     def request_finished(self, request: Any, block_ids: Sequence[Sequence[int]] = ()) -> bool:
         """Whether vLLM must keep the request's blocks until the workers report it sent (its
@@ -320,7 +344,7 @@ class SchedulerSide:
                 # complete, it may hold a boundary past that one (asked again for it, below)
                 since = self._offer(request, num_computed_tokens)[1]
                 st.lookup = self._lookups.submit(list(st.prompt), st.extra, list(st.hashes),
-                                                 request.num_tokens, since, saving)
+                                                 request.num_tokens, since, saving, self._reads_ahead())
                 st.phase = Phase.LOOKING_UP
                 st.lookup_since = time.monotonic()
                 wait = self._wait_left  # one budget per step, however many requests are new
@@ -335,7 +359,12 @@ class SchedulerSide:
         self._want_agreed.discard(request.request_id)
         offer, agreed = self._offer(request, num_computed_tokens)
         if st.hit > num_computed_tokens and offer is not Offer.ON_COMPUTED_KV:
-            return st.hit - num_computed_tokens, True
+            st.sync = self._covers(st, num_computed_tokens)
+            if st.sync and self.state_groups:
+                # vLLM caches a synchronous load's blocks as it allocates them, before
+                # ``update_state_after_alloc``: the state it lands in is kept only if named now
+                keep_restored_state(request, st.hit)
+            return st.hit - num_computed_tokens, not st.sync
         if offer is Offer.AGREED or st.hit <= agreed or st.asked_agreed:
             return 0, False  # vLLM computes from the hit every group holds (it reconciles to it)
         # The store holds a boundary past vLLM's agreed hit that this divergent offer cannot
@@ -347,6 +376,26 @@ class SchedulerSide:
         st.asked_agreed = num_computed_tokens
         self._want_agreed.add(request.request_id)
         return None, False
+
+    def _reads_ahead(self) -> bool:
+        """Whether a lookup now also reads the objects of its hit, for a synchronous load."""
+        return (self.in_step and self.layout.world_size == 1 and self._read_ahead_bytes < READ_AHEAD_BYTES
+                and self.handoff() is not None)
+
+    def _covers(self, st: _Request, local: int) -> bool:
+        """Whether the request's load from ``local`` can be synchronous: a worker of this
+        process takes handoffs, and the payloads read ahead hold every object the load needs."""
+        if st.read_ahead is None or self.vault is None or self.handoff() is None:
+            return False
+        refs = self.vault.needed(self._hashes(st, st.hit), st.hit, ranks=[0], since=local)
+        return all(r in st.read_ahead for r in refs)
+
+    def _hold_read_ahead(self, st: _Request, payloads: Payloads | None) -> None:
+        """Keep (or with None, let go of) a request's payloads read ahead, counting their bytes."""
+        held = sum(len(p) for p in st.read_ahead.values()) if st.read_ahead is not None else 0
+        new = sum(len(p) for p in payloads.values()) if payloads is not None else 0
+        st.read_ahead = payloads
+        self._read_ahead_bytes += new - held
 
     def _offer(self, request: Any, offered: int) -> tuple[Offer, int]:
         """What vLLM's offer ``offered`` is, and the hit every cache group holds up to it: a hit
@@ -388,7 +437,7 @@ class SchedulerSide:
             st.hit, st.lookup, st.phase = 0, None, Phase.ANSWERED
             return True
         try:
-            hashes, found = st.lookup.result()
+            hashes, found, payloads = st.lookup.result()
         except Exception as e:  # fail closed: a miss (logged where it was caught: the lane, or hashing)
             self.counters.add(lookup_errors=1)
             miss = LOOKUP_MISS[e.reason if isinstance(e, LaneFailed) else failure_of(e)]
@@ -403,6 +452,7 @@ class SchedulerSide:
             log.debug("prefixvault: request %s waits for a save of its prefix in flight", req_id)
             return False
         st.hit, st.lookup, st.phase = found.hit, None, Phase.ANSWERED
+        self._hold_read_ahead(st, payloads)
         if not st.counted:
             st.counted = True
             self.admission.arrived(bool(found.hit or st.local
@@ -424,8 +474,15 @@ class SchedulerSide:
         tokens = st.hit
         local = tokens - num_external_tokens
         block_ids = blocks.get_block_ids()
+        token = 0
+        if st.sync:  # vLLM took the load as synchronous: the worker of this process writes it
+            handoff = self.handoff()
+            assert handoff is not None and st.read_ahead is not None and self._covers(st, local), \
+                "a synchronous load without its payloads"
+            token = handoff.put(request.request_id, st.read_ahead, self._step + 1)  # (the step being built)
         self._pending_loads.append(LoadSpec(request.request_id, self._hashes(st, tokens), tokens, local,
-                                            tuple(list(b) for b in block_ids)))
+                                            tuple(list(b) for b in block_ids), in_step=token))
+        self._hold_read_ahead(st, None)
         st.loaded = tokens
         st.saved = max(st.saved, tokens)
         st.loads += 1
@@ -436,29 +493,41 @@ class SchedulerSide:
                 self._restored.loaded(g, block_ids[g][local // self.block_size:tokens // self.block_size])
         # If vLLM asks again (the load failed and the request restarts, or it was preempted),
         # look up afresh: a rejected object has been removed by then.
-        st.phase, st.hit = Phase.NEW, 0
+        st.phase, st.hit, st.sync = Phase.NEW, 0, False
         self.counters.add(hit_tokens=num_external_tokens)
-        log.info("prefixvault: request %s restores %d tokens from the store (%d local)",
-                 request.request_id, num_external_tokens, local)
+        log.info("prefixvault: request %s restores %d tokens from the store (%d local)%s",
+                 request.request_id, num_external_tokens, local, ", in this step" if token else "")
 
     # -- saves ------------------------------------------------------------------------------------
 
-    def fail_load(self, request: Any, num_external_tokens: int) -> None:
+    def fail_load(self, request: Any, num_external_tokens: int, blocks: Any = None) -> None:
         """After an error of ours in ``update_state_after_alloc``: vLLM waits for a load it
-        was promised, so queue one that fails; the worker reports it and vLLM recomputes."""
+        was promised, so queue one that fails; the worker reports it and vLLM recomputes (a
+        synchronous one as vLLM asks: its blocks reported unloaded)."""
         if num_external_tokens > 0:
             rid = str(getattr(request, "request_id", ""))
-            self._pending_loads.append(LoadSpec(rid, [], num_external_tokens, 0, ()))
             st = self._reqs.get(rid)
+            if st is not None and st.sync:
+                tables: tuple[list[int], ...] = ()
+                with contextlib.suppress(Exception):
+                    tables = tuple(list(b) for b in blocks.get_block_ids())
+                self._pending_loads.append(LoadSpec(rid, [], st.hit, st.hit - num_external_tokens, tables,
+                                                    in_step=FAILED_IN_STEP))
+            else:
+                self._pending_loads.append(LoadSpec(rid, [], num_external_tokens, 0, ()))
             if st is not None:  # asked again, it is computed: no loop of failing loads
+                self._hold_read_ahead(st, None)
                 st.loads, st.loaded, st.saved = MAX_LOADS_PER_REQUEST, 0, 0
-                st.phase, st.hit = Phase.NEW, 0
+                st.phase, st.hit, st.sync = Phase.NEW, 0, False
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixVaultMetadata:
         self._step += 1
         self._wait_left, self._yielded = self._wait_budget, False  # the next step's may wait again
         meta = PrefixVaultMetadata(step=self._step, loads=self._pending_loads,
                                    idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
+        if any(load.in_step > 0 for load in meta.loads):
+            self.guard.call("build_connector_meta", lambda: self._state_copies(meta.loads, scheduler_output),
+                            lambda: self._fail_in_step(meta.loads))
         now = time.monotonic()
         self._in_flight.forget_older_than(now)
         self._pending_loads = []  # loads are handed over whatever happens below
@@ -471,6 +540,51 @@ class SchedulerSide:
             meta.saves = self.guard.call("build_connector_meta", lambda: self._plan_saves(scheduler_output),
                                          list)
         return meta
+
+    def _state_copies(self, loads: list[LoadSpec], out: Any) -> None:
+        """Name, for each synchronous load, the running state block of every request this step
+        whose state vLLM's runner copies from the state block the load fills: align mode's
+        pre-copy, from the block at a request's start to the block at its chunk's end, runs
+        before vLLM calls ``start_load_kv`` (0.32-0.34, both model runners), and vLLM caches a
+        synchronous load's blocks as it allocates them, so a request scheduled after it in the
+        same step may start from them too. A load whose own request is not found among them is
+        failed (reported unloaded), never left on a state the pre-copy read before it landed."""
+        bs = self.block_size
+        fills: dict[tuple[int, int], LoadSpec] = {}
+        for load in loads:
+            if load.in_step > 0:
+                for g in self.state_groups:
+                    block = load.block_ids[g][(load.tokens - 1) // bs]
+                    if block != 0:
+                        fills[(g, block)] = load
+        state = getattr(out, "kv_connector_block_state", None)
+        new_tables = {r.req_id: r.block_ids for r in out.scheduled_new_reqs}
+        starts = self._starts(out)
+        own: set[tuple[str, int]] = set()  # (request, group) of loads that found their own request
+        for rid, n in out.num_scheduled_tokens.items():
+            start = starts.get(rid, 0)
+            tables = state.get_block_ids(rid) if state is not None else new_tables.get(rid)
+            if not (start and n and fills) or tables is None:
+                continue
+            src, dst = (start - 1) // bs, (start + n - 1) // bs
+            for g in self.state_groups:
+                table = tables[g]
+                filled = fills.get((g, table[src])) if src < len(table) else None
+                if filled is not None and src != dst and dst < len(table) and table[dst] != 0:
+                    filled.state_copies.append((g, table[dst]))
+                    if rid == filled.req_id:
+                        own.add((rid, g))
+        for load in loads:
+            if load.in_step > 0 and any((load.req_id, g) not in own for g in self.state_groups):
+                log.warning("prefixvault: request %s: its running state block was not found; its "
+                            "synchronous load is reported failed", load.req_id)
+                load.in_step = FAILED_IN_STEP
+
+    def _fail_in_step(self, loads: list[LoadSpec]) -> None:
+        """After an error of ours naming the state copies: every synchronous load fails."""
+        for load in loads:
+            if load.in_step > 0:
+                load.in_step = FAILED_IN_STEP
 
     def _starts(self, out: Any) -> dict[str, int]:
         starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}
@@ -630,6 +744,7 @@ class SchedulerSide:
             st.lookup.cancel()  # aborted or finished while its lookup waits: drop the lookup
         if st is None:
             return False
+        self._hold_read_ahead(st, None)
         delay = False
         if st.hold is not None:  # an error here still frees the workers' hold, and keeps no block
             def dropped() -> bool:

@@ -60,6 +60,7 @@ from prefixvault.stores.breaker import BreakerOpen, BreakerStore
 from prefixvault.vault import ObjectRef, RankAck, Vault
 from prefixvault.vllm.config import IN_STEP_WAIT_S
 from prefixvault.vllm.guard import Guard
+from prefixvault.vllm.handoff import Handoff
 from prefixvault.vllm.lane import Failure, Lane
 from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec, save_id
 from prefixvault.vllm.views import group_ios
@@ -157,6 +158,7 @@ class WorkerCounters:
     loads: int = 0
     load_failures: int = 0
     loaded_tokens: int = 0
+    loads_in_step: int = 0  # synchronous loads written (``vllm/handoff.py``), among ``loads``
     failure_reasons: dict[str, int] = field(default_factory=dict)  # failed loads, by ``LoadFailure``
     save_dropped: dict[str, int] = field(default_factory=dict)  # saves not stored, by ``SaveDrop``
     # Invariant: every change of a number goes through ``add``, under this lock (the engine's
@@ -204,6 +206,11 @@ class WorkerSide:
         self._load_lock = threading.Lock()
         self._load_timeout = load_timeout
         self._load_in_step = load_in_step
+        # Where the scheduler of this process hands the payloads of synchronous loads (set by the
+        # connector once the caches are registered), and the blocks of those that could not be
+        # written, for vLLM (``take_unloaded``; the engine's thread only).
+        self.handoff: Handoff | None = None
+        self._unloaded: set[int] = set()
         # With load_in_step: loads queued since the last take_finished (the engine's thread only).
         self._step_loads: list[LoadJob] = []
         self._loads: Lane[LoadJob] = Lane("load", self._load_batch, self._fail_load_jobs, capacity=LOAD_QUEUE,
@@ -625,13 +632,26 @@ class WorkerSide:
 
     # -- load -------------------------------------------------------------------------------------
 
-    def load(self, specs: Sequence[LoadSpec]) -> None:
-        """Queue the loads on the load lane; each is reported by ``take_finished`` once done.
-        On a device, the writes wait for the engine's work queued by now (``GroupIO.mark``)."""
+    def load(self, specs: Sequence[LoadSpec], step: int = 0) -> None:
+        """Write the synchronous loads of ``step`` now, from the payloads the scheduler handed
+        over (vLLM calls this before the step's forward when it has any); queue the others on
+        the load lane, each reported by ``take_finished`` once done. On a device, the writes
+        wait for the engine's work queued by now (``GroupIO.mark``)."""
+        in_step = [s for s in specs if s.in_step]
+        specs = [s for s in specs if not s.in_step]
         if self._disabled is not None:
+            for spec in in_step:
+                self._unwritten(spec, LoadFailure.DISABLED)
             self.fail_loads(specs, LoadFailure.DISABLED)
             return
-        marks = [io.mark() for io in self._io]  # (raises before any load is queued)
+        try:
+            marks = [io.mark() for io in self._io]  # (raises before any load is queued)
+        except Exception:
+            for spec in in_step:
+                self._unwritten(spec, LoadFailure.INTERNAL_ERROR)
+            raise
+        for spec in in_step:
+            self._write_in_step(LoadJob(spec, marks), step)
         for spec in specs:
             job = LoadJob(spec, marks)
             if self._load_in_step:
@@ -643,6 +663,55 @@ class WorkerSide:
                 refused = Failure.INTERNAL_ERROR
             if refused is not None:  # queue full, shutting down, or ours: recomputed
                 self._end_load(job, False, LOAD_FAILED[refused])
+
+    def _write_in_step(self, job: LoadJob, step: int) -> None:
+        """Write a synchronous load in the engine's thread, its state also into the blocks its
+        ``state_copies`` name. Never raises: one that cannot be written (an error of ours: the
+        scheduler read and verified every object) is reported as vLLM asks, its blocks unloaded."""
+        spec = job.spec
+        try:
+            payloads = (self.handoff.take(spec.req_id, spec.in_step, step)
+                        if spec.in_step > 0 and self.handoff is not None else None)
+            if payloads is None:
+                raise RuntimeError(f"the payloads of request {spec.req_id}'s synchronous load were not "
+                                   "handed over")
+            targets = self._targets(spec)
+            if targets is None:
+                raise RuntimeError(f"request {spec.req_id}: a block of its synchronous load is not allocated")
+            refs, blocks, data = [], [], []
+            for ref, block in zip(*targets, strict=True):
+                state = ref.kind is ObjectKind.STATE
+                extra = [b for g, b in spec.state_copies if g == ref.group] if state else []
+                for b in [block, *extra]:
+                    refs.append(ref)
+                    blocks.append(b)
+                    data.append(payloads[ref])
+            self._write(job, data, refs, blocks)
+        except Exception as e:
+            self.guard.failed("load", e)
+            self._unwritten(spec, LoadFailure.INTERNAL_ERROR)
+            return
+        self.counters.add(loads=1, loads_in_step=1, loaded_tokens=spec.tokens - spec.local_tokens)
+
+    def _unwritten(self, spec: LoadSpec, reason: LoadFailure) -> None:
+        """A synchronous load not written: its blocks are reported unloaded (vLLM recomputes
+        from the first, or, for a model of several cache groups, stops: 0.32-0.34 cannot
+        recompute those, and a forward on a state never written would be wrong)."""
+        bs = self.layout.block_size
+        for g, table in enumerate(spec.block_ids):
+            last = (spec.tokens - 1) // bs
+            first = last if self.layout.groups[g].is_state else spec.local_tokens // bs
+            self._unloaded.update(b for b in table[first : last + 1] if b)
+        self.counters.add(loads=1, load_failures=1)
+        self._count(self.counters.failure_reasons, reason.value)
+        log.error("prefixvault: request %s: its synchronous load could not be written (%s); reported to "
+                  "vLLM as unloaded blocks", spec.req_id, reason.value)
+
+    def take_unloaded(self) -> set[int]:
+        """Blocks of synchronous loads not written since the last call (vLLM's
+        ``get_block_ids_with_load_errors``)."""
+        out, self._unloaded = self._unloaded, set()
+        return out
 
     def load_deadline(self, spec: LoadSpec) -> float:
         """Seconds a load may take: ``load_timeout`` plus its bytes at ``LOAD_FLOOR_BYTES_PER_S``."""

@@ -1,0 +1,125 @@
+"""Synchronous loads (``vllm/handoff.py``): the lookup reads a hit's objects ahead, the scheduler
+hands them to the worker of its own process, and the worker writes them before the step's
+forward, the state also into the running blocks vLLM's pre-copy would have read it for. Real
+vault, store and CPU tensors; no engine (the contract suite drives vLLM's scheduler)."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from test_vault import fill, layout
+
+from prefixvault.keys import ExtraKeys
+from prefixvault.stores.memory import MemoryStore
+from prefixvault.vault import Vault
+from prefixvault.vllm.guard import Guard
+from prefixvault.vllm.handoff import Handoff, serve, served, withdraw
+from prefixvault.vllm.lookups import Lookups
+from prefixvault.vllm.metadata import FAILED_IN_STEP, LoadSpec
+from prefixvault.vllm.worker import WorkerSide
+
+TOKENS = list(range(64))
+TABLE = ([1, 2, 3, 4, 5], [9, 9, 9, 9, 6], [0, 0, 0, 0, 7])
+
+
+def _caches() -> dict[str, torch.Tensor]:
+    return {"a": torch.full((16, 2, 8, 4), -1.0), "w": torch.full((16, 2, 8, 4), -1.0),
+            "s": torch.full((16, 4, 4), -1.0)}
+
+
+def _worker(vault: Vault, caches: dict[str, torch.Tensor]) -> WorkerSide:
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], load_in_step=True)
+    worker.register_kv_caches(caches)
+    worker.handoff = Handoff()
+    return worker
+
+
+def test_a_lookup_reads_ahead_every_object_its_hits_load_needs() -> None:
+    vault = Vault(MemoryStore(), layout())
+    fill(vault, TOKENS, [16, 40])
+    lookups = Lookups(vault, Guard())
+    hashes, found, payloads = lookups.submit(TOKENS[:41], ExtraKeys(), [], 41, 16, None,
+                                             read_ahead=True).result(5)
+    assert found is not None and found.hit == 40 and payloads is not None
+    needed = vault.needed(hashes[:5], 40, ranks=[0], since=16)
+    assert set(payloads) == set(needed)  # the KV past the engine's 16 tokens and the state at 40
+    assert all(bytes(payloads[r]) for r in needed)
+    # without read_ahead: the answer alone
+    assert lookups.submit(TOKENS[:41], ExtraKeys(), [], 41, 16, None).result(5)[2] is None
+    lookups.close(1)
+
+
+def test_a_hit_whose_objects_cannot_be_read_ahead_is_still_answered() -> None:
+    store = MemoryStore()
+    vault = Vault(store, layout())
+    fill(vault, TOKENS, [16, 40])
+    state = next(r for r in vault.needed(vault.hashes(TOKENS[:41])[:5], 40, ranks=[0]) if r.group == 2)
+    good = store.get_many([state.key])[0]
+    assert good is not None
+    store.delete_many([state.key])
+    store.put_many([(state.key, [bytes(good)[:-4] + b"\xff\xff\xff\xff"])])  # there, but rejected
+    _, found, payloads = Lookups(vault, Guard()).submit(TOKENS[:41], ExtraKeys(), [], 41, 0, None,
+                                                        read_ahead=True).result(5)
+    assert found is not None and found.hit == 40 and payloads is None  # its load reads for itself
+
+
+def test_a_synchronous_load_is_written_at_once_its_state_also_into_the_blocks_named() -> None:
+    vault = Vault(MemoryStore(), layout())
+    fill(vault, TOKENS, [16, 40])
+    caches = _caches()
+    worker = _worker(vault, caches)
+    hashes = vault.hashes(TOKENS[:41])
+    payloads = vault.load(vault.needed(hashes[:5], 40, ranks=[0]), borrow=False).payloads
+    assert worker.handoff is not None
+    token = worker.handoff.put("r", payloads, step=3)
+    spec = LoadSpec("r", hashes[:5], 40, 0, TABLE, in_step=token, state_copies=[(2, 7), (2, 11), (2, 12)])
+    worker.load([spec], step=3)
+    # written before load() returned, on the engine's thread; never reported to vLLM as a transfer
+    assert np.all(caches["a"][1].numpy() == 1.5) and np.all(caches["a"][5].numpy() == 5.5)
+    assert np.all(caches["w"][6].numpy() == 104.5)
+    for block in (7, 11, 12):
+        assert np.all(caches["s"][block].numpy() == 240.5)
+    assert np.all(caches["s"][13].numpy() == -1) and np.all(caches["a"][0].numpy() == -1)
+    assert worker.take_finished() == (set(), set()) and worker.take_unloaded() == set()
+    assert worker.counters.loads == 1 and worker.counters.loads_in_step == 1
+    assert worker.counters.loaded_tokens == 40 and len(worker.handoff) == 0
+    worker.close()
+
+
+def test_a_synchronous_load_without_its_payloads_is_reported_as_unloaded_blocks() -> None:
+    """vLLM's protocol for a failed synchronous load: the blocks it did not write (vLLM
+    recomputes from the first, or stops an engine of several cache groups rather than compute
+    on a state never written). Nothing is written."""
+    vault = Vault(MemoryStore(), layout())
+    fill(vault, TOKENS, [16, 40])
+    caches = _caches()
+    worker = _worker(vault, caches)
+    hashes = vault.hashes(TOKENS[:41])
+    worker.load([LoadSpec("r", hashes[:5], 40, 16, TABLE, in_step=99, state_copies=[(2, 7)]),
+                 LoadSpec("f", [], 40, 0, ([1], [2], [0, 0, 0, 0, 3]), in_step=FAILED_IN_STEP)], step=1)
+    # r: KV blocks past its 16 local tokens (both attention groups) and its state block; f: its own
+    assert worker.take_unloaded() == {3, 4, 5, 9, 6, 7} | {1, 2, 3}
+    assert worker.take_unloaded() == set()
+    assert worker.counters.load_failures == 2 and worker.counters.loads_in_step == 0
+    assert all(np.all(c.numpy() == -1) for c in caches.values())
+    assert worker.take_finished() == (set(), set())
+    worker.close()
+
+
+def test_payloads_of_a_step_no_load_took_are_let_go() -> None:
+    handoff = Handoff()
+    first = handoff.put("a", {}, step=1)
+    second = handoff.put("b", {}, step=2)
+    assert handoff.take("b", second, step=2) == {}
+    assert len(handoff) == 0  # "a", put for step 1, is let go of when step 2 takes its own
+    assert handoff.take("a", first, step=2) is None
+    again = handoff.put("c", {}, step=3)
+    assert handoff.take("c", again + 1, step=3) is None  # another token: not these payloads
+
+
+def test_only_an_engine_whose_worker_serves_handoffs_gets_synchronous_loads() -> None:
+    assert served("engine-x") is None and served(None) is None
+    handoff = serve("engine-x")
+    assert served("engine-x") is handoff and serve("engine-x") is handoff
+    withdraw("engine-x")
+    assert served("engine-x") is None
