@@ -14,8 +14,8 @@ from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.handoff import Handoff, serve, served, withdraw
-from prefixvault.vllm.lookups import Lookups
-from prefixvault.vllm.metadata import FAILED_IN_STEP, LoadSpec
+from prefixvault.vllm.lookups import Lookups, ReadAheadBudget
+from prefixvault.vllm.metadata import UNHANDED, LoadSpec
 from prefixvault.vllm.worker import WorkerSide
 
 TOKENS = list(range(64))
@@ -28,6 +28,7 @@ def _caches() -> dict[str, torch.Tensor]:
 
 
 def _worker(vault: Vault, caches: dict[str, torch.Tensor]) -> WorkerSide:
+    """A worker writing loads into ``caches``, taking synchronous loads' bytes from a mailbox."""
     worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], load_in_step=True)
     worker.register_kv_caches(caches)
     worker.handoff = Handoff()
@@ -37,13 +38,15 @@ def _worker(vault: Vault, caches: dict[str, torch.Tensor]) -> WorkerSide:
 def test_a_lookup_reads_ahead_every_object_its_hits_load_needs() -> None:
     vault = Vault(MemoryStore(), layout())
     fill(vault, TOKENS, [16, 40])
-    lookups = Lookups(vault, Guard())
+    budget = ReadAheadBudget(1 << 20)
+    lookups = Lookups(vault, Guard(), budget=budget)
     hashes, found, payloads = lookups.submit(TOKENS[:41], ExtraKeys(), [], 41, 16, None,
                                              read_ahead=True).result(5)
     assert found is not None and found.hit == 40 and payloads is not None
     needed = vault.needed(hashes[:5], 40, ranks=[0], since=16)
     assert set(payloads) == set(needed)  # the KV past the engine's 16 tokens and the state at 40
     assert all(bytes(payloads[r]) for r in needed)
+    assert budget.held == sum(len(p) for p in payloads.values())  # held until the scheduler gives it back
     # without read_ahead: the answer alone
     assert lookups.submit(TOKENS[:41], ExtraKeys(), [], 41, 16, None).result(5)[2] is None
     lookups.close(1)
@@ -58,9 +61,20 @@ def test_a_hit_whose_objects_cannot_be_read_ahead_is_still_answered() -> None:
     assert good is not None
     store.delete_many([state.key])
     store.put_many([(state.key, [bytes(good)[:-4] + b"\xff\xff\xff\xff"])])  # there, but rejected
-    _, found, payloads = Lookups(vault, Guard()).submit(TOKENS[:41], ExtraKeys(), [], 41, 0, None,
-                                                        read_ahead=True).result(5)
+    budget = ReadAheadBudget(1 << 20)
+    lookups = Lookups(vault, Guard(), budget=budget)
+    _, found, payloads = lookups.submit(TOKENS[:41], ExtraKeys(), [], 41, 0, None, read_ahead=True).result(5)
     assert found is not None and found.hit == 40 and payloads is None  # its load reads for itself
+    assert budget.held == 0
+
+
+def test_a_hit_larger_than_the_read_ahead_budget_is_not_read_ahead() -> None:
+    vault = Vault(MemoryStore(), layout())
+    fill(vault, TOKENS, [16, 40])
+    budget = ReadAheadBudget(100)  # fewer bytes than one KV block of this layout
+    _, found, payloads = Lookups(vault, Guard(), budget=budget).submit(TOKENS[:41], ExtraKeys(), [], 41, 0,
+                                                                       None, read_ahead=True).result(5)
+    assert found is not None and found.hit == 40 and payloads is None and budget.held == 0
 
 
 def test_a_synchronous_load_is_written_at_once_its_state_also_into_the_blocks_named() -> None:
@@ -86,21 +100,45 @@ def test_a_synchronous_load_is_written_at_once_its_state_also_into_the_blocks_na
     worker.close()
 
 
-def test_a_synchronous_load_without_its_payloads_is_reported_as_unloaded_blocks() -> None:
-    """vLLM's protocol for a failed synchronous load: the blocks it did not write (vLLM
-    recomputes from the first, or stops an engine of several cache groups rather than compute
-    on a state never written). Nothing is written."""
+def test_a_synchronous_load_whose_bytes_were_not_handed_over_reads_them_in_the_step() -> None:
+    """An error of ours on the scheduler's side (``UNHANDED``), or payloads put for another
+    token: the worker reads the objects from the store itself, before the forward."""
     vault = Vault(MemoryStore(), layout())
     fill(vault, TOKENS, [16, 40])
     caches = _caches()
     worker = _worker(vault, caches)
     hashes = vault.hashes(TOKENS[:41])
-    worker.load([LoadSpec("r", hashes[:5], 40, 16, TABLE, in_step=99, state_copies=[(2, 7)]),
-                 LoadSpec("f", [], 40, 0, ([1], [2], [0, 0, 0, 0, 3]), in_step=FAILED_IN_STEP)], step=1)
-    # r: KV blocks past its 16 local tokens (both attention groups) and its state block; f: its own
-    assert worker.take_unloaded() == {3, 4, 5, 9, 6, 7} | {1, 2, 3}
+    worker.load([LoadSpec("r", hashes[:5], 40, 16, TABLE, in_step=UNHANDED, state_copies=[(2, 11)]),
+                 LoadSpec("q", hashes[:5], 40, 0, ([1, 2, 3, 4, 5], [9, 9, 9, 9, 6], [0, 0, 0, 0, 12]),
+                          in_step=7, state_copies=[(2, 13)])], step=1)
+    assert np.all(caches["a"][5].numpy() == 5.5) and np.all(caches["a"][1].numpy() == 1.5)
+    for block in (7, 11, 12, 13):
+        assert np.all(caches["s"][block].numpy() == 240.5)
+    assert worker.take_unloaded() == set() and worker.counters.loads_in_step == 2
+    worker.close()
+
+
+def test_a_synchronous_load_that_cannot_be_written_is_reported_as_unloaded_blocks() -> None:
+    """vLLM's protocol for a failed synchronous load: the blocks it did not write (vLLM
+    recomputes from the first, or stops an engine of several cache groups rather than compute
+    on a state never written). Here: objects the store lost before the step read them, and a
+    load naming no running state block (align mode's pre-copy would have left it stale)."""
+    vault = Vault(MemoryStore(), layout())
+    fill(vault, TOKENS, [40])
+    caches = _caches()
+    worker = _worker(vault, caches)
+    hashes = vault.hashes(TOKENS[:41])
+    lost = vault.hashes(list(range(100, 141)))  # nothing stored
+    worker.load([LoadSpec("lost", lost[:5], 40, 16, TABLE, in_step=UNHANDED, state_copies=[(2, 11)]),
+                 LoadSpec("unnamed", hashes[:5], 40, 0, ([1, 2, 3, 4, 5], [9, 9, 9, 9, 6], [0, 0, 0, 0, 8]),
+                          in_step=UNHANDED)],
+                step=1)
+    # lost: KV blocks past its 16 local tokens (both attention groups) and its state block;
+    # unnamed: its own
+    assert worker.take_unloaded() == {3, 4, 5, 9, 6, 7} | {1, 2, 3, 4, 5, 9, 6, 8}
     assert worker.take_unloaded() == set()
     assert worker.counters.load_failures == 2 and worker.counters.loads_in_step == 0
+    assert worker.counters.failure_reasons == {"missing": 1, "internal_error": 1}
     assert all(np.all(c.numpy() == -1) for c in caches.values())
     assert worker.take_finished() == (set(), set())
     worker.close()
@@ -120,6 +158,16 @@ def test_payloads_of_a_step_no_load_took_are_let_go() -> None:
 def test_only_an_engine_whose_worker_serves_handoffs_gets_synchronous_loads() -> None:
     assert served("engine-x") is None and served(None) is None
     handoff = serve("engine-x")
-    assert served("engine-x") is handoff and serve("engine-x") is handoff
-    withdraw("engine-x")
+    assert handoff is not None and served("engine-x") is handoff
+    withdraw("engine-x", Handoff())  # another worker's: not this one's to withdraw
+    assert served("engine-x") is handoff
+    withdraw("engine-x", handoff)
     assert served("engine-x") is None
+
+
+def test_an_engine_id_two_workers_of_one_process_serve_is_served_by_neither() -> None:
+    """Two engines built from one ``KVTransferConfig`` share vLLM's engine id: their schedulers
+    could not tell whose worker takes their bytes, so both restore asynchronously."""
+    first = serve("engine-y")
+    assert first is not None and serve("engine-y") is None
+    assert served("engine-y") is None

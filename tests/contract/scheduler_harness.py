@@ -642,12 +642,14 @@ class Engine:
             step = self.step()
             if not step.chunks:
                 time.sleep(0.001)  # waiting on lookups only: give the lookup thread the core
+        held = self.connector.scheduler.read_ahead_held
+        self.problems.check(held == 0, f"{held} bytes read ahead still held with every request finished")
         assert not self.problems.found, "\n".join(self.problems.found[:20]) + (
             f"\n... {len(self.problems.found)} problems" if len(self.problems.found) > 20 else "")
 
     def close(self) -> None:
         if self.handoff is not None:
-            handoff.withdraw(str(self.scheduler.vllm_config.kv_transfer_config.engine_id))
+            handoff.withdraw(str(self.scheduler.vllm_config.kv_transfer_config.engine_id), self.handoff)
         self.scheduler.shutdown()
 
 

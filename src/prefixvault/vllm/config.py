@@ -76,10 +76,12 @@ class ConnectorSettings:
     # local or in-process one (a load there is a memcpy: a copy would only double memory).
     load_cache_mib: int | None = None
     # Whether a step waits (up to 50 ms) for the lookups and loads it starts, so that a restore
-    # takes one step (lookup and load in one, the first chunk in the next), or lets them finish
-    # beside later steps. None ("auto", the default): waits on a CPU engine over a local or
-    # in-process store, where a read is a copy; not over a network store, whose round trips must
-    # never hold the step, nor on a GPU engine, which would lose the overlap of its steps.
+    # takes no step of its own (one rank: the lookup reads the objects too and the load is
+    # written before the forward that runs the first chunk; several: the first chunk runs in the
+    # next step), or lets them finish beside later steps. None ("auto", the default): waits on
+    # a CPU engine over a local or in-process store, where a read is a copy; not over a network
+    # store, whose round trips must never hold the step, nor on a GPU engine, which would lose
+    # the overlap of its steps.
     restore_in_step: bool | None = None
     # Where the namespace's secret is (a file path, or an environment variable's name); the
     # secret itself is never part of the config, so it never reaches vLLM's logs.

@@ -251,6 +251,21 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             # synchronous loads: the scheduler of this process may hand this worker their bytes
             worker.handoff = serve(self._engine_id)
 
+    def _withdraw_handoff(self) -> None:
+        """The worker takes no more synchronous loads (``vllm/handoff.py``)."""
+        worker = self._worker
+        if worker is not None and worker.handoff is not None and self._engine_id is not None:
+            withdraw(self._engine_id, worker.handoff)
+            worker.handoff = None
+
+    def unregister_kv_caches(self) -> None:
+        """vLLM (0.34) releases the cache tensors (its extensible cache): the worker stops
+        touching them for good; every request is computed from then on."""
+        worker = self.worker
+        if worker is not None:
+            self._withdraw_handoff()
+            worker.disable("the engine released its cache tensors")
+
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: Any = None) -> bool:
         """vLLM (0.33+) asks before it enables sleep mode: a load thread may still write into the
@@ -379,9 +394,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             return  # a forked child: the threads and what they hold are the parent's to close
         drained = self.scheduler.close() if self.scheduler is not None else True
         if self.worker is not None:
-            if self.worker.handoff is not None and self._engine_id is not None:
-                withdraw(self._engine_id)
-                self.worker.handoff = None
+            self._withdraw_handoff()
             drained = self.worker.close() and drained
         if self.vault is None:
             return

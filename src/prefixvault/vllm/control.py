@@ -38,8 +38,12 @@ class PrefixVaultControlConnector(PrefixVaultConnector):
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         if isinstance(meta, PrefixVaultMetadata):
-            self._loading.update({spec.req_id: spec for spec in meta.loads})
+            self._loading.update({spec.req_id: spec for spec in meta.loads if not spec.in_step})
         super().start_load_kv(forward_context, **kwargs)
+        if isinstance(meta, PrefixVaultMetadata):
+            for spec in meta.loads:
+                if spec.in_step:  # written already, before this step's forward: zeroed before it runs
+                    self._zero_states(spec)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         results = super().get_transfer_results(finished_req_ids)
@@ -63,7 +67,9 @@ class PrefixVaultControlConnector(PrefixVaultConnector):
             if not group.is_state or idx >= len(table) or table[idx] == 0:
                 continue
             io = worker._io[g]
-            io.scatter([table[idx]], torch.zeros((1, io.object_bytes), dtype=torch.uint8))
+            # a synchronous load's state is also in the running blocks the forward reads
+            for block in [table[idx], *(b for gg, b in spec.state_copies if gg == g)]:
+                io.scatter([block], torch.zeros((1, io.object_bytes), dtype=torch.uint8))
             self.zeroed += 1
             log.warning("prefixvault: negative control: zeroed the restored state of group %d (block %d) "
                         "for request %s", g, table[idx], spec.req_id)

@@ -9,12 +9,15 @@ the worker's part is a copy of bytes in hand into blocks vLLM allocated, which a
 fail. Everywhere else (several ranks, a worker in another process) loads stay asynchronous.
 
 Invariant: a ``Handoff`` is served only by a worker whose cache tensors are registered and
-usable, for an engine of one rank; the worker withdraws it when it stops being usable.
+usable, for an engine of one rank, in the process that made it; the worker withdraws it when it
+stops being usable. An engine id two workers of one process serve (engines built from one
+``KVTransferConfig``) is served by neither: their schedulers could not tell whose it is.
 """
 
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 from collections.abc import Mapping
 
@@ -29,6 +32,7 @@ class Handoff:
     the step that loads them. A request has at most one entry (a newer put replaces it)."""
 
     def __init__(self) -> None:
+        self.pid = os.getpid()  # a forked child has no worker taking from it
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)
         # req_id -> (token, step, payloads), under _lock
@@ -64,21 +68,27 @@ class Handoff:
 
 
 # Engines of this process whose worker takes handoffs, by vLLM's engine id (the same on both
-# sides of one engine).
-_served: dict[str, Handoff] = {}
+# sides of one engine); None: two workers named the same id, and neither is served.
+_served: dict[str, Handoff | None] = {}
 _served_lock = threading.Lock()
 
 
-def serve(engine_id: str) -> Handoff:
-    """A worker of this process takes this engine's handoffs from now on."""
+def serve(engine_id: str) -> Handoff | None:
+    """A worker of this process takes this engine's handoffs from now on; None if another
+    worker of this process serves the same engine id (then neither does)."""
     with _served_lock:
-        return _served.setdefault(engine_id, Handoff())
+        if engine_id in _served:
+            _served[engine_id] = None
+            return None
+        handoff = _served[engine_id] = Handoff()
+        return handoff
 
 
-def withdraw(engine_id: str) -> None:
-    """The engine's worker takes handoffs no more (it stopped, or its caches are unusable)."""
+def withdraw(engine_id: str, handoff: Handoff) -> None:
+    """The worker serving ``handoff`` takes no more (it stopped, or its caches are unusable)."""
     with _served_lock:
-        _served.pop(engine_id, None)
+        if _served.get(engine_id) is handoff:
+            del _served[engine_id]
 
 
 def served(engine_id: str | None) -> Handoff | None:
@@ -86,4 +96,5 @@ def served(engine_id: str | None) -> Handoff | None:
     if engine_id is None:
         return None
     with _served_lock:
-        return _served.get(engine_id)
+        handoff = _served.get(engine_id)
+    return handoff if handoff is not None and handoff.pid == os.getpid() else None

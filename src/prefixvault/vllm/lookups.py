@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from collections import Counter
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -61,10 +62,39 @@ LOOKUP_MISS = {Failure.STORE_ERROR: Miss.STORE_ERROR, Failure.BREAKER_OPEN: Miss
                Failure.FULL: Miss.BUSY, Failure.CLOSED: Miss.BUSY}
 
 
+class ReadAheadBudget:
+    """Bytes read ahead and not yet handed to a worker or let go of, at most ``limit``: a hit
+    whose objects would pass it is not read ahead (its load is asynchronous)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held = 0  # under _lock (the lookup lane takes, the scheduler's thread gives back)
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self._held + n > self.limit:
+                return False
+            self._held += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self._held -= n
+
+    @property
+    def held(self) -> int:
+        with self._lock:
+            return self._held
+
+
 class Lookups:
-    def __init__(self, vault: Vault, guard: Guard, capacity: int = LOOKUP_QUEUE) -> None:
+    def __init__(self, vault: Vault, guard: Guard, capacity: int = LOOKUP_QUEUE,
+                 budget: ReadAheadBudget | None = None) -> None:
+        """``budget``: bounds the bytes read ahead (``read_ahead``); None: nothing is."""
         self.vault = vault
         self.guard = guard
+        self.budget = budget
         # One lane: the scheduler's store calls stay in order, and never run in its step.
         self.lane: Lane[LookupJob] = Lane("lookup", self._run, self._fail, capacity=capacity, guard=guard)
 
@@ -112,29 +142,44 @@ class Lookups:
             return
         touches: list[tuple[list[str], list[bool]]] = []
         found = self.vault.lookup_many(asks, touch_later=touches)  # raises: the lane fails the batch
-        answers = [(job, hashes, result) for (job, hashes), result in zip(waiting, found, strict=True)]
-        read = self._read_ahead([a for a in answers if a[0].read_ahead and a[2].hit > a[0].min_tokens])
-        for job, hashes, result in answers:
-            job.future.set_result((hashes, result, read.get(id(job))))
+        ahead = []
+        for (job, hashes), result in zip(waiting, found, strict=True):
+            if job.read_ahead and result.hit > job.min_tokens:
+                ahead.append((job, hashes, result))
+            else:  # answered first: reading ahead for others never delays them
+                job.future.set_result((hashes, result, None))
+        for job, hashes, result in ahead:
+            job.future.set_result((hashes, result, self._read_ahead(job, hashes, result)))
         try:  # answered: now keep what the hits use fresh for the store's eviction
             self.vault.touch(touches)
         except Exception as e:  # the answers stand; a store error here costs freshness only
             log.debug("prefixvault: touching what a lookup found failed: %s", e)
 
-    def _read_ahead(self, hits: list[tuple[LookupJob, list[bytes], LookupResult]]) -> dict[int, Payloads]:
-        """Read and verify, in one batch, the objects each hit's load needs past its job's
-        ``min_tokens``; by ``id(job)``, only the hits whose objects all verified. Best effort:
-        a hit without them is still answered (its load then reads them itself)."""
-        if not hits:
-            return {}
+    def _read_ahead(self, job: LookupJob, hashes: list[bytes], result: LookupResult) -> Payloads | None:
+        """The verified objects the hit's load needs past the job's ``min_tokens`` (rank 0), in
+        memory of their own (bytes counted in ``budget``, given back by whoever lets go of
+        them); None if the budget has no room for them or any could not be read. Best effort: the
+        hit stands either way (its load then reads them itself)."""
+        if self.budget is None:
+            return None
         bs = self.vault.layout.block_size
         try:
-            wanted = [(job, self.vault.needed(hashes[: r.hit // bs], r.hit, ranks=[0], since=job.min_tokens))
-                      for job, hashes, r in hits]
-            refs = list(dict.fromkeys(ref for _, job_refs in wanted for ref in job_refs))
+            refs = self.vault.needed(hashes[: result.hit // bs], result.hit, ranks=[0], since=job.min_tokens)
+        except Exception as e:  # ours: no read ahead
+            self.guard.failed("lookup", e)
+            return None
+        size = sum(self.vault.layout.groups[r.group].nbytes(0) for r in refs)
+        if not self.budget.take(size):
+            return None
+        try:
             loaded = self.vault.load(refs, borrow=False)  # kept past this call: never lent memory
-        except Exception as e:  # the store's or ours: the answers stand, their loads read later
-            log.debug("prefixvault: reading ahead for %d hits failed: %s", len(hits), e)
-            return {}
-        return {id(job): {ref: loaded.payloads[ref] for ref in job_refs}
-                for job, job_refs in wanted if all(ref in loaded.payloads for ref in job_refs)}
+        except Exception as e:  # the store's or ours: the answer stands, its load reads later
+            self.budget.give(size)
+            log.debug("prefixvault: reading ahead %d objects failed: %s", len(refs), e)
+            return None
+        if any(r not in loaded.payloads for r in refs):
+            self.budget.give(size)
+            return None
+        payloads = {r: loaded.payloads[r] for r in refs}
+        self.budget.give(size - sum(len(p) for p in payloads.values()))  # (the same, by the layout)
+        return payloads

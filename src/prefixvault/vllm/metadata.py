@@ -9,9 +9,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 
 from prefixvault.boundary import SavePlan
 
-#: ``LoadSpec.in_step`` of a synchronous load that cannot be written (an error of ours): the
-#: worker reports its blocks unloaded, as vLLM asks of a failed synchronous load.
-FAILED_IN_STEP = -1
+#: ``LoadSpec.in_step`` of a synchronous load whose bytes were not handed over (an error of ours
+#: on the scheduler's side): the worker reads them from the store itself, before the forward.
+UNHANDED = -1
 
 
 @dataclass
@@ -25,7 +25,7 @@ class LoadSpec:
     block_ids: tuple[list[int], ...]  # per cache group, by block index
     # A synchronous load (vLLM runs it before the step's forward, the request's first chunk in
     # the same step): the ``Handoff`` token of the payloads the scheduler read for it
-    # (``vllm/handoff.py``). 0: asynchronous, read by the worker's load lane. ``FAILED_IN_STEP``.
+    # (``vllm/handoff.py``), or ``UNHANDED``. 0: asynchronous, read by the worker's load lane.
     in_step: int = 0
     # Synchronous loads only: (group, block) the boundary's state is also written into: the
     # running state block of every request scheduled this step whose state vLLM's runner copies

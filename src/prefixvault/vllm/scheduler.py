@@ -45,9 +45,9 @@ from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.handoff import Handoff, Payloads
 from prefixvault.vllm.lane import Lane, failure_of
 from prefixvault.vllm.ledger import SavesInFlight
-from prefixvault.vllm.lookups import LOOKUP_MISS, Answer, LaneFailed, Lookups
+from prefixvault.vllm.lookups import LOOKUP_MISS, Answer, LaneFailed, Lookups, ReadAheadBudget
 from prefixvault.vllm.metadata import (
-    FAILED_IN_STEP,
+    UNHANDED,
     LoadSpec,
     PrefixVaultMetadata,
     Release,
@@ -213,17 +213,16 @@ class SchedulerSide:
         self._reqs: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
         # Synchronous loads (``vllm/handoff.py``): where the worker of this process takes the
-        # payloads (None: every load is asynchronous), and the bytes held for them (under the
-        # counters' lock: the lookup lane's answers are taken on the scheduler's thread only,
-        # but the total is read by metrics).
+        # payloads (None: every load is asynchronous); the bytes read ahead for them are bounded
+        # by the lookups' ``ReadAheadBudget`` (one rank, ``restore_in_step`` only).
         self.in_step = in_step
         self.handoff: Callable[[], Handoff | None] = lambda: None
-        self._read_ahead_bytes = 0
         self._step = 0
         self.counters = SchedulerCounters()
         # Which candidate boundaries to store: the same code the policy simulator replays.
         self.admission = Admission(Policy(settings.capture.value), settings.capture_interval, observes=load)
-        self._lookups = Lookups(vault, self.guard) if vault is not None else None
+        budget = ReadAheadBudget(READ_AHEAD_BYTES) if in_step and layout.world_size == 1 else None
+        self._lookups = Lookups(vault, self.guard, budget=budget) if vault is not None else None
         self._samples = SampleWriter(vault, self.guard, lambda n: self.counters.add(sample_errors=n)) \
             if vault is not None else None
         self._wait_budget = IN_STEP_WAIT_S if in_step else LOOKUP_WAIT_S
@@ -364,8 +363,12 @@ class SchedulerSide:
                 # vLLM caches a synchronous load's blocks as it allocates them, before
                 # ``update_state_after_alloc``: the state it lands in is kept only if named now
                 keep_restored_state(request, st.hit)
+            if not st.sync:
+                self._hold_read_ahead(st, None)  # loaded asynchronously: its worker reads them
             return st.hit - num_computed_tokens, not st.sync
         if offer is Offer.AGREED or st.hit <= agreed or st.asked_agreed:
+            self._hold_read_ahead(st, None)  # nothing to load
+            st.sync = False
             return 0, False  # vLLM computes from the hit every group holds (it reconciles to it)
         # The store holds a boundary past vLLM's agreed hit that this divergent offer cannot
         # use (on KV this engine computed, or past the boundary): asked again, once, with
@@ -377,10 +380,16 @@ class SchedulerSide:
         self._want_agreed.add(request.request_id)
         return None, False
 
+    @property
+    def read_ahead_held(self) -> int:
+        """Bytes read ahead and held for requests not yet allocated their blocks."""
+        budget = self._lookups.budget if self._lookups is not None else None
+        return budget.held if budget is not None else 0
+
     def _reads_ahead(self) -> bool:
-        """Whether a lookup now also reads the objects of its hit, for a synchronous load."""
-        return (self.in_step and self.layout.world_size == 1 and self._read_ahead_bytes < READ_AHEAD_BYTES
-                and self.handoff() is not None)
+        """Whether a lookup now also reads the objects of its hit, for a synchronous load (the
+        lookups' budget, set for one rank with ``restore_in_step``, bounds the bytes)."""
+        return self._lookups is not None and self._lookups.budget is not None and self.handoff() is not None
 
     def _covers(self, st: _Request, local: int) -> bool:
         """Whether the request's load from ``local`` can be synchronous: a worker of this
@@ -391,11 +400,14 @@ class SchedulerSide:
         return all(r in st.read_ahead for r in refs)
 
     def _hold_read_ahead(self, st: _Request, payloads: Payloads | None) -> None:
-        """Keep (or with None, let go of) a request's payloads read ahead, counting their bytes."""
-        held = sum(len(p) for p in st.read_ahead.values()) if st.read_ahead is not None else 0
-        new = sum(len(p) for p in payloads.values()) if payloads is not None else 0
+        """Keep the payloads a request's lookup read ahead, or (None) let go of those it kept
+        (handed to the worker, or no synchronous load will use them): their bytes go back to
+        the lookups' budget."""
+        if st.read_ahead is not None and st.read_ahead is not payloads:
+            budget = self._lookups.budget if self._lookups is not None else None
+            if budget is not None:
+                budget.give(sum(len(p) for p in st.read_ahead.values()))
         st.read_ahead = payloads
-        self._read_ahead_bytes += new - held
 
     def _offer(self, request: Any, offered: int) -> tuple[Offer, int]:
         """What vLLM's offer ``offered`` is, and the hit every cache group holds up to it: a hit
@@ -470,27 +482,31 @@ class SchedulerSide:
             return
         st.asked_agreed = 0  # allocated: if vLLM asks again (a failed load, a preemption), afresh
         if num_external_tokens <= 0 or st.phase is not Phase.ANSWERED or not st.hit:
+            self._hold_read_ahead(st, None)  # vLLM loads nothing for it (it may drop a hit)
+            st.sync = False
             return
         tokens = st.hit
         local = tokens - num_external_tokens
         block_ids = blocks.get_block_ids()
-        token = 0
-        if st.sync:  # vLLM took the load as synchronous: the worker of this process writes it
-            handoff = self.handoff()
-            assert handoff is not None and st.read_ahead is not None and self._covers(st, local), \
-                "a synchronous load without its payloads"
-            token = handoff.put(request.request_id, st.read_ahead, self._step + 1)  # (the step being built)
-        self._pending_loads.append(LoadSpec(request.request_id, self._hashes(st, tokens), tokens, local,
-                                            tuple(list(b) for b in block_ids), in_step=token))
-        self._hold_read_ahead(st, None)
-        st.loaded = tokens
-        st.saved = max(st.saved, tokens)
-        st.loads += 1
+        hashes = self._hashes(st, tokens)
         if self.state_groups:  # a restore is done once per engine: vLLM keeps the state it lands in
             keep_restored_state(request, tokens)
         if self.completes_divergent_hits:
             for g in self.attn_groups:  # handed out for this load just now: its bytes will be the store's
                 self._restored.loaded(g, block_ids[g][local // self.block_size:tokens // self.block_size])
+        token = 0
+        if st.sync:  # vLLM took the load as synchronous: the worker of this process writes it
+            handoff, payloads, token = self.handoff(), st.read_ahead, UNHANDED
+            if handoff is not None and payloads is not None and self._covers(st, local):
+                token = handoff.put(request.request_id, payloads, self._step + 1)  # (the step being built)
+        # Invariant: the load is queued last; nothing after it raises (``fail_load`` would
+        # otherwise queue a second one for the request).
+        self._pending_loads.append(LoadSpec(request.request_id, hashes, tokens, local,
+                                            tuple(list(b) for b in block_ids), in_step=token))
+        self._hold_read_ahead(st, None)
+        st.loaded = tokens
+        st.saved = max(st.saved, tokens)
+        st.loads += 1
         # If vLLM asks again (the load failed and the request restarts, or it was preempted),
         # look up afresh: a rejected object has been removed by then.
         st.phase, st.hit, st.sync = Phase.NEW, 0, False
@@ -502,17 +518,20 @@ class SchedulerSide:
 
     def fail_load(self, request: Any, num_external_tokens: int, blocks: Any = None) -> None:
         """After an error of ours in ``update_state_after_alloc``: vLLM waits for a load it
-        was promised, so queue one that fails; the worker reports it and vLLM recomputes (a
-        synchronous one as vLLM asks: its blocks reported unloaded)."""
-        if num_external_tokens > 0:
-            rid = str(getattr(request, "request_id", ""))
+        was promised, so queue one that fails; the worker reports it and vLLM recomputes. vLLM
+        cannot recompute a synchronous one on a hybrid: that one is queued whole, its bytes not
+        handed over (the worker reads them from the store in the step)."""
+        rid = str(getattr(request, "request_id", ""))
+        if num_external_tokens > 0 and not any(load.req_id == rid for load in self._pending_loads):
             st = self._reqs.get(rid)
             if st is not None and st.sync:
                 tables: tuple[list[int], ...] = ()
+                hashes: list[bytes] = []
                 with contextlib.suppress(Exception):
                     tables = tuple(list(b) for b in blocks.get_block_ids())
-                self._pending_loads.append(LoadSpec(rid, [], st.hit, st.hit - num_external_tokens, tables,
-                                                    in_step=FAILED_IN_STEP))
+                    hashes = self._hashes(st, st.hit)
+                self._pending_loads.append(LoadSpec(rid, hashes, st.hit, st.hit - num_external_tokens, tables,
+                                                    in_step=UNHANDED))
             else:
                 self._pending_loads.append(LoadSpec(rid, [], num_external_tokens, 0, ()))
             if st is not None:  # asked again, it is computed: no loop of failing loads
@@ -525,9 +544,13 @@ class SchedulerSide:
         self._wait_left, self._yielded = self._wait_budget, False  # the next step's may wait again
         meta = PrefixVaultMetadata(step=self._step, loads=self._pending_loads,
                                    idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
-        if any(load.in_step > 0 for load in meta.loads):
-            self.guard.call("build_connector_meta", lambda: self._state_copies(meta.loads, scheduler_output),
-                            lambda: self._fail_in_step(meta.loads))
+        sync = [load for load in meta.loads if load.in_step]
+        if sync and self.state_groups:  # (an error here: the worker finds a running block unnamed)
+            none: dict[tuple[int, int], LoadSpec] = {}
+            fills = self.guard.call("build_connector_meta",
+                                    lambda: self._own_state_copies(sync, scheduler_output), lambda: none)
+            self.guard.call("build_connector_meta", lambda: self._other_state_copies(fills, scheduler_output),
+                            lambda: None)
         now = time.monotonic()
         self._in_flight.forget_older_than(now)
         self._pending_loads = []  # loads are handed over whatever happens below
@@ -541,30 +564,42 @@ class SchedulerSide:
                                          list)
         return meta
 
-    def _state_copies(self, loads: list[LoadSpec], out: Any) -> None:
-        """Name, for each synchronous load, the running state block of every request this step
-        whose state vLLM's runner copies from the state block the load fills: align mode's
-        pre-copy, from the block at a request's start to the block at its chunk's end, runs
-        before vLLM calls ``start_load_kv`` (0.32-0.34, both model runners), and vLLM caches a
-        synchronous load's blocks as it allocates them, so a request scheduled after it in the
-        same step may start from them too. A load whose own request is not found among them is
-        failed (reported unloaded), never left on a state the pre-copy read before it landed."""
+    def _own_state_copies(self, loads: list[LoadSpec], out: Any) -> dict[tuple[int, int], LoadSpec]:
+        """Name, for each synchronous load, its request's running state block in each state
+        group, from its own block table: align mode's pre-copy (from the state block at a
+        request's start into the block at its chunk's end) runs before vLLM calls
+        ``start_load_kv`` (0.32-0.34, both model runners), so the state is written there too
+        (the worker refuses a load that names none). The state blocks the loads fill, by
+        (group, block)."""
         bs = self.block_size
         fills: dict[tuple[int, int], LoadSpec] = {}
         for load in loads:
-            if load.in_step > 0:
-                for g in self.state_groups:
-                    block = load.block_ids[g][(load.tokens - 1) // bs]
-                    if block != 0:
-                        fills[(g, block)] = load
+            n = int(out.num_scheduled_tokens.get(load.req_id, 0))
+            for g in self.state_groups:
+                table = load.block_ids[g] if g < len(load.block_ids) else []
+                hit, running = (load.tokens - 1) // bs, (load.tokens + n - 1) // bs
+                if n and running < len(table) and table[running] and running != hit:
+                    load.state_copies.append((g, table[running]))
+                if hit < len(table) and table[hit]:
+                    fills[(g, table[hit])] = load
+        return fills
+
+    def _other_state_copies(self, fills: dict[tuple[int, int], LoadSpec], out: Any) -> None:
+        """vLLM caches a synchronous load's blocks as it allocates them: a request scheduled
+        after it in the same step whose pre-copy reads a state block a load fills gets the state
+        in its running block too. (vLLM 0.32-0.34 schedules none: ``MambaManager`` refuses a hit
+        on a state block cached in the same step; this holds if it ever does.)"""
+        if not fills:
+            return
+        bs = self.block_size
         state = getattr(out, "kv_connector_block_state", None)
         new_tables = {r.req_id: r.block_ids for r in out.scheduled_new_reqs}
         starts = self._starts(out)
-        own: set[tuple[str, int]] = set()  # (request, group) of loads that found their own request
+        own = {load.req_id for load in fills.values()}
         for rid, n in out.num_scheduled_tokens.items():
             start = starts.get(rid, 0)
             tables = state.get_block_ids(rid) if state is not None else new_tables.get(rid)
-            if not (start and n and fills) or tables is None:
+            if rid in own or not (start and n) or tables is None:
                 continue
             src, dst = (start - 1) // bs, (start + n - 1) // bs
             for g in self.state_groups:
@@ -572,19 +607,6 @@ class SchedulerSide:
                 filled = fills.get((g, table[src])) if src < len(table) else None
                 if filled is not None and src != dst and dst < len(table) and table[dst] != 0:
                     filled.state_copies.append((g, table[dst]))
-                    if rid == filled.req_id:
-                        own.add((rid, g))
-        for load in loads:
-            if load.in_step > 0 and any((load.req_id, g) not in own for g in self.state_groups):
-                log.warning("prefixvault: request %s: its running state block was not found; its "
-                            "synchronous load is reported failed", load.req_id)
-                load.in_step = FAILED_IN_STEP
-
-    def _fail_in_step(self, loads: list[LoadSpec]) -> None:
-        """After an error of ours naming the state copies: every synchronous load fails."""
-        for load in loads:
-            if load.in_step > 0:
-                load.in_step = FAILED_IN_STEP
 
     def _starts(self, out: Any) -> dict[str, int]:
         starts = {r.req_id: r.num_computed_tokens for r in out.scheduled_new_reqs}

@@ -665,31 +665,45 @@ class WorkerSide:
                 self._end_load(job, False, LOAD_FAILED[refused])
 
     def _write_in_step(self, job: LoadJob, step: int) -> None:
-        """Write a synchronous load in the engine's thread, its state also into the blocks its
-        ``state_copies`` name. Never raises: one that cannot be written (an error of ours: the
-        scheduler read and verified every object) is reported as vLLM asks, its blocks unloaded."""
+        """Write a synchronous load in the engine's thread, its state also into the running
+        blocks its ``state_copies`` name, from the payloads the scheduler handed over (read and
+        verified by its lookup); bytes not handed over are read from the store here (a local
+        store: a copy). Never raises: one that cannot be written is reported as vLLM asks, its
+        blocks unloaded."""
         spec = job.spec
         try:
-            payloads = (self.handoff.take(spec.req_id, spec.in_step, step)
-                        if spec.in_step > 0 and self.handoff is not None else None)
-            if payloads is None:
-                raise RuntimeError(f"the payloads of request {spec.req_id}'s synchronous load were not "
-                                   "handed over")
-            targets = self._targets(spec)
+            handed = (self.handoff.take(spec.req_id, spec.in_step, step)
+                      if spec.in_step > 0 and self.handoff is not None else None)
+            targets = self._targets(spec) if spec.hashes else None
             if targets is None:
-                raise RuntimeError(f"request {spec.req_id}: a block of its synchronous load is not allocated")
-            refs, blocks, data = [], [], []
-            for ref, block in zip(*targets, strict=True):
+                self._unwritten(spec, LoadFailure.NO_BLOCK)
+                return
+            refs, blocks = targets
+            named = {g for g, _ in spec.state_copies}
+            if any(g.is_state and i not in named for i, g in enumerate(self.layout.groups)):
+                raise RuntimeError(f"request {spec.req_id}: a synchronous load naming no running state block")
+            payloads: Any = handed
+            if payloads is None or any(r not in payloads for r in refs):
+                assert self.vault is not None
+                loaded = self.vault.load(refs, borrow=False)
+                if loaded.failed:
+                    why = LoadFailure.MISSING if "missing" in loaded.failed.values() else LoadFailure.REJECTED
+                    self._unwritten(spec, why)
+                    return
+                payloads = loaded.payloads
+            all_refs, all_blocks, data = [], [], []
+            for ref, block in zip(refs, blocks, strict=True):
                 state = ref.kind is ObjectKind.STATE
                 extra = [b for g, b in spec.state_copies if g == ref.group] if state else []
                 for b in [block, *extra]:
-                    refs.append(ref)
-                    blocks.append(b)
+                    all_refs.append(ref)
+                    all_blocks.append(b)
                     data.append(payloads[ref])
-            self._write(job, data, refs, blocks)
+            self._write(job, data, all_refs, all_blocks)
         except Exception as e:
-            self.guard.failed("load", e)
-            self._unwritten(spec, LoadFailure.INTERNAL_ERROR)
+            self._failed(f"request {spec.req_id}'s synchronous load", e)
+            store = isinstance(e, StoreError)
+            self._unwritten(spec, LoadFailure.STORE_ERROR if store else LoadFailure.INTERNAL_ERROR)
             return
         self.counters.add(loads=1, loads_in_step=1, loaded_tokens=spec.tokens - spec.local_tokens)
 
@@ -697,6 +711,8 @@ class WorkerSide:
         """A synchronous load not written: its blocks are reported unloaded (vLLM recomputes
         from the first, or, for a model of several cache groups, stops: 0.32-0.34 cannot
         recompute those, and a forward on a state never written would be wrong)."""
+        if self.handoff is not None:
+            self.handoff.drop(spec.req_id)  # (handed over for this load, if at all: taken by none)
         bs = self.layout.block_size
         for g, table in enumerate(spec.block_ids):
             last = (spec.tokens - 1) // bs
