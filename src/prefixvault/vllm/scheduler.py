@@ -215,7 +215,6 @@ class SchedulerSide:
         # Synchronous loads (``vllm/handoff.py``): where the worker of this process takes the
         # payloads (None: every load is asynchronous); the bytes read ahead for them are bounded
         # by the lookups' ``ReadAheadBudget`` (one rank, ``restore_in_step`` only).
-        self.in_step = in_step
         self.handoff: Callable[[], Handoff | None] = lambda: None
         self._step = 0
         self.counters = SchedulerCounters()
