@@ -41,13 +41,13 @@ def test_a_lookup_reads_ahead_every_object_its_hits_load_needs() -> None:
     budget = ReadAheadBudget(1 << 20)
     lookups = Lookups(vault, Guard(), budget=budget)
     hashes, found, payloads = lookups.submit(TOKENS[:41], ExtraKeys(), [], 41, 16, None,
-                                             read_ahead=True).result(5)
+                                             read_from=16).result(5)
     assert found is not None and found.hit == 40 and payloads is not None
     needed = vault.needed(hashes[:5], 40, ranks=[0], since=16)
     assert set(payloads) == set(needed)  # the KV past the engine's 16 tokens and the state at 40
     assert all(bytes(payloads[r]) for r in needed)
     assert budget.held == sum(len(p) for p in payloads.values())  # held until the scheduler gives it back
-    # without read_ahead: the answer alone
+    # without read_from: the answer alone
     assert lookups.submit(TOKENS[:41], ExtraKeys(), [], 41, 16, None).result(5)[2] is None
     lookups.close(1)
 
@@ -63,7 +63,7 @@ def test_a_hit_whose_objects_cannot_be_read_ahead_is_still_answered() -> None:
     store.put_many([(state.key, [bytes(good)[:-4] + b"\xff\xff\xff\xff"])])  # there, but rejected
     budget = ReadAheadBudget(1 << 20)
     lookups = Lookups(vault, Guard(), budget=budget)
-    _, found, payloads = lookups.submit(TOKENS[:41], ExtraKeys(), [], 41, 0, None, read_ahead=True).result(5)
+    _, found, payloads = lookups.submit(TOKENS[:41], ExtraKeys(), [], 41, 0, None, read_from=0).result(5)
     assert found is not None and found.hit == 40 and payloads is None  # its load reads for itself
     assert budget.held == 0
 
@@ -73,7 +73,7 @@ def test_a_hit_larger_than_the_read_ahead_budget_is_not_read_ahead() -> None:
     fill(vault, TOKENS, [16, 40])
     budget = ReadAheadBudget(100)  # fewer bytes than one KV block of this layout
     _, found, payloads = Lookups(vault, Guard(), budget=budget).submit(TOKENS[:41], ExtraKeys(), [], 41, 0,
-                                                                       None, read_ahead=True).result(5)
+                                                                       None, read_from=0).result(5)
     assert found is not None and found.hit == 40 and payloads is None and budget.held == 0
 
 

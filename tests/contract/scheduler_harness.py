@@ -550,6 +550,10 @@ class Engine:
             refs = self.vault.needed(load.hashes, load.tokens, ranks=[0], since=load.local_tokens)
             p.check(all(r in payloads and len(payloads[r]) == self.vault.layout.groups[r.group].nbytes(0)
                         for r in refs), f"{where}: payloads missing or of the wrong size")
+            # and nothing more: a lookup reads ahead from where the load starts (vLLM's offer
+            # on KV loads wrote), not from a hit every group holds, KV this engine has
+            p.check(set(payloads) <= set(refs), f"{where}: {len(set(payloads) - set(refs))} objects "
+                    "read ahead that the load does not write")
         chunks = self.steps[-1].chunks  # (this step's: ``step`` appended it before its work)
         own = chunks.get(load.req_id)
         p.check(own is not None and own.start == load.tokens,

@@ -27,8 +27,8 @@ log = logging.getLogger("vllm.prefixvault")
 LOOKUP_QUEUE = 4096
 
 #: What a lookup answers: the prompt's chain hashes, its result (None: held for a save), and
-#: with ``read_ahead`` the verified payloads of every object a load of its hit needs past
-#: ``min_tokens`` (rank 0), or None if any could not be read.
+#: with ``read_from`` the verified payloads of every object a load of its hit needs (rank 0), or
+#: None if any could not be read.
 Answer = tuple[list[bytes], LookupResult | None, Payloads | None]
 
 
@@ -45,7 +45,10 @@ class LookupJob:
     # Boundaries with a save in flight (the scheduler's live counter, read with ``in`` only);
     # a prompt naming one is answered None. None: not held for saves.
     saving: Counter[bytes] | None
-    read_ahead: bool = False  # also read the objects of the hit (``restore_in_step``, one rank)
+    # Also read the objects the hit's load needs (``restore_in_step``, one rank): a load of a hit
+    # past ``read_from`` (vLLM's offer, where a load may start) starts there, another from
+    # ``min_tokens`` (vLLM's agreed hit, the scheduler asks again for it). None: no read ahead.
+    read_from: int | None = None
 
 
 class LaneFailed(Exception):
@@ -99,11 +102,12 @@ class Lookups:
         self.lane: Lane[LookupJob] = Lane("lookup", self._run, self._fail, capacity=capacity, guard=guard)
 
     def submit(self, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
-               min_tokens: int, saving: Counter[bytes] | None, read_ahead: bool = False) -> Future[Answer]:
+               min_tokens: int, saving: Counter[bytes] | None,
+               read_from: int | None = None) -> Future[Answer]:
         """Queue a lookup; it is answered with every lookup queued by the time the lane is free
-        (``Vault.lookup_many``: one or two round trips for all of them; with ``read_ahead``, one
+        (``Vault.lookup_many``: one or two round trips for all of them; with ``read_from``, one
         more read for the objects of every hit that asked for them)."""
-        job = LookupJob(Future(), prompt, extra, known, num_tokens, min_tokens, saving, read_ahead)
+        job = LookupJob(Future(), prompt, extra, known, num_tokens, min_tokens, saving, read_from)
         refused = self.lane.put(job)
         if refused is not None:
             job.future.set_exception(LaneFailed(refused))
@@ -144,7 +148,7 @@ class Lookups:
         found = self.vault.lookup_many(asks, touch_later=touches)  # raises: the lane fails the batch
         ahead = []
         for (job, hashes), result in zip(waiting, found, strict=True):
-            if job.read_ahead and result.hit > job.min_tokens:
+            if job.read_from is not None and result.hit > job.min_tokens:
                 ahead.append((job, hashes, result))
             else:  # answered first: reading ahead for others never delays them
                 job.future.set_result((hashes, result, None))
@@ -156,15 +160,16 @@ class Lookups:
             log.debug("prefixvault: touching what a lookup found failed: %s", e)
 
     def _read_ahead(self, job: LookupJob, hashes: list[bytes], result: LookupResult) -> Payloads | None:
-        """The verified objects the hit's load needs past the job's ``min_tokens`` (rank 0), in
-        memory of their own (bytes counted in ``budget``, given back by whoever lets go of
+        """The verified objects the hit's load needs (rank 0, from ``read_from`` or ``min_tokens``),
+        in memory of their own (bytes counted in ``budget``, given back by whoever lets go of
         them); None if the budget has no room for them or any could not be read. Best effort: the
         hit stands either way (its load then reads them itself)."""
-        if self.budget is None:
+        if self.budget is None or job.read_from is None:
             return None
         bs = self.vault.layout.block_size
+        since = job.read_from if result.hit > job.read_from else job.min_tokens
         try:
-            refs = self.vault.needed(hashes[: result.hit // bs], result.hit, ranks=[0], since=job.min_tokens)
+            refs = self.vault.needed(hashes[: result.hit // bs], result.hit, ranks=[0], since=since)
         except Exception as e:  # ours: no read ahead
             self.guard.failed("lookup", e)
             return None

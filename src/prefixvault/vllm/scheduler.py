@@ -340,9 +340,14 @@ class SchedulerSide:
                 saving = None if st.waited_for_save else self._in_flight.hashes
                 # from the hit every cache group holds: past a divergent offer the store may not
                 # complete, it may hold a boundary past that one (asked again for it, below)
-                since = self._offer(request, num_computed_tokens)[1]
+                offer, since = self._offer(request, num_computed_tokens)
+                # a load starts at the offer where it is on KV loads wrote, else at the agreed hit
+                # (asked again for it); should the offer have moved when the answer is taken,
+                # ``_covers`` finds out and the load is asynchronous
+                read_from = ((num_computed_tokens if offer is Offer.ON_RESTORED_KV else since)
+                             if self._reads_ahead() else None)
                 st.lookup = self._lookups.submit(list(st.prompt), st.extra, list(st.hashes),
-                                                 request.num_tokens, since, saving, self._reads_ahead())
+                                                 request.num_tokens, since, saving, read_from)
                 st.phase = Phase.LOOKING_UP
                 st.lookup_since = time.monotonic()
                 wait = self._wait_left  # one budget per step, however many requests are new
