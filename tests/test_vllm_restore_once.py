@@ -21,6 +21,8 @@ suffixes), Z1 and Z2, one at a time:
   again before.
 - Y1, Y2 and Z2 equal their cold references bit for bit (ids and top-5 logprobs): runs whose
   steps end at the restored boundaries.
+- With vLLM's multiprocessing executor (its worker a child of the scheduler's process, as in
+  vLLM CPU's servers), Y1 restores in the step as well, the bytes handed over in shared memory.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ PROFILE, PREFIX, SUFFIX = "gdn-hybrid", 1024, 300
 class Runs:
     producer: StaggeredRun
     consumer: StaggeredRun
+    child_worker: StaggeredRun  # Y1 alone, the worker in a child process
 
 
 @pytest.fixture(scope="module")
@@ -62,14 +65,17 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     env = {**IN_PROCESS, "PYTHONPATH": SUPPORT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     alone = Arrivals(concurrency=1)
 
-    def run(role: str, prompts: list[list[int]], salts: list[str]) -> StaggeredRun:
-        spec = EngineSpec(model=model, engine=engine, prompts=prompts, role=role, store=store,
+    def run(role: str, prompts: list[list[int]], salts: list[str], **over: str) -> StaggeredRun:
+        spec = EngineSpec(model=model, engine={**engine, **over}, prompts=prompts, role=role, store=store,
                           max_tokens=4, salts=salts)
         return run_staggered(spec, alone, work, env)
 
     producer = run("kv_producer", [x, y1, y2, z1, z2, z2], ["", "ref-1", "ref-2", "", "", "ref-z2"])
     consumer = run("kv_consumer", [y1, y2, y3, z1, z2], [""] * 5)
-    return Runs(producer, consumer)
+    # vLLM's multiprocessing executor (vLLM CPU's servers always use it): the worker is a
+    # child of the scheduler's process and takes the bytes from shared memory
+    child = run("kv_consumer", [y1], [""], distributed_executor_backend="mp")
+    return Runs(producer, consumer, child)
 
 
 def _first_chunk(run: StaggeredRun, req: int) -> tuple[int, int]:
@@ -85,6 +91,13 @@ def test_a_restore_over_a_local_store_runs_its_first_chunk_in_the_step_that_rest
     # the next request arrives once Y1 finished, and is a local hit: it starts at once
     last = max(ch.step for ch in c.chunks if ch.req == 0)
     assert _first_chunk(c, 1) == (last + 1, PREFIX)
+
+
+def test_a_worker_in_a_child_process_also_restores_in_the_step(runs: Runs) -> None:
+    c = runs.child_worker
+    assert _first_chunk(c, 0) == (1, PREFIX), "Y1 (asked in step 1) did not start at P in step 1"
+    assert c.metrics.get("loads_in_step") == c.metrics.get("loads") == 1, c.metrics
+    assert identical(runs.producer.completions[1], c.completions[0]), "Y1 parts from cold"
 
 
 #: Z1's and Z2's own boundary: Q and one block more.

@@ -45,7 +45,17 @@ from prefixvault.vllm.config import (
     staging_bytes,
 )
 from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.handoff import serve, served, withdraw
+from prefixvault.vllm.handoff import (
+    Handoff,
+    Mailbox,
+    SharedHandoff,
+    serve,
+    serve_parent,
+    served,
+    served_by_child,
+    withdraw,
+    withdraw_shared,
+)
 from prefixvault.vllm.layout import Unsupported, build_layout, cache_shape
 from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled
 from prefixvault.vllm.preflight import can_cache, outputs_refused, preflight
@@ -110,9 +120,13 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                                            load=ktc.is_kv_consumer, save=ktc.is_kv_producer, guard=self.guard,
                                            in_step=in_step)
             # A restore's load is synchronous (its first chunk in the step that restores it)
-            # where this engine's one worker runs in this process (``vllm/handoff.py``).
+            # where this engine's one worker runs in this process or in a child of it
+            # (``vllm/handoff.py``).
             engine_id = self._engine_id
-            self._scheduler.handoff = lambda: served(engine_id)
+            def mailbox() -> Mailbox | None:  # (an empty mailbox is falsy: no ``or``)
+                own = served(engine_id)
+                return own if own is not None else served_by_child(engine_id)
+            self._scheduler.handoff = mailbox
             device = current_platform.device_type
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
                                             enabled=self.layout.has_state,
@@ -248,14 +262,21 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         self.guard.call("register_kv_caches", lambda: worker.register_kv_caches(kv_caches), inert)
         if (worker.disabled is None and self.layout.world_size == 1 and worker.handoff is None
                 and self._engine_id is not None):
-            # synchronous loads: the scheduler of this process may hand this worker their bytes
-            worker.handoff = serve(self._engine_id)
+            # synchronous loads: the scheduler of this process, or of the parent process (vLLM's
+            # multiprocessing executor), may hand this worker their bytes
+            backend = getattr(self._vllm_config.parallel_config, "distributed_executor_backend", None)
+            worker.handoff = (serve_parent(self._engine_id) if backend == "mp"
+                              else serve(self._engine_id) if backend in (None, "uni", "external_launcher")
+                              else None)
 
     def _withdraw_handoff(self) -> None:
         """The worker takes no more synchronous loads (``vllm/handoff.py``)."""
         worker = self._worker
         if worker is not None and worker.handoff is not None and self._engine_id is not None:
-            withdraw(self._engine_id, worker.handoff)
+            if isinstance(worker.handoff, SharedHandoff):
+                withdraw_shared(worker.handoff)
+            elif isinstance(worker.handoff, Handoff):
+                withdraw(self._engine_id, worker.handoff)
             worker.handoff = None
 
     def unregister_kv_caches(self) -> None:

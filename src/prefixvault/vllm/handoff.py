@@ -6,25 +6,52 @@ synchronous load that fails on a hybrid model (0.32-0.34). So the scheduler side
 restore synchronously only when it already holds every object the load needs, read from the
 store and verified on its lookup lane, and a worker in its own process will write them: then
 the worker's part is a copy of bytes in hand into blocks vLLM allocated, which a store cannot
-fail. Everywhere else (several ranks, a worker in another process) loads stay asynchronous.
+fail. Everywhere else (several ranks) loads stay asynchronous.
 
-Invariant: a ``Handoff`` is served only by a worker whose cache tensors are registered and
-usable, for an engine of one rank, in the process that made it; the worker withdraws it when it
-stops being usable. An engine id two workers of one process serve (engines built from one
-``KVTransferConfig``) is served by neither: their schedulers could not tell whose it is.
+The worker is in the scheduler's process (vLLM's in-process executor: ``Handoff``, a mailbox in
+memory) or, with vLLM's multiprocessing executor at one rank (vLLM CPU's servers always), a
+child of it (``SharedHandoff``: a private directory in shared memory the scheduler writes each
+load's payloads into, one file per load, which the worker reads and removes).
+
+Invariant: a mailbox is served only by a worker whose cache tensors are registered and
+usable, for an engine of one rank, and only to the scheduler of its own process or of its
+parent process; the worker withdraws it when it stops being usable. An engine id two workers
+serve to one scheduler's process (engines built from one ``KVTransferConfig``) is served by
+neither: their schedulers could not tell whose it is.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import itertools
+import logging
 import os
+import pickle
+import shutil
+import struct
+import tempfile
 import threading
 from collections.abc import Mapping
+from pathlib import Path
+from typing import Protocol
 
 from prefixvault.vault import ObjectRef
 
+log = logging.getLogger("vllm.prefixvault")
+
 #: Verified payloads of one load, by object.
 Payloads = Mapping[ObjectRef, memoryview]
+
+
+class Mailbox(Protocol):
+    """Where a scheduler hands a worker the payloads of its synchronous loads."""
+
+    def put(self, req_id: str, payloads: Payloads, step: int) -> int: ...
+
+    def take(self, req_id: str, token: int, step: int) -> Payloads | None: ...
+
+    def drop(self, req_id: str) -> None: ...
 
 
 class Handoff:
@@ -98,3 +125,195 @@ def served(engine_id: str | None) -> Handoff | None:
     with _served_lock:
         handoff = _served.get(engine_id)
     return handoff if handoff is not None and handoff.pid == os.getpid() else None
+
+
+# -- a worker in a child process of the scheduler's (vLLM's multiprocessing executor) ---------
+
+#: Where the mailboxes of workers in other processes are: shared memory where there is one.
+SHARED_ROOT = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+_WORKER = "worker"  # the file naming the serving worker's pid
+_REFUSED = "refused"  # two workers served this engine id to one scheduler process: neither does
+_HEADER = struct.Struct("<Q")
+
+
+def shared_dir(scheduler_pid: int, engine_id: str, root: Path | None = None) -> Path:
+    digest = hashlib.sha256(engine_id.encode()).hexdigest()[:16]
+    return (root or SHARED_ROOT) / f"prefixvault-handoff-{os.getuid()}-{scheduler_pid}-{digest}"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _worker_pid(path: Path) -> int | None:
+    try:
+        return int((path / _WORKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _private(path: Path) -> bool:
+    """A directory of ours alone (never one another user made, nor a link to one)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return os.path.isdir(path) and not os.path.islink(path) and st.st_uid == os.getuid() \
+        and st.st_mode & 0o077 == 0
+
+
+class SharedHandoff:
+    """One engine's mailbox between processes: a file per load, named by its step, token and
+    request, written whole (then renamed) before the scheduler's step returns, so the worker
+    finds it complete when that step's metadata reaches it."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._tokens = itertools.count(1)
+
+    @staticmethod
+    def _req(req_id: str) -> str:
+        return hashlib.sha256(req_id.encode()).hexdigest()[:24]
+
+    def put(self, req_id: str, payloads: Payloads, step: int) -> int:
+        """Write a request's payloads for the load of ``step``; the token that load names them
+        by (never 0). Raises ``OSError`` if they could not be written."""
+        token = next(self._tokens)
+        refs = list(payloads)
+        header = pickle.dumps([(r, len(payloads[r])) for r in refs])
+        name = f"{step}-{token}-{self._req(req_id)}"
+        tmp = self.path / f".{name}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(_HEADER.pack(len(header)))
+                f.write(header)
+                for r in refs:
+                    f.write(payloads[r])
+            os.rename(tmp, self.path / name)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        return token
+
+    def _entries(self) -> list[tuple[int, int, str, str]]:
+        out = []
+        with contextlib.suppress(OSError):
+            for name in os.listdir(self.path):
+                parts = name.split("-")
+                if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
+                    out.append((int(parts[0]), int(parts[1]), parts[2], name))
+        return out
+
+    def take(self, req_id: str, token: int, step: int) -> Payloads | None:
+        """The payloads written under ``token``, once; None if they are not here or cannot be
+        read. Entries written for a step before ``step`` are removed (nothing will take them)."""
+        want, found = self._req(req_id), None
+        for s, t, r, name in self._entries():
+            if t == token and r == want:
+                found = name
+            elif s < step:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path / name)
+        if found is None:
+            return None
+        path = self.path / found
+        try:
+            with open(path, "rb") as f:
+                data = memoryview(bytearray(os.fstat(f.fileno()).st_size))
+                f.readinto(data)
+            (n,) = _HEADER.unpack_from(data)
+            index: list[tuple[ObjectRef, int]] = pickle.loads(data[_HEADER.size : _HEADER.size + n])
+        except (OSError, struct.error, pickle.UnpicklingError, EOFError) as e:
+            log.warning("prefixvault: the payloads handed over for request %s could not be read: %s",
+                        req_id, e)
+            return None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        payloads: dict[ObjectRef, memoryview] = {}
+        at = _HEADER.size + n
+        for ref, size in index:
+            payloads[ref] = data[at : at + size]
+            at += size
+        return payloads if at == len(data) else None
+
+    def drop(self, req_id: str) -> None:
+        want = self._req(req_id)
+        for _, _, r, name in self._entries():
+            if r == want:
+                with contextlib.suppress(OSError):
+                    os.unlink(self.path / name)
+
+    def __len__(self) -> int:
+        return len(self._entries())
+
+
+def serve_parent(engine_id: str, root: Path | None = None) -> SharedHandoff | None:
+    """A worker in a child process of its scheduler's takes this engine's handoffs from now on;
+    None if another live worker already serves the engine id to the same scheduler process
+    (then neither does), or the directory cannot be made ours."""
+    path = shared_dir(os.getppid(), engine_id, root)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        other = _worker_pid(path)
+        if not _private(path):
+            return None
+        if other is not None and other != os.getpid() and _alive(other):
+            with contextlib.suppress(OSError):
+                (path / _REFUSED).touch()
+            return None
+        for child in path.iterdir():  # a worker's that died: nothing in it is taken
+            with contextlib.suppress(OSError):
+                child.unlink()
+    except OSError as e:
+        log.warning("prefixvault: no mailbox for synchronous loads in %s (%s): loads stay asynchronous",
+                    path.parent, e)
+        return None
+    if not _private(path):
+        return None
+    try:
+        tmp = path / f".{_WORKER}"
+        tmp.write_text(str(os.getpid()))
+        os.rename(tmp, path / _WORKER)
+    except OSError as e:
+        log.warning("prefixvault: no mailbox for synchronous loads in %s (%s): loads stay asynchronous",
+                    path, e)
+        shutil.rmtree(path, ignore_errors=True)
+        return None
+    return SharedHandoff(path)
+
+
+def withdraw_shared(handoff: SharedHandoff) -> None:
+    """The worker serving ``handoff`` takes no more: its directory goes, with what is in it
+    (left as it is if another worker's refusal marks it: the id stays served by neither)."""
+    if (handoff.path / _REFUSED).exists():
+        with contextlib.suppress(OSError):
+            (handoff.path / _WORKER).unlink()
+        return
+    if _worker_pid(handoff.path) == os.getpid():
+        shutil.rmtree(handoff.path, ignore_errors=True)
+
+
+def served_by_child(engine_id: str | None, root: Path | None = None) -> SharedHandoff | None:
+    """The engine's mailbox if a live worker in a child process of this one serves it."""
+    if engine_id is None:
+        return None
+    path = shared_dir(os.getpid(), engine_id, root)
+    if (path / _REFUSED).exists() or not _private(path):
+        return None
+    pid = _worker_pid(path)
+    if pid is None or pid == os.getpid() or not _alive(pid):
+        return None
+    # one writer per mailbox in this process: its tokens never repeat
+    return _writers.setdefault(path, SharedHandoff(path))
+
+
+_writers: dict[Path, SharedHandoff] = {}

@@ -42,7 +42,7 @@ from prefixvault.vault import Miss, Vault, producer_id
 from prefixvault.vllm.compat import InternalCheckpoints, keep_restored_state, per_group_hits, skips_external
 from prefixvault.vllm.config import IN_STEP_WAIT_S, ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.handoff import Handoff, Payloads
+from prefixvault.vllm.handoff import Mailbox, Payloads
 from prefixvault.vllm.lane import Lane, failure_of
 from prefixvault.vllm.ledger import SavesInFlight
 from prefixvault.vllm.lookups import LOOKUP_MISS, Answer, LaneFailed, Lookups, ReadAheadBudget
@@ -215,7 +215,7 @@ class SchedulerSide:
         # Synchronous loads (``vllm/handoff.py``): where the worker of this process takes the
         # payloads (None: every load is asynchronous); the bytes read ahead for them are bounded
         # by the lookups' ``ReadAheadBudget`` (one rank, ``restore_in_step`` only).
-        self.handoff: Callable[[], Handoff | None] = lambda: None
+        self.handoff: Callable[[], Mailbox | None] = lambda: None
         self._step = 0
         self.counters = SchedulerCounters()
         # Which candidate boundaries to store: the same code the policy simulator replays.
@@ -502,7 +502,11 @@ class SchedulerSide:
         if st.sync:  # vLLM took the load as synchronous: the worker of this process writes it
             handoff, payloads, token = self.handoff(), st.read_ahead, UNHANDED
             if handoff is not None and payloads is not None and self._covers(st, local):
-                token = handoff.put(request.request_id, payloads, self._step + 1)  # (the step being built)
+                try:
+                    token = handoff.put(request.request_id, payloads, self._step + 1)  # the step being built
+                except OSError as e:  # (a worker in a child process: shared memory full) read in the step
+                    log.warning("prefixvault: request %s: its bytes could not be handed to the worker (%s); "
+                                "it reads them from the store", request.request_id, e)
         # Invariant: the load is queued last; nothing after it raises (``fail_load`` would
         # otherwise queue a second one for the request).
         self._pending_loads.append(LoadSpec(request.request_id, hashes, tokens, local,

@@ -60,7 +60,7 @@ from prefixvault.stores.breaker import BreakerOpen, BreakerStore
 from prefixvault.vault import ObjectRef, RankAck, Vault
 from prefixvault.vllm.config import IN_STEP_WAIT_S
 from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.handoff import Handoff
+from prefixvault.vllm.handoff import Mailbox
 from prefixvault.vllm.lane import Failure, Lane
 from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec, save_id
 from prefixvault.vllm.views import group_ios
@@ -209,7 +209,7 @@ class WorkerSide:
         # Where the scheduler of this process hands the payloads of synchronous loads (set by the
         # connector once the caches are registered), and the blocks of those that could not be
         # written, for vLLM (``take_unloaded``; the engine's thread only).
-        self.handoff: Handoff | None = None
+        self.handoff: Mailbox | None = None
         self._unloaded: set[int] = set()
         # With load_in_step: loads queued since the last take_finished (the engine's thread only).
         self._step_loads: list[LoadJob] = []

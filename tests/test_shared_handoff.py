@@ -1,0 +1,159 @@
+"""Synchronous loads to a worker in a child process (``vllm/handoff.py``, ``SharedHandoff``):
+vLLM's multiprocessing executor at one rank, vLLM CPU's servers always. Real child processes
+and real files; this test's process plays the scheduler's."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from test_vault import fill, layout
+
+from prefixvault.stores.memory import MemoryStore
+from prefixvault.vault import Vault
+from prefixvault.vllm.handoff import SharedHandoff, served_by_child, shared_dir
+
+TOKENS = list(range(64))
+
+#: A worker process: serves the engine id to its parent, then takes what it is told to and
+#: prints a digest of every payload, in the order of the refs given, until told to stop.
+WORKER = textwrap.dedent("""
+    import hashlib, sys
+    from pathlib import Path
+    from prefixvault.vllm.handoff import serve_parent, withdraw_shared
+    handoff = serve_parent(sys.argv[1], Path(sys.argv[2]))
+    print("serving" if handoff is not None else "refused", flush=True)
+    for line in sys.stdin:
+        cmd, *args = line.split()
+        if cmd == "take" and handoff is not None:
+            got = handoff.take(args[0], int(args[1]), int(args[2]))
+            print("none" if got is None else " ".join(
+                f"{r.key}={hashlib.sha256(bytes(got[r])).hexdigest()[:12]}" for r in sorted(got, key=str)),
+                flush=True)
+        elif cmd == "stop":
+            if handoff is not None:
+                withdraw_shared(handoff)
+            print("stopped", flush=True)
+            break
+""")
+
+
+class Worker:
+    def __init__(self, engine_id: str, root: Path) -> None:
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[1] / "src")}
+        self.proc = subprocess.Popen([sys.executable, "-c", WORKER, engine_id, str(root)], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.first = self.line()
+
+    def line(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline().strip()
+
+    def ask(self, command: str) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.line()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            assert self.ask("stop") == "stopped"
+        self.proc.wait(10)
+
+
+def _payloads() -> dict:  # type: ignore[type-arg]
+    vault = Vault(MemoryStore(), layout())
+    fill(vault, TOKENS, [16, 40])
+    return dict(vault.load(vault.needed(vault.hashes(TOKENS[:41])[:5], 40, ranks=[0]), borrow=False).payloads)
+
+
+def _digests(payloads: dict) -> str:  # type: ignore[type-arg]
+    import hashlib
+    return " ".join(f"{r.key}={hashlib.sha256(bytes(payloads[r])).hexdigest()[:12]}"
+                    for r in sorted(payloads, key=str))
+
+
+def test_a_worker_in_a_child_process_takes_the_bytes_its_scheduler_hands_over(tmp_path: Path) -> None:
+    assert served_by_child("engine-a", tmp_path) is None  # no worker yet: loads stay asynchronous
+    worker = Worker("engine-a", tmp_path)
+    try:
+        assert worker.first == "serving"
+        mailbox = served_by_child("engine-a", tmp_path)
+        assert mailbox is not None and served_by_child("engine-a", tmp_path) is mailbox
+        path = shared_dir(os.getpid(), "engine-a", tmp_path)
+        assert path.stat().st_mode & 0o777 == 0o700  # this user's alone
+        payloads = _payloads()
+        token = mailbox.put("req-1", payloads, step=5)
+        assert worker.ask(f"take req-1 {token} 5") == _digests(payloads)  # every object, every byte
+        assert worker.ask(f"take req-1 {token} 5") == "none"  # once
+        assert len(mailbox) == 0
+        # another request's token, or a token of another request: not these payloads
+        other = mailbox.put("req-2", payloads, step=6)
+        assert worker.ask(f"take req-1 {other} 6") == "none"
+        assert worker.ask(f"take req-2 {other} 6") == _digests(payloads)
+        # what no load of its step took is removed by the next step's take
+        stale = mailbox.put("req-3", payloads, step=7)
+        later = mailbox.put("req-4", payloads, step=8)
+        assert worker.ask(f"take req-4 {later} 8") == _digests(payloads)
+        assert len(mailbox) == 0 and worker.ask(f"take req-3 {stale} 8") == "none"
+    finally:
+        worker.stop()
+    assert served_by_child("engine-a", tmp_path) is None and not path.exists()  # withdrawn: gone
+
+
+def test_a_damaged_handoff_is_not_taken(tmp_path: Path) -> None:
+    worker = Worker("engine-b", tmp_path)
+    try:
+        mailbox = served_by_child("engine-b", tmp_path)
+        assert mailbox is not None
+        token = mailbox.put("req", _payloads(), step=1)
+        (file,) = [p for p in mailbox.path.iterdir() if p.name.startswith("1-")]
+        file.write_bytes(file.read_bytes()[:-3])  # cut short: the worker reads the store instead
+        assert worker.ask(f"take req {token} 1") == "none"
+    finally:
+        worker.stop()
+
+
+def test_an_engine_id_two_child_workers_serve_is_served_by_neither(tmp_path: Path) -> None:
+    first = Worker("engine-c", tmp_path)
+    second = Worker("engine-c", tmp_path)
+    try:
+        assert (first.first, second.first) == ("serving", "refused")
+        assert served_by_child("engine-c", tmp_path) is None
+    finally:
+        first.stop()
+        second.stop()
+    assert served_by_child("engine-c", tmp_path) is None
+
+
+def test_a_dead_workers_mailbox_is_not_used_and_a_new_worker_takes_it_over(tmp_path: Path) -> None:
+    worker = Worker("engine-d", tmp_path)
+    worker.proc.kill()
+    worker.proc.wait(10)
+    path = shared_dir(os.getpid(), "engine-d", tmp_path)
+    assert path.exists() and served_by_child("engine-d", tmp_path) is None
+    SharedHandoff(path).put("left", {}, step=1)
+    again = Worker("engine-d", tmp_path)
+    try:
+        assert again.first == "serving" and served_by_child("engine-d", tmp_path) is not None
+        assert [p.name for p in path.iterdir()] == ["worker"]  # the dead worker's mail is gone
+    finally:
+        again.stop()
+
+
+def test_a_mailbox_another_user_could_reach_is_never_used(tmp_path: Path) -> None:
+    path = shared_dir(os.getpid(), "engine-e", tmp_path)
+    path.mkdir(mode=0o755)
+    path.chmod(0o755)
+    (path / "worker").write_text(str(os.getppid()))  # a live process, not this one
+    assert served_by_child("engine-e", tmp_path) is None
+
+
+@pytest.mark.parametrize("engine_id", ["", "a/b", "x" * 300])
+def test_any_engine_id_names_one_directory_under_the_root(tmp_path: Path, engine_id: str) -> None:
+    path = shared_dir(123, engine_id, tmp_path)
+    assert path.parent == tmp_path and len(path.name) < 80
