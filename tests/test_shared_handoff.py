@@ -157,3 +157,19 @@ def test_a_mailbox_another_user_could_reach_is_never_used(tmp_path: Path) -> Non
 def test_any_engine_id_names_one_directory_under_the_root(tmp_path: Path, engine_id: str) -> None:
     path = shared_dir(123, engine_id, tmp_path)
     assert path.parent == tmp_path and len(path.name) < 80
+
+
+def test_mailboxes_of_schedulers_that_are_gone_are_removed_when_a_worker_starts(tmp_path: Path) -> None:
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(10)
+    left = shared_dir(gone.pid, "engine-f", tmp_path)  # a crashed engine's, files and all
+    left.mkdir(mode=0o700)
+    SharedHandoff(left).put("req", _payloads(), step=1)
+    alive = shared_dir(os.getppid(), "engine-g", tmp_path)  # a live process's: kept
+    alive.mkdir(mode=0o700)
+    worker = Worker("engine-f", tmp_path)
+    try:
+        assert worker.first == "serving"
+        assert not left.exists() and alive.exists()
+    finally:
+        worker.stop()

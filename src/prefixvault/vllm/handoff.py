@@ -255,10 +255,22 @@ class SharedHandoff:
         return len(self._entries())
 
 
+def _sweep(root: Path) -> None:
+    """Remove this user's mailboxes whose scheduler's process is gone (an engine killed, or
+    one whose id two workers served): nothing will write to or take from them."""
+    prefix = f"prefixvault-handoff-{os.getuid()}-"
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(root):
+            pid = entry.name[len(prefix):].split("-")[0] if entry.name.startswith(prefix) else ""
+            if pid.isdigit() and not _alive(int(pid)) and _private(Path(entry.path)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+
+
 def serve_parent(engine_id: str, root: Path | None = None) -> SharedHandoff | None:
     """A worker in a child process of its scheduler's takes this engine's handoffs from now on;
     None if another live worker already serves the engine id to the same scheduler process
     (then neither does), or the directory cannot be made ours."""
+    _sweep(root or SHARED_ROOT)
     path = shared_dir(os.getppid(), engine_id, root)
     try:
         os.mkdir(path, 0o700)
