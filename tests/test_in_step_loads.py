@@ -96,6 +96,7 @@ def test_a_synchronous_load_is_written_at_once_its_state_also_into_the_blocks_na
     assert np.all(caches["s"][13].numpy() == -1) and np.all(caches["a"][0].numpy() == -1)
     assert worker.take_finished() == (set(), set()) and worker.take_unloaded() == set()
     assert worker.counters.loads == 1 and worker.counters.loads_in_step == 1
+    assert worker.counters.loads_in_step_read == 0  # every byte handed over
     assert worker.counters.loaded_tokens == 40 and len(worker.handoff) == 0
     worker.close()
 
@@ -115,6 +116,7 @@ def test_a_synchronous_load_whose_bytes_were_not_handed_over_reads_them_in_the_s
     for block in (7, 11, 12, 13):
         assert np.all(caches["s"][block].numpy() == 240.5)
     assert worker.take_unloaded() == set() and worker.counters.loads_in_step == 2
+    assert worker.counters.loads_in_step_read == 2
     worker.close()
 
 

@@ -100,6 +100,10 @@ def test_a_worker_in_a_child_process_takes_the_bytes_its_scheduler_hands_over(tm
         later = mailbox.put("req-4", payloads, step=8)
         assert worker.ask(f"take req-4 {later} 8") == _digests(payloads)
         assert len(mailbox) == 0 and worker.ask(f"take req-3 {stale} 8") == "none"
+        # ... and what a later step's load will take stays
+        mine, theirs = mailbox.put("req-5", payloads, step=9), mailbox.put("req-6", payloads, step=10)
+        assert worker.ask(f"take req-5 {mine} 9") == _digests(payloads)
+        assert worker.ask(f"take req-6 {theirs} 10") == _digests(payloads)
     finally:
         worker.stop()
     assert served_by_child("engine-a", tmp_path) is None and not path.exists()  # withdrawn: gone
@@ -114,6 +118,12 @@ def test_a_damaged_handoff_is_not_taken(tmp_path: Path) -> None:
         (file,) = [p for p in mailbox.path.iterdir() if p.name.startswith("1-")]
         file.write_bytes(file.read_bytes()[:-3])  # cut short: the worker reads the store instead
         assert worker.ask(f"take req {token} 1") == "none"
+        token = mailbox.put("req", _payloads(), step=2)
+        (file,) = [p for p in mailbox.path.iterdir() if p.name.startswith("2-")]
+        data = bytearray(file.read_bytes())
+        data[8:16] = b"\x80\x04K\x05.\x00\x00\x00"  # an index that is not one (a pickled 5)
+        file.write_bytes(bytes(data))
+        assert worker.ask(f"take req {token} 2") == "none" and len(mailbox) == 0
     finally:
         worker.stop()
 
@@ -143,6 +153,15 @@ def test_a_dead_workers_mailbox_is_not_used_and_a_new_worker_takes_it_over(tmp_p
         assert [p.name for p in path.iterdir()] == ["worker"]  # the dead worker's mail is gone
     finally:
         again.stop()
+
+
+def test_a_mailbox_whose_worker_is_not_a_child_of_this_process_is_not_used(tmp_path: Path) -> None:
+    """A mailbox left by a killed engine whose scheduler's pid was reused, naming a live process
+    that is not this one's child: not served."""
+    path = shared_dir(os.getpid(), "engine-h", tmp_path)
+    path.mkdir(mode=0o700)
+    (path / "worker").write_text(str(os.getppid()))
+    assert served_by_child("engine-h", tmp_path) is None
 
 
 def test_a_mailbox_another_user_could_reach_is_never_used(tmp_path: Path) -> None:

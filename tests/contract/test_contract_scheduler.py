@@ -189,6 +189,29 @@ def test_a_fast_store_restores_in_one_step(engines: Engines, geo: Geometry, in_p
     assert b.loads_in_step == int(in_process_worker)
 
 
+@_geo([GEOMETRIES[0]])
+def test_bytes_that_cannot_be_handed_over_make_the_load_asynchronous(
+    engines: Engines, geo: Geometry, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The bytes are handed to the worker before the answer: a mailbox that cannot take them
+    (shared memory full, for a worker in a child process) makes the answer asynchronous, never
+    a synchronous load without its bytes."""
+    from prefixvault.vllm.handoff import Handoff
+
+    def full(*args: object, **kwargs: object) -> int:
+        raise OSError(28, "No space left on device")
+
+    bs = geo.block_size
+    shared = prompts(bs + 5, 2 * bs)[0]
+    a = engines(geo, budget=2 * bs)
+    a.run({0: [make_request("a", shared + prompts(bs + 6, bs // 2 + 1)[0], bs)]})
+    monkeypatch.setattr(Handoff, "put", full)
+    b = engines(geo, a.store, budget=2 * bs, extra={"restore_in_step": True})
+    b.run({0: [make_request("r", shared + prompts(bs + 7, bs + 5)[0], bs)]})
+    assert next(x.answer for x in b.asks if x.req_id == "r") == (2 * bs, True)
+    assert min(s.number for s in b.steps if "r" in s.chunks) == 2 and b.loads_in_step == 0
+
+
 @_geo(list(GEOMETRIES))
 def test_a_request_starting_from_a_synchronous_loads_state_in_its_step_gets_it(engines: Engines,
                                                                               geo: Geometry) -> None:

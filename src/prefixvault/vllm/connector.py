@@ -49,6 +49,7 @@ from prefixvault.vllm.handoff import (
     Handoff,
     Mailbox,
     SharedHandoff,
+    close_shared,
     serve,
     serve_parent,
     served,
@@ -383,7 +384,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             w = self.worker.counters
             with w._lock:
                 totals.update(save_errors=w.save_errors, loads=w.loads, loaded_tokens=w.loaded_tokens,
-                              loads_in_step=w.loads_in_step,
+                              loads_in_step=w.loads_in_step, loads_in_step_read=w.loads_in_step_read,
                               saved_boundaries=w.saved_boundaries, saves_published=w.published)
                 # copies (one C call each): the lanes add reasons under the worker's own lock
                 totals.update({f"save_dropped:{k}": v for k, v in dict(w.save_dropped).items()})
@@ -414,6 +415,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         if os.getpid() != self._pid:
             return  # a forked child: the threads and what they hold are the parent's to close
         drained = self.scheduler.close() if self.scheduler is not None else True
+        if self.scheduler is not None:
+            close_shared(self._engine_id)  # its worker's mailbox, where one served it
         if self.worker is not None:
             self._withdraw_handoff()
             drained = self.worker.close() and drained

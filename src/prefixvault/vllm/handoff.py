@@ -146,9 +146,18 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # another user's: alive
         return True
     return True
+
+
+def _parent(pid: int) -> int | None:
+    """The parent of a live process (None where ``/proc`` does not say: not known)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2 :].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _worker_pid(path: Path) -> int | None:
@@ -183,7 +192,7 @@ class SharedHandoff:
 
     def put(self, req_id: str, payloads: Payloads, step: int) -> int:
         """Write a request's payloads for the load of ``step``; the token that load names them
-        by (never 0). Raises ``OSError`` if they could not be written."""
+        by (never 0). Raises ``OSError`` if they could not be written (nothing is left)."""
         token = next(self._tokens)
         refs = list(payloads)
         header = pickle.dumps([(r, len(payloads[r])) for r in refs])
@@ -203,20 +212,22 @@ class SharedHandoff:
         return token
 
     def _entries(self) -> list[tuple[int, int, str, str]]:
+        """(step, token, request digest, file name) of every file written (or being written:
+        a leading dot) in the mailbox."""
         out = []
         with contextlib.suppress(OSError):
             for name in os.listdir(self.path):
-                parts = name.split("-")
+                parts = name.lstrip(".").split("-")
                 if len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
                     out.append((int(parts[0]), int(parts[1]), parts[2], name))
         return out
 
     def take(self, req_id: str, token: int, step: int) -> Payloads | None:
         """The payloads written under ``token``, once; None if they are not here or cannot be
-        read. Entries written for a step before ``step`` are removed (nothing will take them)."""
+        read. Files written for a step before ``step`` are removed (nothing will take them)."""
         want, found = self._req(req_id), None
         for s, t, r, name in self._entries():
-            if t == token and r == want:
+            if t == token and r == want and not name.startswith("."):
                 found = name
             elif s < step:
                 with contextlib.suppress(OSError):
@@ -229,20 +240,23 @@ class SharedHandoff:
                 data = memoryview(bytearray(os.fstat(f.fileno()).st_size))
                 f.readinto(data)
             (n,) = _HEADER.unpack_from(data)
-            index: list[tuple[ObjectRef, int]] = pickle.loads(data[_HEADER.size : _HEADER.size + n])
-        except (OSError, struct.error, pickle.UnpicklingError, EOFError) as e:
+            at = _HEADER.size + n
+            payloads: dict[ObjectRef, memoryview] = {}
+            for ref, size in pickle.loads(data[_HEADER.size : at]):
+                if not isinstance(ref, ObjectRef) or not isinstance(size, int) or size < 0:
+                    raise ValueError("not an index of payloads")
+                payloads[ref] = data[at : at + size]
+                at += size
+            if at != len(data):
+                raise ValueError(f"{len(data)} bytes, the index names {at}")
+        except Exception as e:  # whatever is wrong with it, the worker reads the store instead
             log.warning("prefixvault: the payloads handed over for request %s could not be read: %s",
                         req_id, e)
             return None
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        payloads: dict[ObjectRef, memoryview] = {}
-        at = _HEADER.size + n
-        for ref, size in index:
-            payloads[ref] = data[at : at + size]
-            at += size
-        return payloads if at == len(data) else None
+        return payloads
 
     def drop(self, req_id: str) -> None:
         want = self._req(req_id)
@@ -261,7 +275,8 @@ def _sweep(root: Path) -> None:
     prefix = f"prefixvault-handoff-{os.getuid()}-"
     with contextlib.suppress(OSError):
         for entry in os.scandir(root):
-            pid = entry.name[len(prefix):].split("-")[0] if entry.name.startswith(prefix) else ""
+            name = entry.name.lstrip(".")  # (one made aside by a worker that died before it was in place)
+            pid = name[len(prefix):].split("-")[0] if name.startswith(prefix) else ""
             if pid.isdigit() and not _alive(int(pid)) and _private(Path(entry.path)):
                 shutil.rmtree(entry.path, ignore_errors=True)
 
@@ -269,38 +284,38 @@ def _sweep(root: Path) -> None:
 def serve_parent(engine_id: str, root: Path | None = None) -> SharedHandoff | None:
     """A worker in a child process of its scheduler's takes this engine's handoffs from now on;
     None if another live worker already serves the engine id to the same scheduler process
-    (then neither does), or the directory cannot be made ours."""
-    _sweep(root or SHARED_ROOT)
+    (then neither does), or the directory cannot be made ours. The directory appears whole
+    (made aside, with the worker's pid in it, then renamed into place)."""
+    base = root or SHARED_ROOT
+    _sweep(base)
     path = shared_dir(os.getppid(), engine_id, root)
     try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
+        aside = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=base))  # (0700)
+        (aside / _WORKER).write_text(str(os.getpid()))
+    except OSError as e:
+        log.warning("prefixvault: no mailbox for synchronous loads in %s (%s): loads stay asynchronous",
+                    base, e)
+        return None
+    for _ in range(2):
+        try:
+            os.rename(aside, path)
+            return SharedHandoff(path)
+        except OSError:  # there already: another worker's, or a dead one's
+            pass
         other = _worker_pid(path)
         if not _private(path):
-            return None
-        if other is not None and other != os.getpid() and _alive(other):
+            log.warning("prefixvault: %s is not this user's alone: loads stay asynchronous", path)
+            break
+        if (path / _REFUSED).exists() or (other is not None and other != os.getpid() and _alive(other)):
             with contextlib.suppress(OSError):
                 (path / _REFUSED).touch()
-            return None
-        for child in path.iterdir():  # a worker's that died: nothing in it is taken
-            with contextlib.suppress(OSError):
-                child.unlink()
-    except OSError as e:
-        log.warning("prefixvault: no mailbox for synchronous loads in %s (%s): loads stay asynchronous",
-                    path.parent, e)
-        return None
-    if not _private(path):
-        return None
-    try:
-        tmp = path / f".{_WORKER}"
-        tmp.write_text(str(os.getpid()))
-        os.rename(tmp, path / _WORKER)
-    except OSError as e:
-        log.warning("prefixvault: no mailbox for synchronous loads in %s (%s): loads stay asynchronous",
-                    path, e)
-        shutil.rmtree(path, ignore_errors=True)
-        return None
-    return SharedHandoff(path)
+            log.warning("prefixvault: two workers serve engine id %s to one process: neither takes "
+                        "synchronous loads (give each engine a kv_transfer_config engine_id of its own)",
+                        engine_id)
+            break
+        shutil.rmtree(path, ignore_errors=True)  # a worker's that died: nothing in it is taken
+    shutil.rmtree(aside, ignore_errors=True)
+    return None
 
 
 def withdraw_shared(handoff: SharedHandoff) -> None:
@@ -315,7 +330,7 @@ def withdraw_shared(handoff: SharedHandoff) -> None:
 
 
 def served_by_child(engine_id: str | None, root: Path | None = None) -> SharedHandoff | None:
-    """The engine's mailbox if a live worker in a child process of this one serves it."""
+    """The engine's mailbox if a worker that is a live child of this process serves it."""
     if engine_id is None:
         return None
     path = shared_dir(os.getpid(), engine_id, root)
@@ -324,8 +339,20 @@ def served_by_child(engine_id: str | None, root: Path | None = None) -> SharedHa
     pid = _worker_pid(path)
     if pid is None or pid == os.getpid() or not _alive(pid):
         return None
+    parent = _parent(pid)
+    if parent is not None and parent != os.getpid():  # a stale mailbox, its pid reused
+        return None
     # one writer per mailbox in this process: its tokens never repeat
     return _writers.setdefault(path, SharedHandoff(path))
+
+
+def close_shared(engine_id: str | None, root: Path | None = None) -> None:
+    """The scheduler's process stops: its engine's mailbox goes (also one two workers refused)."""
+    if engine_id is not None:
+        path = shared_dir(os.getpid(), engine_id, root)
+        _writers.pop(path, None)
+        if _private(path):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 _writers: dict[Path, SharedHandoff] = {}

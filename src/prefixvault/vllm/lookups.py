@@ -16,7 +16,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 from prefixvault.keys import ExtraKeys
-from prefixvault.vault import LookupResult, Miss, Vault
+from prefixvault.vault import LookupResult, Miss, ObjectRef, Vault
 from prefixvault.vllm.guard import Guard
 from prefixvault.vllm.handoff import Payloads
 from prefixvault.vllm.lane import Failure, Lane
@@ -152,39 +152,50 @@ class Lookups:
                 ahead.append((job, hashes, result))
             else:  # answered first: reading ahead for others never delays them
                 job.future.set_result((hashes, result, None))
-        for job, hashes, result in ahead:
-            job.future.set_result((hashes, result, self._read_ahead(job, hashes, result)))
+        for (job, hashes, result), payloads in zip(ahead, self._read_ahead(ahead), strict=True):
+            job.future.set_result((hashes, result, payloads))
         try:  # answered: now keep what the hits use fresh for the store's eviction
             self.vault.touch(touches)
         except Exception as e:  # the answers stand; a store error here costs freshness only
             log.debug("prefixvault: touching what a lookup found failed: %s", e)
 
-    def _read_ahead(self, job: LookupJob, hashes: list[bytes], result: LookupResult) -> Payloads | None:
-        """The verified objects the hit's load needs (rank 0, from ``read_from`` or ``min_tokens``),
-        in memory of their own (bytes counted in ``budget``, given back by whoever lets go of
-        them); None if the budget has no room for them or any could not be read. Best effort: the
-        hit stands either way (its load then reads them itself)."""
-        if self.budget is None or job.read_from is None:
-            return None
+    def _read_ahead(self, ahead: list[tuple[LookupJob, list[bytes], LookupResult]]) -> list[Payloads | None]:
+        """For each hit, the verified objects its load needs (rank 0, from ``read_from`` or
+        ``min_tokens``), in memory of their own (bytes counted in ``budget``, given back by
+        whoever lets go of them); None if the budget has no room for them or any could not be
+        read. Every hit's objects are read in one call (one round trip to a network store).
+        Best effort: the hits stand either way (their loads then read the objects themselves)."""
+        out: list[Payloads | None] = [None] * len(ahead)
+        if self.budget is None:
+            return out
         bs = self.vault.layout.block_size
-        since = job.read_from if result.hit > job.read_from else job.min_tokens
+        wanted: list[tuple[int, list[ObjectRef], int]] = []  # (index in ahead, refs, bytes taken)
+        for i, (job, hashes, result) in enumerate(ahead):
+            if job.read_from is None:
+                continue
+            since = job.read_from if result.hit > job.read_from else job.min_tokens
+            try:
+                refs = self.vault.needed(hashes[: result.hit // bs], result.hit, ranks=[0], since=since)
+            except Exception as e:  # ours: no read ahead for it
+                self.guard.failed("lookup", e)
+                continue
+            size = sum(self.vault.layout.groups[r.group].nbytes(0) for r in refs)
+            if self.budget.take(size):
+                wanted.append((i, refs, size))
+        if not wanted:
+            return out
+        every = list(dict.fromkeys(r for _, refs, _ in wanted for r in refs))
         try:
-            refs = self.vault.needed(hashes[: result.hit // bs], result.hit, ranks=[0], since=since)
-        except Exception as e:  # ours: no read ahead
-            self.guard.failed("lookup", e)
-            return None
-        size = sum(self.vault.layout.groups[r.group].nbytes(0) for r in refs)
-        if not self.budget.take(size):
-            return None
-        try:
-            loaded = self.vault.load(refs, borrow=False)  # kept past this call: never lent memory
-        except Exception as e:  # the store's or ours: the answer stands, its load reads later
-            self.budget.give(size)
-            log.debug("prefixvault: reading ahead %d objects failed: %s", len(refs), e)
-            return None
-        if any(r not in loaded.payloads for r in refs):
-            self.budget.give(size)
-            return None
-        payloads = {r: loaded.payloads[r] for r in refs}
-        self.budget.give(size - sum(len(p) for p in payloads.values()))  # (the same, by the layout)
-        return payloads
+            loaded = self.vault.load(every, borrow=False).payloads  # kept past this call: never lent memory
+        except Exception as e:  # the store's or ours: the answers stand, their loads read later
+            log.debug("prefixvault: reading ahead %d objects failed: %s", len(every), e)
+            loaded = {}
+        for i, refs, size in wanted:
+            if not all(r in loaded for r in refs):
+                self.budget.give(size)
+                continue
+            payloads = {r: loaded[r] for r in refs}
+            # (two hits naming one object share its bytes: each counts them, as each lets go)
+            self.budget.give(size - sum(len(p) for p in payloads.values()))  # (the same, by the layout)
+            out[i] = payloads
+        return out

@@ -136,10 +136,13 @@ class _Request:
     # Asked again for vLLM's agreed hit (``_matched``), once until vLLM allocates it blocks: the
     # divergent hit it was offered.
     asked_agreed: int = 0
-    # The verified payloads its lookup read ahead (``restore_in_step``), until its load is
-    # planned; and whether its hit was answered for a synchronous load (``_matched``).
+    # The verified payloads its lookup read ahead (one rank), until its load is planned; and
+    # whether its hit was answered for a synchronous load (``_matched``): then the mailbox
+    # token its bytes were handed over under, for a load from ``handed_from`` tokens.
     read_ahead: Payloads | None = None
     sync: bool = False
+    handed: int = 0
+    handed_from: int = 0
     # Its last output boundary, held by the workers until it finishes (output_boundaries: last);
     # its plans' KV blocks are checked against the request's blocks then.
     hold: SaveSpec | None = None
@@ -343,7 +346,7 @@ class SchedulerSide:
                 offer, since = self._offer(request, num_computed_tokens)
                 # a load starts at the offer where it is on KV loads wrote, else at the agreed hit
                 # (asked again for it); should the offer have moved when the answer is taken,
-                # ``_covers`` finds out and the load is asynchronous
+                # ``_hand_over`` finds out and the load is asynchronous
                 read_from = ((num_computed_tokens if offer is Offer.ON_RESTORED_KV else since)
                              if self._reads_ahead() else None)
                 st.lookup = self._lookups.submit(list(st.prompt), st.extra, list(st.hashes),
@@ -360,9 +363,13 @@ class SchedulerSide:
             if not done:
                 return None, False  # still in flight: vLLM asks again next step
         self._want_agreed.discard(request.request_id)
+        self._take_back(request.request_id, st)  # (asked again: handed over for an earlier answer)
         offer, agreed = self._offer(request, num_computed_tokens)
         if st.hit > num_computed_tokens and offer is not Offer.ON_COMPUTED_KV:
-            st.sync = self._covers(st, num_computed_tokens)
+            # handed over before the answer: a load promised synchronous has its bytes in the
+            # worker's mailbox (or none is promised)
+            st.handed = self._hand_over(request.request_id, st, num_computed_tokens)
+            st.sync, st.handed_from = st.handed > 0, num_computed_tokens
             if st.sync and self.state_groups:
                 # vLLM caches a synchronous load's blocks as it allocates them, before
                 # ``update_state_after_alloc``: the state it lands in is kept only if named now
@@ -395,13 +402,31 @@ class SchedulerSide:
         lookups' budget, set for one rank with ``restore_in_step``, bounds the bytes)."""
         return self._lookups is not None and self._lookups.budget is not None and self.handoff() is not None
 
-    def _covers(self, st: _Request, local: int) -> bool:
-        """Whether the request's load from ``local`` can be synchronous: a worker of this
-        process takes handoffs, and the payloads read ahead hold every object the load needs."""
-        if st.read_ahead is None or self.vault is None or self.handoff() is None:
-            return False
+    def _hand_over(self, req_id: str, st: _Request, local: int) -> int:
+        """Hand the worker the bytes of the request's load from ``local`` tokens, if the payloads
+        read ahead hold every object it needs and a worker takes handoffs: the mailbox token
+        (0: none handed over, the load is asynchronous)."""
+        mailbox = self.handoff()
+        if st.read_ahead is None or self.vault is None or mailbox is None:
+            return 0
         refs = self.vault.needed(self._hashes(st, st.hit), st.hit, ranks=[0], since=local)
-        return all(r in st.read_ahead for r in refs)
+        if not all(r in st.read_ahead for r in refs):
+            return 0
+        try:
+            # (for the step being built)
+            return mailbox.put(req_id, {r: st.read_ahead[r] for r in refs}, self._step + 1)
+        except OSError as e:  # (a worker in a child process: shared memory full) asynchronous
+            log.warning("prefixvault: request %s: its bytes could not be handed to the worker (%s); "
+                        "it restores one step later", req_id, e)
+            return 0
+
+    def _take_back(self, req_id: str, st: _Request) -> None:
+        """Bytes handed over for a synchronous load vLLM did not allocate: out of the mailbox."""
+        if st.handed:
+            mailbox = self.handoff()
+            if mailbox is not None:
+                mailbox.drop(req_id)
+        st.handed = 0
 
     def _hold_read_ahead(self, st: _Request, payloads: Payloads | None) -> None:
         """Keep the payloads a request's lookup read ahead, or (None) let go of those it kept
@@ -487,6 +512,7 @@ class SchedulerSide:
         st.asked_agreed = 0  # allocated: if vLLM asks again (a failed load, a preemption), afresh
         if num_external_tokens <= 0 or st.phase is not Phase.ANSWERED or not st.hit:
             self._hold_read_ahead(st, None)  # vLLM loads nothing for it (it may drop a hit)
+            self._take_back(request.request_id, st)
             st.sync = False
             return
         tokens = st.hit
@@ -499,14 +525,9 @@ class SchedulerSide:
             for g in self.attn_groups:  # handed out for this load just now: its bytes will be the store's
                 self._restored.loaded(g, block_ids[g][local // self.block_size:tokens // self.block_size])
         token = 0
-        if st.sync:  # vLLM took the load as synchronous: the worker of this process writes it
-            handoff, payloads, token = self.handoff(), st.read_ahead, UNHANDED
-            if handoff is not None and payloads is not None and self._covers(st, local):
-                try:
-                    token = handoff.put(request.request_id, payloads, self._step + 1)  # the step being built
-                except OSError as e:  # (a worker in a child process: shared memory full) read in the step
-                    log.warning("prefixvault: request %s: its bytes could not be handed to the worker (%s); "
-                                "it reads them from the store", request.request_id, e)
+        if st.sync:  # vLLM took the load as synchronous: the engine's worker writes it
+            # from the bytes handed over when it was answered (for a load from there)
+            token = st.handed if local == st.handed_from else UNHANDED
         # Invariant: the load is queued last; nothing after it raises (``fail_load`` would
         # otherwise queue a second one for the request).
         self._pending_loads.append(LoadSpec(request.request_id, hashes, tokens, local,
@@ -517,7 +538,7 @@ class SchedulerSide:
         st.loads += 1
         # If vLLM asks again (the load failed and the request restarts, or it was preempted),
         # look up afresh: a rejected object has been removed by then.
-        st.phase, st.hit, st.sync = Phase.NEW, 0, False
+        st.phase, st.hit, st.sync, st.handed = Phase.NEW, 0, False, 0
         self.counters.add(hit_tokens=num_external_tokens)
         log.info("prefixvault: request %s restores %d tokens from the store (%d local)%s",
                  request.request_id, num_external_tokens, local, ", in this step" if token else "")
@@ -538,14 +559,15 @@ class SchedulerSide:
                 with contextlib.suppress(Exception):
                     tables = tuple(list(b) for b in blocks.get_block_ids())
                     hashes = self._hashes(st, st.hit)
-                self._pending_loads.append(LoadSpec(rid, hashes, st.hit, st.hit - num_external_tokens, tables,
-                                                    in_step=UNHANDED))
+                local = st.hit - num_external_tokens
+                token = st.handed if st.handed and local == st.handed_from else UNHANDED
+                self._pending_loads.append(LoadSpec(rid, hashes, st.hit, local, tables, in_step=token))
             else:
                 self._pending_loads.append(LoadSpec(rid, [], num_external_tokens, 0, ()))
             if st is not None:  # asked again, it is computed: no loop of failing loads
                 self._hold_read_ahead(st, None)
                 st.loads, st.loaded, st.saved = MAX_LOADS_PER_REQUEST, 0, 0
-                st.phase, st.hit, st.sync = Phase.NEW, 0, False
+                st.phase, st.hit, st.sync, st.handed = Phase.NEW, 0, False, 0
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixVaultMetadata:
         self._step += 1
@@ -775,6 +797,7 @@ class SchedulerSide:
         if st is None:
             return False
         self._hold_read_ahead(st, None)
+        self._take_back(request.request_id, st)
         delay = False
         if st.hold is not None:  # an error here still frees the workers' hold, and keeps no block
             def dropped() -> bool:

@@ -35,7 +35,9 @@ COUNTERS: dict[str, str] = {
     "loads": "Loads run by a worker (each rank counts its own)",
     "loaded_tokens": "Tokens loaded from the store into the engine's blocks (each rank counts its own)",
     "loads_in_step": "Loads written before the forward of the step that restored them, from bytes the "
-                     "scheduler read ahead (restore_in_step, one rank)",
+                     "scheduler read ahead (one rank)",
+    "loads_in_step_read": "Of loads_in_step, those whose bytes were not handed over and were read from the "
+                          "store in the step (an error of ours, or shared memory full)",
     "saved_boundaries": "Boundaries whose objects a worker stored (each rank counts its own)",
     "saves_published": "Boundaries of a worker's saves published (a new record, or one already there)",
     "save_errors": "Boundaries whose objects could not all be stored",

@@ -159,6 +159,7 @@ class WorkerCounters:
     load_failures: int = 0
     loaded_tokens: int = 0
     loads_in_step: int = 0  # synchronous loads written (``vllm/handoff.py``), among ``loads``
+    loads_in_step_read: int = 0  # of those, read from the store in the step (not handed over)
     failure_reasons: dict[str, int] = field(default_factory=dict)  # failed loads, by ``LoadFailure``
     save_dropped: dict[str, int] = field(default_factory=dict)  # saves not stored, by ``SaveDrop``
     # Invariant: every change of a number goes through ``add``, under this lock (the engine's
@@ -683,7 +684,8 @@ class WorkerSide:
             if any(g.is_state and i not in named for i, g in enumerate(self.layout.groups)):
                 raise RuntimeError(f"request {spec.req_id}: a synchronous load naming no running state block")
             payloads: Any = handed
-            if payloads is None or any(r not in payloads for r in refs):
+            read = payloads is None or any(r not in payloads for r in refs)
+            if read:
                 assert self.vault is not None
                 loaded = self.vault.load(refs, borrow=False)
                 if loaded.failed:
@@ -705,7 +707,8 @@ class WorkerSide:
             store = isinstance(e, StoreError)
             self._unwritten(spec, LoadFailure.STORE_ERROR if store else LoadFailure.INTERNAL_ERROR)
             return
-        self.counters.add(loads=1, loads_in_step=1, loaded_tokens=spec.tokens - spec.local_tokens)
+        self.counters.add(loads=1, loads_in_step=1, loads_in_step_read=int(read),
+                          loaded_tokens=spec.tokens - spec.local_tokens)
 
     def _unwritten(self, spec: LoadSpec, reason: LoadFailure) -> None:
         """A synchronous load not written: its blocks are reported unloaded (vLLM recomputes
