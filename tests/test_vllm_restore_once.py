@@ -88,7 +88,7 @@ def test_a_restore_over_a_local_store_runs_its_first_chunk_in_the_step_that_rest
     c = runs.consumer
     assert _first_chunk(c, 0) == (1, PREFIX), "Y1 (asked in step 1) did not start at P in step 1"
     assert c.metrics.get("loads_in_step") == c.metrics.get("loads"), c.metrics
-    assert c.metrics.get("loads_in_step_read") == 0, c.metrics  # from the bytes handed over
+    assert c.metrics.get("loads_in_step_read", 0) == 0, c.metrics  # from the bytes handed over
     # the next request arrives once Y1 finished, and is a local hit: it starts at once
     last = max(ch.step for ch in c.chunks if ch.req == 0)
     assert _first_chunk(c, 1) == (last + 1, PREFIX)
@@ -98,7 +98,7 @@ def test_a_worker_in_a_child_process_also_restores_in_the_step(runs: Runs) -> No
     c = runs.child_worker
     assert _first_chunk(c, 0) == (1, PREFIX), "Y1 (asked in step 1) did not start at P in step 1"
     assert c.metrics.get("loads_in_step") == c.metrics.get("loads") == 1, c.metrics
-    assert c.metrics.get("loads_in_step_read") == 0, c.metrics  # handed over through shared memory
+    assert c.metrics.get("loads_in_step_read", 0) == 0, c.metrics  # handed over through shared memory
     assert identical(runs.producer.completions[1], c.completions[0]), "Y1 parts from cold"
 
 
