@@ -1,12 +1,12 @@
-"""Verified bytes a scheduler read for a load, handed to the worker of its own process.
+"""Verified bytes a scheduler read for a load, handed to its engine's one worker.
 
 A load vLLM runs before the step's forward (a synchronous load, ``(n, False)``) lets the
 request's first chunk run in the step that restores it; but vLLM has no way back from a
 synchronous load that fails on a hybrid model (0.32-0.34). So the scheduler side answers a
 restore synchronously only when it already holds every object the load needs, read from the
-store and verified on its lookup lane, and a worker in its own process will write them: then
-the worker's part is a copy of bytes in hand into blocks vLLM allocated, which a store cannot
-fail. Everywhere else (several ranks) loads stay asynchronous.
+store and verified on its lookup lane, and handed to the worker that will write them before it
+answers: then the worker's part is a copy of bytes in hand into blocks vLLM allocated, which a
+store cannot fail. Everywhere else (several ranks, other executors) loads stay asynchronous.
 
 The worker is in the scheduler's process (vLLM's in-process executor: ``Handoff``, a mailbox in
 memory) or, with vLLM's multiprocessing executor at one rank (vLLM CPU's servers always), a
