@@ -212,6 +212,35 @@ def test_a_worker_whose_tensors_do_not_match_is_inert_not_dead(monkeypatch: pyte
     assert conn.build_connector_worker_meta() is not None  # the save is settled: no lookup held for it
 
 
+@pytest.mark.parametrize("backend,mailbox", [("mp", "SharedHandoff"), ("uni", "Handoff"), (None, "Handoff"),
+                                             ("ray", None)])
+def test_a_worker_takes_synchronous_loads_through_the_mailbox_its_executor_allows(
+        monkeypatch: pytest.MonkeyPatch, backend: str | None, mailbox: str | None) -> None:
+    """One rank: in the scheduler's process (``uni``, vLLM's default there) a mailbox in memory;
+    a child of it (``mp``, vLLM CPU's servers) one in shared memory, gone when the worker
+    stops; anywhere else (ray) none: its loads stay asynchronous."""
+    import vllm.distributed.parallel_state as parallel_state
+
+    from prefixvault.vllm.connector import PrefixVaultConnector
+    from prefixvault.vllm.handoff import SharedHandoff
+
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
+    spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=BF16)
+    config = _vllm_config()
+    config.kv_transfer_config.engine_id = f"compat-mailbox-{backend}"
+    config.parallel_config.distributed_executor_backend = backend
+    conn = PrefixVaultConnector(config, KVConnectorRole.WORKER, _config((["a"], spec)))
+    assert conn.worker is not None
+    conn.register_kv_caches({"a": torch.zeros(64, 2, 16, 16, dtype=BF16)})
+    assert not conn.guard.errors.get("register_kv_caches")
+    handoff = conn.worker.handoff
+    assert (type(handoff).__name__ if handoff is not None else None) == mailbox
+    conn.shutdown()
+    assert conn.worker.handoff is None
+    if isinstance(handoff, SharedHandoff):
+        assert not handoff.path.exists()
+
+
 def test_every_figure_the_connector_reports_is_a_metric_it_exports(monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 32: figures were counted and never exported, and one name meant two things. Each
     key the connector reports (both roles, every labelled kind filled) names an exported metric
