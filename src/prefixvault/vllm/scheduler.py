@@ -136,16 +136,20 @@ class _Request:
     # Asked again for vLLM's agreed hit (``_matched``), once until vLLM allocates it blocks: the
     # divergent hit it was offered.
     asked_agreed: int = 0
-    # The verified payloads its lookup read ahead (one rank), until its load is planned; and
-    # whether its hit was answered for a synchronous load (``_matched``): then the mailbox
-    # token its bytes were handed over under, for a load from ``handed_from`` tokens.
+    # The verified payloads its lookup read ahead (one rank), until its load is planned; and,
+    # where its hit was answered for a synchronous load (``_matched``), the mailbox token its
+    # bytes were handed over under (0: none), for a load from ``handed_from`` tokens.
     read_ahead: Payloads | None = None
-    sync: bool = False
     handed: int = 0
     handed_from: int = 0
     # Its last output boundary, held by the workers until it finishes (output_boundaries: last);
     # its plans' KV blocks are checked against the request's blocks then.
     hold: SaveSpec | None = None
+
+    @property
+    def sync(self) -> bool:
+        """Whether its hit was answered for a synchronous load (its bytes handed over)."""
+        return self.handed > 0
 
 
 class Offer(StrEnum):
@@ -215,9 +219,9 @@ class SchedulerSide:
         self._cache_manager: Any = None
         self._reqs: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
-        # Synchronous loads (``vllm/handoff.py``): where the worker of this process takes the
-        # payloads (None: every load is asynchronous); the bytes read ahead for them are bounded
-        # by the lookups' ``ReadAheadBudget`` (one rank, ``restore_in_step`` only).
+        # Synchronous loads (``vllm/handoff.py``): the mailbox of the engine's worker, in this
+        # process or a child of it (None: every load is asynchronous); the bytes read ahead for
+        # them are bounded by the lookups' ``ReadAheadBudget`` (one rank, ``restore_in_step`` only).
         self.handoff: Callable[[], Mailbox | None] = lambda: None
         self._step = 0
         self.counters = SchedulerCounters()
@@ -369,7 +373,7 @@ class SchedulerSide:
             # handed over before the answer: a load promised synchronous has its bytes in the
             # worker's mailbox (or none is promised)
             st.handed = self._hand_over(request.request_id, st, num_computed_tokens)
-            st.sync, st.handed_from = st.handed > 0, num_computed_tokens
+            st.handed_from = num_computed_tokens
             if st.sync and self.state_groups:
                 # vLLM caches a synchronous load's blocks as it allocates them, before
                 # ``update_state_after_alloc``: the state it lands in is kept only if named now
@@ -379,7 +383,6 @@ class SchedulerSide:
             return st.hit - num_computed_tokens, not st.sync
         if offer is Offer.AGREED or st.hit <= agreed or st.asked_agreed:
             self._hold_read_ahead(st, None)  # nothing to load
-            st.sync = False
             return 0, False  # vLLM computes from the hit every group holds (it reconciles to it)
         # The store holds a boundary past vLLM's agreed hit that this divergent offer cannot
         # use (on KV this engine computed, or past the boundary): asked again, once, with
@@ -513,7 +516,6 @@ class SchedulerSide:
         if num_external_tokens <= 0 or st.phase is not Phase.ANSWERED or not st.hit:
             self._hold_read_ahead(st, None)  # vLLM loads nothing for it (it may drop a hit)
             self._take_back(request.request_id, st)
-            st.sync = False
             return
         tokens = st.hit
         local = tokens - num_external_tokens
@@ -538,7 +540,7 @@ class SchedulerSide:
         st.loads += 1
         # If vLLM asks again (the load failed and the request restarts, or it was preempted),
         # look up afresh: a rejected object has been removed by then.
-        st.phase, st.hit, st.sync, st.handed = Phase.NEW, 0, False, 0
+        st.phase, st.hit, st.handed = Phase.NEW, 0, 0
         self.counters.add(hit_tokens=num_external_tokens)
         log.info("prefixvault: request %s restores %d tokens from the store (%d local)%s",
                  request.request_id, num_external_tokens, local, ", in this step" if token else "")
@@ -567,7 +569,7 @@ class SchedulerSide:
             if st is not None:  # asked again, it is computed: no loop of failing loads
                 self._hold_read_ahead(st, None)
                 st.loads, st.loaded, st.saved = MAX_LOADS_PER_REQUEST, 0, 0
-                st.phase, st.hit, st.sync, st.handed = Phase.NEW, 0, False, 0
+                st.phase, st.hit, st.handed = Phase.NEW, 0, 0
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixVaultMetadata:
         self._step += 1
