@@ -40,7 +40,7 @@ import torch
 
 from prefixvault.blockio import DEVICE_BUFFER_BYTES, GroupIO
 from prefixvault.staging import StagingRing
-from prefixvault.vllm.views import group_ios, rebuild
+from prefixvault.vllm.kernel_blocks import group_ios, rebuild
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 0.8  # bandwidth against a plain pinned copy of the same bytes (reported, not a failure)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from prefixvault.blockio import GroupIO, Lanes
+from prefixvault.blockio import CopyStreams, GroupIO
 from prefixvault.scenarios.cache_layouts import LAYOUTS, attention_layers, fill_random, state_layers
 
 BLOCKS = 12
@@ -108,7 +108,7 @@ def test_the_device_bench_runs_and_checks_bytes_on_cpu() -> None:
 
 def test_device_buffers_are_for_cuda_and_a_cpu_copy_is_one_piece() -> None:
     with pytest.raises(ValueError, match="for CUDA"):
-        Lanes.allocate(torch.device("cpu"), [10])
+        CopyStreams.allocate(torch.device("cpu"), [10])
     io = GroupIO(state_layers(1, BLOCKS, (4,)))
     assert io.pieces(7) == 1 and io.pieces(0) == 0
 
@@ -116,7 +116,7 @@ def test_device_buffers_are_for_cuda_and_a_cpu_copy_is_one_piece() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_on_cuda_the_groups_share_one_bounded_buffer_per_direction_allocated_at_registration() -> None:
     from prefixvault.blockio import DEVICE_BUFFER_BYTES
-    from prefixvault.vllm.views import group_ios
+    from prefixvault.vllm.kernel_blocks import group_ios
 
     big = attention_layers("LBNHC", 2, BLOCKS, 2, 16, 4096, torch.bfloat16, "cuda")  # 512 KiB objects
     small = state_layers(2, BLOCKS, (64,), torch.float32, "cuda")
@@ -124,7 +124,7 @@ def test_on_cuda_the_groups_share_one_bounded_buffer_per_direction_allocated_at_
     caches = {"a0": big[0], "a1": big[1], "s0": small[0], "s1": small[1]}
     ios = group_ios(caches, [["a0", "a1"], ["s0", "s1"]])
     assert torch.cuda.memory_allocated() - before == 2 * DEVICE_BUFFER_BYTES  # not per group, not later
-    assert ios[0]._lanes is ios[1]._lanes
+    assert ios[0]._streams is ios[1]._streams
     assert ios[0].pieces(BLOCKS) == 1
     ids = [3, 1, 7]
     out = torch.empty(3, ios[0].object_bytes, dtype=torch.uint8, pin_memory=True)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from prefixvault.vllm.views import group_ios, rebuild
+from prefixvault.vllm.kernel_blocks import group_ios, rebuild
 
 pytest.importorskip("vllm.v1.worker.utils")
 

@@ -1,4 +1,4 @@
-"""Synchronous loads (``vllm/handoff.py``): the lookup reads a hit's objects ahead, the scheduler
+"""Synchronous loads (``vllm/mailbox.py``): the lookup reads a hit's objects ahead, the scheduler
 hands them to the worker of its own process, and the worker writes them before the step's
 forward, the state also into the running blocks vLLM's pre-copy would have read it for. Real
 vault, store and CPU tensors; no engine (the contract suite drives vLLM's scheduler)."""
@@ -9,13 +9,13 @@ import numpy as np
 import torch
 from test_vault import fill, layout
 
+from prefixvault.guard import Guard
 from prefixvault.keys import ExtraKeys
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
-from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.handoff import Handoff, serve, served, withdraw
 from prefixvault.vllm.lookups import Lookups, ReadAheadBudget
-from prefixvault.vllm.metadata import UNHANDED, LoadSpec
+from prefixvault.vllm.mailbox import Mailboxes, MemoryMailbox
+from prefixvault.vllm.metadata import LoadMode, LoadSpec
 from prefixvault.vllm.worker import WorkerSide
 
 TOKENS = list(range(64))
@@ -31,7 +31,7 @@ def _worker(vault: Vault, caches: dict[str, torch.Tensor]) -> WorkerSide:
     """A worker writing loads into ``caches``, taking synchronous loads' bytes from a mailbox."""
     worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], load_in_step=True)
     worker.register_kv_caches(caches)
-    worker.handoff = Handoff()
+    worker.handoff = MemoryMailbox()
     return worker
 
 
@@ -86,7 +86,8 @@ def test_a_synchronous_load_is_written_at_once_its_state_also_into_the_blocks_na
     payloads = vault.load(vault.needed(hashes[:5], 40, ranks=[0]), borrow=False).payloads
     assert worker.handoff is not None
     token = worker.handoff.put("r", payloads, step=3)
-    spec = LoadSpec("r", hashes[:5], 40, 0, TABLE, in_step=token, state_copies=[(2, 7), (2, 11), (2, 12)])
+    spec = LoadSpec("r", hashes[:5], 40, 0, TABLE, mode=LoadMode.HANDED_OVER, token=token,
+                    state_copies=[(2, 7), (2, 11), (2, 12)])
     worker.load([spec], step=3)
     # written before load() returned, on the engine's thread; never reported to vLLM as a transfer
     assert np.all(caches["a"][1].numpy() == 1.5) and np.all(caches["a"][5].numpy() == 5.5)
@@ -102,16 +103,17 @@ def test_a_synchronous_load_is_written_at_once_its_state_also_into_the_blocks_na
 
 
 def test_a_synchronous_load_whose_bytes_were_not_handed_over_reads_them_in_the_step() -> None:
-    """An error of ours on the scheduler's side (``UNHANDED``), or payloads put for another
+    """An error of ours on the scheduler's side (``READ_IN_STEP``), or payloads put for another
     token: the worker reads the objects from the store itself, before the forward."""
     vault = Vault(MemoryStore(), layout())
     fill(vault, TOKENS, [16, 40])
     caches = _caches()
     worker = _worker(vault, caches)
     hashes = vault.hashes(TOKENS[:41])
-    worker.load([LoadSpec("r", hashes[:5], 40, 16, TABLE, in_step=UNHANDED, state_copies=[(2, 11)]),
+    worker.load([LoadSpec("r", hashes[:5], 40, 16, TABLE, mode=LoadMode.READ_IN_STEP,
+                          state_copies=[(2, 11)]),
                  LoadSpec("q", hashes[:5], 40, 0, ([1, 2, 3, 4, 5], [9, 9, 9, 9, 6], [0, 0, 0, 0, 12]),
-                          in_step=7, state_copies=[(2, 13)])], step=1)
+                          mode=LoadMode.HANDED_OVER, token=7, state_copies=[(2, 13)])], step=1)
     assert np.all(caches["a"][5].numpy() == 5.5) and np.all(caches["a"][1].numpy() == 1.5)
     for block in (7, 11, 12, 13):
         assert np.all(caches["s"][block].numpy() == 240.5)
@@ -131,9 +133,10 @@ def test_a_synchronous_load_that_cannot_be_written_is_reported_as_unloaded_block
     worker = _worker(vault, caches)
     hashes = vault.hashes(TOKENS[:41])
     lost = vault.hashes(list(range(100, 141)))  # nothing stored
-    worker.load([LoadSpec("lost", lost[:5], 40, 16, TABLE, in_step=UNHANDED, state_copies=[(2, 11)]),
+    worker.load([LoadSpec("lost", lost[:5], 40, 16, TABLE, mode=LoadMode.READ_IN_STEP,
+                          state_copies=[(2, 11)]),
                  LoadSpec("unnamed", hashes[:5], 40, 0, ([1, 2, 3, 4, 5], [9, 9, 9, 9, 6], [0, 0, 0, 0, 8]),
-                          in_step=UNHANDED)],
+                          mode=LoadMode.READ_IN_STEP)],
                 step=1)
     # lost: KV blocks past its 16 local tokens (both attention groups) and its state block;
     # unnamed: its own
@@ -147,7 +150,7 @@ def test_a_synchronous_load_that_cannot_be_written_is_reported_as_unloaded_block
 
 
 def test_payloads_of_a_step_no_load_took_are_let_go() -> None:
-    handoff = Handoff()
+    handoff = MemoryMailbox()
     first = handoff.put("a", {}, step=1)
     second = handoff.put("b", {}, step=2)
     assert handoff.take("b", second, step=2) == {}
@@ -158,18 +161,19 @@ def test_payloads_of_a_step_no_load_took_are_let_go() -> None:
 
 
 def test_only_an_engine_whose_worker_serves_handoffs_gets_synchronous_loads() -> None:
-    assert served("engine-x") is None and served(None) is None
-    handoff = serve("engine-x")
-    assert handoff is not None and served("engine-x") is handoff
-    withdraw("engine-x", Handoff())  # another worker's: not this one's to withdraw
-    assert served("engine-x") is handoff
-    withdraw("engine-x", handoff)
-    assert served("engine-x") is None
+    assert Mailboxes.find("engine-x") is None and Mailboxes.find(None) is None
+    handoff = Mailboxes.serve("engine-x", "uni")
+    assert handoff is not None and Mailboxes.find("engine-x") is handoff
+    MemoryMailbox("engine-x").withdraw()  # another worker's: not this one's to withdraw
+    assert Mailboxes.find("engine-x") is handoff
+    handoff.withdraw()
+    assert Mailboxes.find("engine-x") is None
+    assert Mailboxes.serve("engine-x", "ray") is None  # a worker of another executor: none
 
 
 def test_an_engine_id_two_workers_of_one_process_serve_is_served_by_neither() -> None:
     """Two engines built from one ``KVTransferConfig`` share vLLM's engine id: their schedulers
     could not tell whose worker takes their bytes, so both restore asynchronously."""
-    first = serve("engine-y")
-    assert first is not None and serve("engine-y") is None
-    assert served("engine-y") is None
+    first = Mailboxes.serve("engine-y", None)
+    assert first is not None and Mailboxes.serve("engine-y", "uni") is None
+    assert Mailboxes.find("engine-y") is None

@@ -13,10 +13,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixvault.guard import Guard
+from prefixvault.lane import Failure, Lane
 from prefixvault.stores.base import StoreUnavailable
 from prefixvault.stores.breaker import BreakerOpen
-from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.lane import Failure, Lane
 
 
 class Owner:

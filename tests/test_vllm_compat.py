@@ -212,8 +212,8 @@ def test_a_worker_whose_tensors_do_not_match_is_inert_not_dead(monkeypatch: pyte
     assert conn.build_connector_worker_meta() is not None  # the save is settled: no lookup held for it
 
 
-@pytest.mark.parametrize("backend,mailbox", [("mp", "SharedHandoff"), ("uni", "Handoff"), (None, "Handoff"),
-                                             ("ray", None)])
+@pytest.mark.parametrize("backend,mailbox", [("mp", "SharedMailbox"), ("uni", "MemoryMailbox"),
+                                             (None, "MemoryMailbox"), ("ray", None)])
 def test_a_worker_takes_synchronous_loads_through_the_mailbox_its_executor_allows(
         monkeypatch: pytest.MonkeyPatch, backend: str | None, mailbox: str | None) -> None:
     """One rank: in the scheduler's process (``uni``, vLLM's default there) a mailbox in memory;
@@ -222,7 +222,7 @@ def test_a_worker_takes_synchronous_loads_through_the_mailbox_its_executor_allow
     import vllm.distributed.parallel_state as parallel_state
 
     from prefixvault.vllm.connector import PrefixVaultConnector
-    from prefixvault.vllm.handoff import SharedHandoff
+    from prefixvault.vllm.mailbox import SharedMailbox
 
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
     spec = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=8, dtype=BF16)
@@ -237,7 +237,7 @@ def test_a_worker_takes_synchronous_loads_through_the_mailbox_its_executor_allow
     assert (type(handoff).__name__ if handoff is not None else None) == mailbox
     conn.shutdown()
     assert conn.worker.handoff is None
-    if isinstance(handoff, SharedHandoff):
+    if isinstance(handoff, SharedMailbox):
         assert not handoff.path.exists()
 
 
@@ -248,8 +248,8 @@ def test_every_figure_the_connector_reports_is_a_metric_it_exports(monkeypatch: 
     import vllm.distributed.parallel_state as parallel_state
 
     from prefixvault.boundary import Refusal
+    from prefixvault.lane import Failure
     from prefixvault.vllm.connector import PrefixVaultConnector
-    from prefixvault.vllm.lane import Failure
     from prefixvault.vllm.stats import COUNTERS, LABELLED
 
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_rank", lambda: 0)
@@ -261,15 +261,15 @@ def test_every_figure_the_connector_reports_is_a_metric_it_exports(monkeypatch: 
         for name in ("rejected", "misses", "refused"):
             conn.vault.counters.tally(name, "x")
         if conn.scheduler is not None:
-            conn.scheduler.counters.refused[Refusal.STALE.value] = 1
-            conn.scheduler.counters.holds_dropped["preempted"] = 1
+            conn.scheduler.counters.tally("refused", Refusal.STALE)
+            conn.scheduler.counters.tally("holds_dropped", "preempted")
         if conn.worker is not None:
-            conn.worker.counters.save_dropped["staging_full"] = 1
-            conn.worker.counters.failure_reasons["missing"] = 1
+            conn.worker.counters.tally("save_dropped", "staging_full")
+            conn.worker.counters.tally("failure_reasons", "missing")
         lanes = conn.scheduler.lanes if conn.scheduler else []
         for lane in [*lanes, *(conn.worker.lanes if conn.worker else [])]:
             lane.counters.add(jobs=1, batches=1)
-            lane.counters.tally(Failure.TIMEOUT)
+            lane.counters.tally("failed", Failure.TIMEOUT)
         keys |= set(conn._totals())
         conn.shutdown()
     for key in keys:

@@ -20,7 +20,7 @@ import torch
 
 from prefixvault.blockio import GroupIO
 from prefixvault.scenarios.cache_layouts import SMALL, VllmCache, vllm_cache
-from prefixvault.vllm.views import describe, group_ios, manager_view, rebuild
+from prefixvault.vllm.kernel_blocks import describe, group_ios, manager_view, rebuild
 
 pytest.importorskip("vllm.v1.worker.utils")
 

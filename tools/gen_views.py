@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from prefixvault.scenarios.cache_layouts import QWEN3_NEXT_80B_TP1, SMALL, VllmCache, vllm_cache
-from prefixvault.vllm.views import describe
+from prefixvault.vllm.kernel_blocks import describe
 
 DEFAULT = Path(__file__).resolve().parents[1] / "tests" / "data" / "vllm_views.json"
 LAYOUTS = ("LBNHC", "LBHNC", "BLHNC", "BLNHC")

@@ -8,7 +8,7 @@ BLHNC, ...), so a consumer on another layout reads what a producer wrote; where 
 are one run in logical order (LBHNC, BLHNC: ``block_compact`` layers), a block is one copy.
 
 vLLM hands one tensor per layer whose first dimension is the block (its logical shape); its
-strides carry the physical layout (``prefixvault.vllm.views`` regroups kernel-block-split views
+strides carry the physical layout (``prefixvault.vllm.kernel_blocks`` regroups kernel-block-split views
 to manager blocks first). This module needs nothing else, and imports no vLLM: the same code
 runs in the connector and in ``bench/gpu_check.py`` on a machine without vLLM.
 
@@ -28,7 +28,7 @@ recompute into the blocks.
 
 Device memory (vLLM sizes its KV cache before any connector copies, so ours must be small and
 known at start): the cache groups of one worker share one side stream and one device buffer
-per direction (``Lanes``), allocated once when the caches are registered. Each buffer is
+per direction (``CopyStreams``), allocated once when the caches are registered. Each buffer is
 ``DEVICE_BUFFER_BYTES`` (32 MiB), or one object of the worker's largest group where that is
 larger: 64 MiB of device memory per worker in all for a model such as Qwen3-Next-80B (objects
 of 12.75 MiB). Larger copies go through the buffer in pieces; the engine's stream is then held
@@ -61,7 +61,7 @@ class Done:
             self._event.synchronize()
 
 
-class Lane:
+class CopyStream:
     """One direction's side stream and device buffer (CUDA only). Copies are queued on it one
     after another (under ``lock``), so every group of a worker can use the same buffer: stream
     order keeps a piece's bytes until its last reader ran."""
@@ -81,21 +81,21 @@ class Lane:
 
 
 @dataclass(frozen=True)
-class Lanes:
-    """The save and load lanes of one worker's groups on one CUDA device."""
+class CopyStreams:
+    """The save and load copy streams of one worker's groups on one CUDA device."""
 
-    save: Lane
-    load: Lane
+    save: CopyStream
+    load: CopyStream
 
     @classmethod
     def allocate(cls, device: torch.device, object_bytes: Iterable[int],
-                 budget: int = DEVICE_BUFFER_BYTES) -> Lanes:
+                 budget: int = DEVICE_BUFFER_BYTES) -> CopyStreams:
         """Both directions' buffers, now: ``budget`` bytes each, or one object of the largest
         group where that is more (an out-of-memory shows at start, not at the first save)."""
         if device.type != "cuda":
             raise ValueError(f"prefixvault: side streams and device buffers are for CUDA, not {device}")
         size = max([budget, *object_bytes])
-        return cls(Lane(device, size), Lane(device, size))
+        return cls(CopyStream(device, size), CopyStream(device, size))
 
     @property
     def nbytes(self) -> int:
@@ -129,8 +129,8 @@ class GroupIO:
     bytes, scatter host bytes back into blocks."""
 
     def __init__(self, layers: Sequence[torch.Tensor], names: Sequence[str] | None = None,
-                 lanes: Lanes | None = None) -> None:
-        """``lanes``: the side streams and device buffers this group shares with the worker's
+                 streams: CopyStreams | None = None) -> None:
+        """``streams``: the side streams and device buffers this group shares with the worker's
         other groups (CUDA); without, the group gets its own."""
         if not layers:
             raise ValueError("prefixvault: a cache group without layers")
@@ -143,16 +143,17 @@ class GroupIO:
         self.num_blocks = min(t.shape[0] for t in layers)
         self.object_bytes = sum(lay.page for lay in self.layers)
         self._cuda = self.device.type == "cuda"
-        self._lanes: Lanes | None = None
+        self._streams: CopyStreams | None = None
         #: Objects per piece through the device buffer (a test may lower it to force pieces).
         self.piece_rows = 1
         if self._cuda:
-            if lanes is None:
-                lanes = Lanes.allocate(self.device, [self.object_bytes])
-            if lanes.save.device != self.device:
-                raise ValueError(f"prefixvault: lanes on {lanes.save.device} for a group on {self.device}")
-            self._lanes = lanes
-            self.piece_rows = min(lanes.save.rows(self.object_bytes), lanes.load.rows(self.object_bytes))
+            if streams is None:
+                streams = CopyStreams.allocate(self.device, [self.object_bytes])
+            if streams.save.device != self.device:
+                raise ValueError(f"prefixvault: copy streams on {streams.save.device} for a group on "
+                                 f"{self.device}")
+            self._streams = streams
+            self.piece_rows = min(streams.save.rows(self.object_bytes), streams.load.rows(self.object_bytes))
 
     def mark(self) -> Any:
         """On the engine's thread: an event after the work queued so far on its stream (None
@@ -166,9 +167,9 @@ class GroupIO:
     def pieces(self, n: int) -> int:
         """How many pieces a copy of ``n`` objects goes in (through the device buffer; one
         off CUDA, where blocks are copied straight to and from host memory)."""
-        if self._lanes is None or n <= 0:
+        if self._streams is None or n <= 0:
             return 1 if n > 0 else 0
-        rows = max(1, min(self.piece_rows, self._lanes.save.rows(self.object_bytes)))
+        rows = max(1, min(self.piece_rows, self._streams.save.rows(self.object_bytes)))
         return -(-n // rows)
 
     @property
@@ -215,20 +216,20 @@ class GroupIO:
             off += lay.page
 
     def _gather_cuda(self, block_ids: Sequence[int], out: torch.Tensor) -> Done:
-        assert self._lanes is not None
-        lane = self._lanes.save
+        assert self._streams is not None
+        copies = self._streams.save
         engine = torch.cuda.current_stream(self.device)
-        side = lane.stream
-        rows = max(1, min(self.piece_rows, lane.rows(self.object_bytes)))
+        side = copies.stream
+        rows = max(1, min(self.piece_rows, copies.rows(self.object_bytes)))
         gathered: Any = None
-        with lane.lock, torch.cuda.device(self.device), torch.cuda.stream(side):
+        with copies.lock, torch.cuda.device(self.device), torch.cuda.stream(side):
             try:
                 side.wait_stream(engine)  # the forward that wrote these blocks
                 for start in range(0, len(block_ids), rows):
                     ids = block_ids[start : start + rows]
                     idx = torch.tensor(ids, dtype=torch.long, pin_memory=True)
                     idx = idx.to(self.device, non_blocking=True)
-                    buf = lane.view(len(ids), self.object_bytes)
+                    buf = copies.view(len(ids), self.object_bytes)
                     off = 0
                     for lay in self.layers:
                         src = lay.flat if lay.flat is not None else lay.tensor
@@ -276,13 +277,13 @@ class GroupIO:
         self._scatter_cuda(block_ids, src, after)
 
     def _scatter_cuda(self, block_ids: Sequence[int], src: torch.Tensor, after: Any) -> None:
-        assert self._lanes is not None
-        lane = self._lanes.load
-        side = lane.stream
-        rows = max(1, min(self.piece_rows, lane.rows(self.object_bytes)))
+        assert self._streams is not None
+        copies = self._streams.load
+        side = copies.stream
+        rows = max(1, min(self.piece_rows, copies.rows(self.object_bytes)))
         pinned = src.is_pinned()
         # The device context: a load thread that never chose one must not touch device 0.
-        with lane.lock, torch.cuda.device(self.device), torch.cuda.stream(side):
+        with copies.lock, torch.cuda.device(self.device), torch.cuda.stream(side):
             try:
                 if after is not None:
                     side.wait_event(after)
@@ -290,7 +291,7 @@ class GroupIO:
                     ids = block_ids[start : start + rows]
                     idx = torch.tensor(ids, dtype=torch.long, pin_memory=True)
                     idx = idx.to(self.device, non_blocking=True)
-                    buf = lane.view(len(ids), self.object_bytes)
+                    buf = copies.view(len(ids), self.object_bytes)
                     buf.copy_(src[start : start + len(ids)], non_blocking=pinned)
                     off = 0
                     for lay in self.layers:

@@ -16,7 +16,7 @@ a reference that computed the same chunks, bit for bit:
 
 Where vLLM CPU cannot run a layout at the step size asked (Mamba2 layers need one block per
 step), repro runs it at one block per step and says why. ``--control`` adds a negative control:
-a consumer that restores a deliberately wrong state (``vllm/control.py``) must diverge, or the
+a consumer that restores a deliberately wrong state (``vllm/negative_control.py``) must diverge, or the
 model cannot judge a wrong state.
 """
 
@@ -43,7 +43,7 @@ from prefixvault.scenarios.engine import (
 )
 
 #: The negative control's connector (``--control``), and the line it logs per state it zeroes.
-CONTROL_CONNECTOR = ("PrefixVaultControlConnector", "prefixvault.vllm.control")
+CONTROL_CONNECTOR = ("PrefixVaultControlConnector", "prefixvault.vllm.negative_control")
 ZEROED_LINE = "prefixvault: negative control: zeroed"
 
 #: Engine arguments for a real checkpoint given with --model (the report's settings).

@@ -25,7 +25,6 @@ import contextlib
 import json
 import os
 import socket
-import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Generator, Iterable, Sequence
@@ -46,6 +45,7 @@ from prefixvault.codec import (
     encode,
 )
 from prefixvault.codec import VERSION as CODEC_VERSION
+from prefixvault.counters import Counters
 from prefixvault.coverage import Coverage
 from prefixvault.denylist import DENY_REFRESH_S, DENY_TTL_S, DenyList
 from prefixvault.hotset import HotSet
@@ -131,8 +131,9 @@ class LookupResult:
 
 
 @dataclass
-class VaultCounters:
-    """What the vault did; adapters export these as engine metrics."""
+class VaultCounters(Counters):
+    """What the vault did; adapters export these as engine metrics (the lookup, load and
+    save threads all count into one vault)."""
 
     put_keys: int = 0
     put_bytes: int = 0
@@ -153,19 +154,6 @@ class VaultCounters:
     lookup_asks: int = 0  # prompts looked up in the store (the connector's ``lookups`` are requests)
     found_tokens: int = 0  # tokens those lookups found (the connector's ``hit_tokens`` are loaded)
     misses: Counter[str] = field(default_factory=Counter)  # lookups short of the longest prefix, by Miss
-    # Invariant: every change goes through ``add`` or ``tally``, under this lock: the lookup,
-    # load and save threads count into one vault (``x += 1`` from two threads loses counts).
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, n in deltas.items():
-                setattr(self, name, getattr(self, name) + n)
-
-    def tally(self, name: str, key: str, n: int = 1) -> None:
-        """Count ``n`` under ``key`` in the Counter field ``name``."""
-        with self._lock:
-            getattr(self, name)[key] += n
 
 
 @dataclass(frozen=True)

@@ -53,8 +53,8 @@ from vllm.v1.request import Request
 
 from prefixvault.boundary import max_resume_tokens
 from prefixvault.codec import ObjectKind
-from prefixvault.vllm import handoff
-from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled, save_id
+from prefixvault.vllm.mailbox import Mailboxes
+from prefixvault.vllm.metadata import LoadMode, PrefixVaultMetadata, SavesSettled, save_id
 
 VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
 MAX_MODEL_LEN = 1 << 15
@@ -338,7 +338,7 @@ class Engine:
         self.loads_in_step = 0  # synchronous loads (written before the step's forward)
         self.state_copies = 0  # states of synchronous loads also written for another request
         engine_id = str(scheduler.vllm_config.kv_transfer_config.engine_id)
-        self.handoff = handoff.serve(engine_id) if in_process_worker else None
+        self.handoff = Mailboxes.serve(engine_id, "uni") if in_process_worker else None
         self.preemptions = 0
         self.drafted = 0
         self._step_chunks: dict[str, Chunk] = {}
@@ -542,9 +542,9 @@ class Engine:
         where = f"step {step}: synchronous load of {load.req_id} at {load.tokens}"
         self.loads_in_step += 1
         p.check(self.handoff is not None, f"{where} with no worker in the scheduler's process")
-        p.check(load.in_step > 0, f"{where} failed (in_step {load.in_step})")
-        handed = self.handoff is not None and load.in_step > 0
-        payloads = self.handoff.take(load.req_id, load.in_step, step) if handed and self.handoff else None
+        p.check(load.mode is LoadMode.HANDED_OVER, f"{where} failed ({load.mode})")
+        handed = self.handoff is not None and load.mode is LoadMode.HANDED_OVER
+        payloads = self.handoff.take(load.req_id, load.token, step) if handed and self.handoff else None
         p.check(payloads is not None, f"{where}: its payloads were not handed over")
         if payloads is not None and load.hashes:
             refs = self.vault.needed(load.hashes, load.tokens, ranks=[0], since=load.local_tokens)
@@ -653,7 +653,7 @@ class Engine:
 
     def close(self) -> None:
         if self.handoff is not None:
-            handoff.withdraw(str(self.scheduler.vllm_config.kv_transfer_config.engine_id), self.handoff)
+            self.handoff.withdraw()
         self.scheduler.shutdown()
 
 

@@ -196,7 +196,7 @@ def test_bytes_that_cannot_be_handed_over_make_the_load_asynchronous(
     """The bytes are handed to the worker before the answer: a mailbox that cannot take them
     (shared memory full, for a worker in a child process) makes the answer asynchronous, never
     a synchronous load without its bytes."""
-    from prefixvault.vllm.handoff import Handoff
+    from prefixvault.vllm.mailbox import MemoryMailbox
 
     def full(*args: object, **kwargs: object) -> int:
         raise OSError(28, "No space left on device")
@@ -205,7 +205,7 @@ def test_bytes_that_cannot_be_handed_over_make_the_load_asynchronous(
     shared = prompts(bs + 5, 2 * bs)[0]
     a = engines(geo, budget=2 * bs)
     a.run({0: [make_request("a", shared + prompts(bs + 6, bs // 2 + 1)[0], bs)]})
-    monkeypatch.setattr(Handoff, "put", full)
+    monkeypatch.setattr(MemoryMailbox, "put", full)
     b = engines(geo, a.store, budget=2 * bs, extra={"restore_in_step": True})
     b.run({0: [make_request("r", shared + prompts(bs + 7, bs + 5)[0], bs)]})
     assert next(x.answer for x in b.asks if x.req_id == "r") == (2 * bs, True)

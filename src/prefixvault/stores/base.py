@@ -14,19 +14,14 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TypeAlias
 
+from prefixvault.errors import StoreError as StoreError
+from prefixvault.errors import StoreUnavailable as StoreUnavailable
+
 #: Anything exposing a contiguous byte buffer (bytes, bytearray, memoryview, numpy array).
 Buffer: TypeAlias = bytes | bytearray | memoryview
 
 #: A key is ASCII, 1..250 characters, made of letters, digits and ``/._:-=``.
 MAX_KEY_LEN = 250
-
-
-class StoreError(Exception):
-    """A store could not do what was asked (bad URI, unreachable, full, corrupt index)."""
-
-
-class StoreUnavailable(StoreError):
-    """The store is configured right but cannot be reached now (server down, timed out)."""
 
 
 _KEY = re.compile(rf"[A-Za-z0-9/._:=-]{{1,{MAX_KEY_LEN}}}")

@@ -29,14 +29,11 @@ from enum import StrEnum
 from typing import TypeVar
 from urllib.parse import urlsplit
 
+from prefixvault.errors import BreakerOpen as BreakerOpen
 from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable, redact
 
 log = logging.getLogger("vllm.prefixvault")
 T = TypeVar("T")
-
-
-class BreakerOpen(StoreUnavailable):
-    """The store is not called: it failed too often and its next probe is not due yet."""
 
 
 class BreakerState(StrEnum):

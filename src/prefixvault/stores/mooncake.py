@@ -31,7 +31,6 @@ import contextlib
 import json
 import logging
 import os
-import queue
 import socket
 import threading
 import urllib.error
@@ -45,6 +44,8 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from prefixvault.guard import Guard
+from prefixvault.lane import Failure, Lane
 from prefixvault.stores.base import (
     Buffer,
     Store,
@@ -58,6 +59,8 @@ from prefixvault.stores.base import (
 from prefixvault.units import parse_size
 
 log = logging.getLogger("prefixvault.stores.mooncake")
+#: Calls into Mooncake queued at most (one runs at a time; past it a call fails at once).
+_CALLS = 1024
 
 DEFAULT_MASTER_PORT = 50051
 DEFAULT_ADMIN_PORT = 9003  # mooncake_master --metrics_port: its HTTP admin and metrics server
@@ -144,8 +147,17 @@ def _set_timeouts(timeout: float) -> None:
         os.environ.setdefault(name, value)
 
 
+@dataclass(frozen=True, kw_only=True)
+class _Call:
+    """One call into Mooncake, run on the deadline lane; its caller waits on ``future``."""
+
+    fn: Callable[[], Any]
+    future: concurrent.futures.Future[Any]
+
+
 class _Deadline:
-    """Runs calls into Mooncake on one worker thread and stops waiting after a deadline.
+    """Runs calls into Mooncake on one lane (``prefixvault.lane``) and stops waiting after a
+    deadline.
 
     Mooncake bounds most waits by the timeouts set above, but not all (a handshake with a
     stalled peer waits a minute per object). A call that overruns is left to finish on its
@@ -155,33 +167,39 @@ class _Deadline:
     """
 
     def __init__(self, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple[Callable[[], Any], concurrent.futures.Future[Any]] | None]
-        self._jobs = queue.SimpleQueue()
-        # A daemon thread, not a ThreadPoolExecutor: an interpreter exiting must not wait for
-        # a call stuck inside Mooncake.
-        threading.Thread(target=self._work, name=name, daemon=True).start()
+        self._lane: Lane[_Call] = Lane(name, self._run, self._refuse, capacity=_CALLS, guard=Guard())
         self._stuck: concurrent.futures.Future[Any] | None = None
         self._stuck_what = ""
 
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            fn, future = job
+    @staticmethod
+    def _run(calls: list[_Call]) -> None:
+        for call in calls:
+            if not call.future.set_running_or_notify_cancel():
+                continue
             try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the waiting caller
-                future.set_exception(exc)
+                call.future.set_result(call.fn())
+            except BaseException as exc:  # handed to the waiting caller; the lane goes on
+                call.future.set_exception(exc)
+
+    @staticmethod
+    def _refuse(calls: list[_Call], reason: Failure, error: BaseException | None) -> None:
+        for call in calls:
+            with contextlib.suppress(concurrent.futures.InvalidStateError):
+                call.future.set_exception(StoreUnavailable(f"mooncake call not run ({reason.value})"))
 
     def run(self, what: str, seconds: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         if self._stuck is not None:
             if not self._stuck.done():
                 raise StoreUnavailable(f"{self._stuck_what} has not returned; no new call until it does")
             self._stuck = None
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._jobs.put((lambda: fn(*args, **kwargs), future))
+        call = _Call(fn=lambda: fn(*args, **kwargs), future=concurrent.futures.Future())
+        refused = self._lane.put(call)
+        if refused is not None:
+            raise StoreUnavailable(f"{what}: not run ({refused.value})")
         try:
-            return future.result(timeout=seconds)
+            return call.future.result(timeout=seconds)
         except concurrent.futures.TimeoutError:
-            self._stuck, self._stuck_what = future, what
+            self._stuck, self._stuck_what = call.future, what
             raise StoreUnavailable(f"{what} timed out after {seconds:.1f} s") from None
 
     @property
@@ -193,7 +211,7 @@ class _Deadline:
         return self._stuck_what
 
     def close(self) -> None:
-        self._jobs.put(None)
+        self._lane.close(0.0)
 
 
 class _Client:

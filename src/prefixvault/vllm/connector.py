@@ -25,6 +25,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.platforms import current_platform
 from vllm.v1.outputs import KVConnectorOutput
 
+from prefixvault.guard import Guard
 from prefixvault.stores import open_store_or_retry, redact
 from prefixvault.stores.breaker import BreakerStore
 from prefixvault.vault import Vault
@@ -44,20 +45,8 @@ from prefixvault.vllm.config import (
     restores_in_step,
     staging_bytes,
 )
-from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.handoff import (
-    Handoff,
-    Mailbox,
-    SharedHandoff,
-    close_shared,
-    serve,
-    serve_parent,
-    served,
-    served_by_child,
-    withdraw,
-    withdraw_shared,
-)
 from prefixvault.vllm.layout import Unsupported, build_layout, cache_shape
+from prefixvault.vllm.mailbox import Mailboxes
 from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled
 from prefixvault.vllm.preflight import can_cache, outputs_refused, preflight
 from prefixvault.vllm.scheduler import SchedulerSide
@@ -68,6 +57,19 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger("vllm.prefixvault")
+
+#: The vault's figures exported as they are, and its tallies by their metric names.
+VAULT_FIGURES = ("put_keys", "put_bytes", "put_failed", "get_keys", "get_bytes", "get_failed", "hot_keys",
+                 "hot_bytes", "reread_bytes", "records_published")
+VAULT_TALLIES = {"rejected": "rejected", "misses": "lookup_misses", "refused": "publish_refused"}
+#: Each side's figures (and tallies, by their reasons) by their metric names.
+SCHEDULER_FIGURES = {"lookups": "lookups", "lookup_errors": "lookup_errors", "hit_tokens": "hit_tokens",
+                     "samples": "verify_samples", "sample_errors": "verify_sample_errors",
+                     "refused": "refused", "holds_dropped": "holds_dropped"}
+WORKER_FIGURES = {"save_errors": "save_errors", "loads": "loads", "loaded_tokens": "loaded_tokens",
+                  "loads_in_step": "loads_in_step", "loads_in_step_read": "loads_in_step_read",
+                  "saved_boundaries": "saved_boundaries", "published": "saves_published",
+                  "save_dropped": "save_dropped", "failure_reasons": "load_failures"}
 
 
 class ForkedConnector(RuntimeError):
@@ -122,12 +124,9 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                                            in_step=in_step)
             # A restore's load is synchronous (its first chunk in the step that restores it)
             # where this engine's one worker runs in this process or in a child of it
-            # (``vllm/handoff.py``).
+            # (``vllm/mailbox.py``).
             engine_id = self._engine_id
-            def mailbox() -> Mailbox | None:  # (an empty mailbox is falsy: no ``or``)
-                own = served(engine_id)
-                return own if own is not None else served_by_child(engine_id)
-            self._scheduler.handoff = mailbox
+            self._scheduler.handoff = lambda: Mailboxes.find(engine_id)
             device = current_platform.device_type
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
                                             enabled=self.layout.has_state,
@@ -266,18 +265,13 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             # synchronous loads: the scheduler of this process, or of the parent process (vLLM's
             # multiprocessing executor), may hand this worker their bytes
             backend = getattr(self._vllm_config.parallel_config, "distributed_executor_backend", None)
-            worker.handoff = (serve_parent(self._engine_id) if backend == "mp"
-                              else serve(self._engine_id) if backend in (None, "uni", "external_launcher")
-                              else None)
+            worker.handoff = Mailboxes.serve(self._engine_id, backend)
 
     def _withdraw_handoff(self) -> None:
-        """The worker takes no more synchronous loads (``vllm/handoff.py``)."""
+        """The worker takes no more synchronous loads (``vllm/mailbox.py``)."""
         worker = self._worker
-        if worker is not None and worker.handoff is not None and self._engine_id is not None:
-            if isinstance(worker.handoff, SharedHandoff):
-                withdraw_shared(worker.handoff)
-            elif isinstance(worker.handoff, Handoff):
-                withdraw(self._engine_id, worker.handoff)
+        if worker is not None and worker.handoff is not None:
+            worker.handoff.withdraw()
             worker.handoff = None
 
     def unregister_kv_caches(self) -> None:
@@ -306,7 +300,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of synchronous loads that could not be written (``vllm/handoff.py``)."""
+        """Blocks of synchronous loads that could not be written (``vllm/mailbox.py``)."""
         worker = self.worker
         return worker.take_unloaded() if worker is not None else set()
 
@@ -355,40 +349,26 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     # -- metrics ----------------------------------------------------------------------------------
 
     def _totals(self) -> dict[str, int]:
+        """Every figure of this side, by its metric name (``vllm/stats.py``)."""
         if self.vault is None:
             return {}
-        c = self.vault.counters
-        totals = {
-            "put_keys": c.put_keys, "put_bytes": c.put_bytes, "put_failed": c.put_failed,
-            "get_keys": c.get_keys, "get_bytes": c.get_bytes, "get_failed": c.get_failed,
-            "hot_keys": c.hot_keys, "hot_bytes": c.hot_bytes, "reread_bytes": c.reread_bytes,
-            "records_published": c.records_published,
-        }
-        # Copies first: the lookup and load threads may add a reason while these are read.
-        with c._lock:
-            totals.update({f"rejected:{k}": v for k, v in c.rejected.items()})
-            totals.update({f"lookup_misses:{k}": v for k, v in c.misses.items()})
-            totals.update({f"publish_refused:{k}": v for k, v in c.refused.items()})
+        totals: dict[str, int] = {}
+        for name, value in self.vault.counters.snapshot().items():
+            kind, _, reason = name.partition(":")
+            if kind in VAULT_FIGURES:
+                totals[name] = value
+            elif reason and kind in VAULT_TALLIES:
+                totals[f"{VAULT_TALLIES[kind]}:{reason}"] = value
         totals["internal_errors"] = self.guard.total
         if isinstance(self.vault.store, BreakerStore):
             totals["breaker_opened"] = self.vault.store.breaker.opened
             totals["breaker_refused"] = self.vault.store.breaker.refused
-        if self.scheduler is not None:
-            s = self.scheduler.counters
-            with s._lock:
-                totals.update(lookups=s.lookups, lookup_errors=s.lookup_errors, hit_tokens=s.hit_tokens,
-                              verify_samples=s.samples, verify_sample_errors=s.sample_errors)
-                totals.update({f"refused:{k}": v for k, v in dict(s.refused).items()})
-                totals.update({f"holds_dropped:{k}": v for k, v in dict(s.holds_dropped).items()})
-        if self.worker is not None:
-            w = self.worker.counters
-            with w._lock:
-                totals.update(save_errors=w.save_errors, loads=w.loads, loaded_tokens=w.loaded_tokens,
-                              loads_in_step=w.loads_in_step, loads_in_step_read=w.loads_in_step_read,
-                              saved_boundaries=w.saved_boundaries, saves_published=w.published)
-                # copies (one C call each): the lanes add reasons under the worker's own lock
-                totals.update({f"save_dropped:{k}": v for k, v in dict(w.save_dropped).items()})
-                totals.update({f"load_failures:{k}": v for k, v in dict(w.failure_reasons).items()})
+        sides = ((self.scheduler, SCHEDULER_FIGURES), (self.worker, WORKER_FIGURES))
+        for side, names in sides:
+            for name, value in side.counters.snapshot().items() if side is not None else ():
+                kind, _, reason = name.partition(":")
+                if kind in names:
+                    totals[names[kind] + (f":{reason}" if reason else "")] = value
         lanes = [*(self.scheduler.lanes if self.scheduler is not None else []),
                  *(self.worker.lanes if self.worker is not None else [])]
         for lane in lanes:
@@ -416,7 +396,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             return  # a forked child: the threads and what they hold are the parent's to close
         drained = self.scheduler.close() if self.scheduler is not None else True
         if self.scheduler is not None:
-            close_shared(self._engine_id)  # its worker's mailbox, where one served it
+            Mailboxes.close(self._engine_id)  # its worker's mailbox, where one served it
         if self.worker is not None:
             self._withdraw_handoff()
             drained = self.worker.close() and drained

@@ -15,11 +15,11 @@ from collections import Counter
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
+from prefixvault.guard import Guard
 from prefixvault.keys import ExtraKeys
+from prefixvault.lane import Failure, Lane
 from prefixvault.vault import LookupResult, Miss, ObjectRef, Vault
-from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.handoff import Payloads
-from prefixvault.vllm.lane import Failure, Lane
+from prefixvault.vllm.mailbox import Payloads
 
 log = logging.getLogger("vllm.prefixvault")
 

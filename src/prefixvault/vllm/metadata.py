@@ -4,14 +4,23 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from enum import Enum
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
 
 from prefixvault.boundary import SavePlan
 
-#: ``LoadSpec.in_step`` of a synchronous load whose bytes were not handed over (an error of ours
-#: on the scheduler's side): the worker reads them from the store itself, before the forward.
-UNHANDED = -1
+
+class LoadMode(Enum):
+    """How a worker runs a load (``vllm/in_step.py`` for the synchronous ones)."""
+
+    ASYNC = "async"  # on the load lane, beside the steps; reported through ``get_finished``
+    # Synchronous (vLLM runs it before the step's forward, the request's first chunk in the
+    # same step): written from the bytes the scheduler handed over under ``LoadSpec.token``...
+    HANDED_OVER = "handed_over"
+    # ...or, where they were not handed over (an error of ours on the scheduler's side), read
+    # from the store in the step.
+    READ_IN_STEP = "read_in_step"
 
 
 @dataclass
@@ -23,15 +32,18 @@ class LoadSpec:
     tokens: int
     local_tokens: int  # already in the engine's own prefix cache; not loaded again
     block_ids: tuple[list[int], ...]  # per cache group, by block index
-    # A synchronous load (vLLM runs it before the step's forward, the request's first chunk in
-    # the same step): the ``Handoff`` token of the payloads the scheduler read for it
-    # (``vllm/handoff.py``), or ``UNHANDED``. 0: asynchronous, read by the worker's load lane.
-    in_step: int = 0
+    mode: LoadMode = LoadMode.ASYNC
+    token: int = 0  # HANDED_OVER: the mailbox token its bytes were handed over under (never 0)
     # Synchronous loads only: (group, block) the boundary's state is also written into: the
     # running state block of every request scheduled this step whose state vLLM's runner copies
     # from the block this load fills (align mode's pre-copy runs before the load), this request's
     # own included.
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def in_step(self) -> bool:
+        """Whether the load is synchronous: written before the step's forward."""
+        return self.mode is not LoadMode.ASYNC
 
 
 @dataclass

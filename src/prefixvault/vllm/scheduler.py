@@ -2,7 +2,7 @@
 
 Everything here runs in vLLM's engine-core process, inside the scheduler's step. Lookups
 (hashing the prompt, then one or two store round trips) run on the lookup lane
-(``prefixvault.vllm.lane``), every lookup queued by then as one batch: the scheduler
+(``prefixvault.lane``), every lookup queued by then as one batch: the scheduler
 waits for new ones at most ``LOOKUP_WAIT_S`` per step (``IN_STEP_WAIT_S`` over a local store,
 ``restore_in_step``: the answer, and the request's load, then come in the step that asked), and
 once per step ``LOOKUP_YIELD_S`` for one already in flight (to hand the lookup lane the
@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -34,20 +33,21 @@ from typing import Any
 
 from prefixvault.admission import Admission, Kind, Policy
 from prefixvault.boundary import StateCapture, StepChunk, max_resume_tokens, plan_saves, step_end_captures
+from prefixvault.counters import Counters
+from prefixvault.guard import Guard
 from prefixvault.identity import content_digest
 from prefixvault.keys import ExtraKeys, MultimodalItem
+from prefixvault.lane import Lane, failure_of
 from prefixvault.layout import CacheLayout, GroupKind
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample
 from prefixvault.vault import Miss, Vault, producer_id
 from prefixvault.vllm.compat import InternalCheckpoints, keep_restored_state, per_group_hits, skips_external
 from prefixvault.vllm.config import IN_STEP_WAIT_S, ConnectorSettings, OutputBoundaries
-from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.handoff import Mailbox, Payloads
-from prefixvault.vllm.lane import Lane, failure_of
 from prefixvault.vllm.ledger import SavesInFlight
 from prefixvault.vllm.lookups import LOOKUP_MISS, Answer, LaneFailed, Lookups, ReadAheadBudget
+from prefixvault.vllm.mailbox import Mailbox, Payloads
 from prefixvault.vllm.metadata import (
-    UNHANDED,
+    LoadMode,
     LoadSpec,
     PrefixVaultMetadata,
     Release,
@@ -170,7 +170,9 @@ class HoldDrop(StrEnum):
 
 
 @dataclass
-class SchedulerCounters:
+class SchedulerCounters(Counters):
+    """What the scheduler side did (its thread, the lookup and sample lanes all count here)."""
+
     lookups: int = 0  # requests looked up (a lookup held for a save in flight counts once)
     lookup_errors: int = 0
     hit_tokens: int = 0  # tokens vLLM allocated to load from the store
@@ -179,14 +181,6 @@ class SchedulerCounters:
     plans: int = 0
     samples: int = 0
     sample_errors: int = 0
-    # Invariant: every change of a number goes through ``add``, under this lock (the
-    # scheduler's thread, the lookup lane and the sample lane all count here).
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, n in deltas.items():
-                setattr(self, name, getattr(self, name) + n)
 
 
 class SchedulerSide:
@@ -219,7 +213,7 @@ class SchedulerSide:
         self._cache_manager: Any = None
         self._reqs: dict[str, _Request] = {}
         self._pending_loads: list[LoadSpec] = []
-        # Synchronous loads (``vllm/handoff.py``): the mailbox of the engine's worker, in this
+        # Synchronous loads (``vllm/mailbox.py``): the mailbox of the engine's worker, in this
         # process or a child of it (None: every load is asynchronous); the bytes read ahead for
         # them are bounded by the lookups' ``ReadAheadBudget`` (one rank, ``restore_in_step`` only).
         self.handoff: Callable[[], Mailbox | None] = lambda: None
@@ -526,14 +520,16 @@ class SchedulerSide:
         if self.completes_divergent_hits:
             for g in self.attn_groups:  # handed out for this load just now: its bytes will be the store's
                 self._restored.loaded(g, block_ids[g][local // self.block_size:tokens // self.block_size])
-        token = 0
+        mode, token = LoadMode.ASYNC, 0
         if st.sync:  # vLLM took the load as synchronous: the engine's worker writes it
             # from the bytes handed over when it was answered (for a load from there)
-            token = st.handed if local == st.handed_from else UNHANDED
+            handed = local == st.handed_from
+            mode = LoadMode.HANDED_OVER if handed else LoadMode.READ_IN_STEP
+            token = st.handed if handed else 0
         # Invariant: the load is queued last; nothing after it raises (``fail_load`` would
         # otherwise queue a second one for the request).
         self._pending_loads.append(LoadSpec(request.request_id, hashes, tokens, local,
-                                            tuple(list(b) for b in block_ids), in_step=token))
+                                            tuple(list(b) for b in block_ids), mode=mode, token=token))
         self._hold_read_ahead(st, None)
         st.loaded = tokens
         st.saved = max(st.saved, tokens)
@@ -543,7 +539,8 @@ class SchedulerSide:
         st.phase, st.hit, st.handed = Phase.NEW, 0, 0
         self.counters.add(hit_tokens=num_external_tokens)
         log.info("prefixvault: request %s restores %d tokens from the store (%d local)%s",
-                 request.request_id, num_external_tokens, local, ", in this step" if token else "")
+                 request.request_id, num_external_tokens, local,
+                 ", in this step" if mode is not LoadMode.ASYNC else "")
 
     # -- saves ------------------------------------------------------------------------------------
 
@@ -562,8 +559,10 @@ class SchedulerSide:
                     tables = tuple(list(b) for b in blocks.get_block_ids())
                     hashes = self._hashes(st, st.hit)
                 local = st.hit - num_external_tokens
-                token = st.handed if st.handed and local == st.handed_from else UNHANDED
-                self._pending_loads.append(LoadSpec(rid, hashes, st.hit, local, tables, in_step=token))
+                handed = bool(st.handed) and local == st.handed_from
+                mode = LoadMode.HANDED_OVER if handed else LoadMode.READ_IN_STEP
+                self._pending_loads.append(LoadSpec(rid, hashes, st.hit, local, tables, mode=mode,
+                                                    token=st.handed if handed else 0))
             else:
                 self._pending_loads.append(LoadSpec(rid, [], num_external_tokens, 0, ()))
             if st is not None:  # asked again, it is computed: no loop of failing loads
@@ -721,7 +720,7 @@ class SchedulerSide:
         decision = plan_saves(self.layout, end, {g: tables[g] for g in self.attn_groups}, captures,
                               self._step, candidates, chunk, since=st.saved)
         for _, why in decision.refused:
-            self.counters.refused[why.value] = self.counters.refused.get(why.value, 0) + 1
+            self.counters.tally("refused", why)
         if not decision.publishable:
             return []
         top = max(p.tokens for p in decision.publishable)
@@ -763,8 +762,7 @@ class SchedulerSide:
         """The workers free a request's held save, unstored; counted by ``why``."""
         assert st.hold is not None
         self._releases.append((Release(st.hold.req_id, False), []))
-        with self.counters._lock:
-            self.counters.holds_dropped[why.value] = self.counters.holds_dropped.get(why.value, 0) + 1
+        self.counters.tally("holds_dropped", why)
         st.hold = None
 
     def _release_hold(self, st: _Request, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from prefixvault.guard import Guard
+from prefixvault.lane import Failure, Lane
 from prefixvault.samples import VerifySample, write_sample
 from prefixvault.stores.base import StoreError
 from prefixvault.vault import Vault
-from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.lane import Failure, Lane
 
 log = logging.getLogger("vllm.prefixvault")
 

@@ -2,7 +2,7 @@
 
 One worker per tensor-parallel rank. Saves are copied, in ``wait_for_save`` right after the
 forward that computed them, out of the engine's blocks into staging memory (a block may be
-reused by the next step); the save lane (``prefixvault.vllm.lane``) then stores the objects
+reused by the next step); the save lane (``prefixvault.lane``) then stores the objects
 and publishes the records, every save queued by then as one batch, while the engine goes on.
 Staging is a fixed budget: a save that does not fit is dropped and counted, never waited for.
 Each save, stored or dropped, is reported back to the scheduler (``take_settled``), which holds
@@ -53,17 +53,18 @@ import numpy as np
 from prefixvault.blockio import Done, GroupIO
 from prefixvault.boundary import Refusal
 from prefixvault.codec import ObjectKind
+from prefixvault.counters import Counters
+from prefixvault.guard import Guard
+from prefixvault.lane import Failure, Lane
 from prefixvault.layout import CacheLayout
 from prefixvault.staging import Reservation, SlotPool, StagingRing
 from prefixvault.stores.base import StoreError
 from prefixvault.stores.breaker import BreakerOpen, BreakerStore
 from prefixvault.vault import ObjectRef, RankAck, Vault
 from prefixvault.vllm.config import IN_STEP_WAIT_S
-from prefixvault.vllm.guard import Guard
-from prefixvault.vllm.handoff import Mailbox
-from prefixvault.vllm.lane import Failure, Lane
-from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec, save_id
-from prefixvault.vllm.views import group_ios
+from prefixvault.vllm.kernel_blocks import group_ios
+from prefixvault.vllm.mailbox import Mailbox
+from prefixvault.vllm.metadata import LoadMode, LoadSpec, Release, SaveSpec, save_id
 
 log = logging.getLogger("vllm.prefixvault")
 
@@ -151,25 +152,19 @@ class LoadJob:
 
 
 @dataclass
-class WorkerCounters:
+class WorkerCounters(Counters):
+    """What a worker did (the engine's thread, the save and load lanes all count here)."""
+
     saved_boundaries: int = 0
     published: int = 0
     save_errors: int = 0
     loads: int = 0
     load_failures: int = 0
     loaded_tokens: int = 0
-    loads_in_step: int = 0  # synchronous loads written (``vllm/handoff.py``), among ``loads``
+    loads_in_step: int = 0  # synchronous loads written (``vllm/mailbox.py``), among ``loads``
     loads_in_step_read: int = 0  # of those, read from the store in the step (not handed over)
     failure_reasons: dict[str, int] = field(default_factory=dict)  # failed loads, by ``LoadFailure``
     save_dropped: dict[str, int] = field(default_factory=dict)  # saves not stored, by ``SaveDrop``
-    # Invariant: every change of a number goes through ``add``, under this lock (the engine's
-    # thread, the save thread and the load thread all count here).
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, n in deltas.items():
-                setattr(self, name, getattr(self, name) + n)
 
 
 class WorkerSide:
@@ -395,8 +390,8 @@ class WorkerSide:
         if states and slot is None:
             slot = self._holds.take() if self._holds is not None else None
             if slot is None:
-                self._count(self.counters.save_dropped,
-                            SaveDrop.HOLD_FULL if self._holds else SaveDrop.HOLD_TOO_LARGE)
+                self.counters.tally("save_dropped",
+                                    SaveDrop.HOLD_FULL if self._holds else SaveDrop.HOLD_TOO_LARGE)
                 return
         held: dict[str, memoryview] = {}
         try:
@@ -523,7 +518,7 @@ class WorkerSide:
             if reason is SaveDrop.TOO_LARGE and not self.counters.save_dropped.get(reason):
                 log.warning("prefixvault: a save of %d bytes does not fit save_staging_mib (%d bytes): "
                             "raise it, or such saves are never stored", total, self._staging.capacity)
-            self._count(self.counters.save_dropped, reason)
+            self.counters.tally("save_dropped", reason)
             return None
         copies: list[Done] = []
         off = 0
@@ -564,7 +559,7 @@ class WorkerSide:
         if reason in (Failure.STORE_ERROR, Failure.BREAKER_OPEN, Failure.INTERNAL_ERROR):
             self.counters.add(save_errors=len(batch))
         else:
-            self._count(self.counters.save_dropped, SAVE_DROPPED[reason].value, len(batch))
+            self.counters.tally("save_dropped", SAVE_DROPPED[reason].value, len(batch))
         self._finish_saves(batch, [False] * len(batch))
 
     def _finish_saves(self, batch: Sequence[StagedSave], outcomes: Sequence[bool]) -> None:
@@ -673,8 +668,8 @@ class WorkerSide:
         blocks unloaded."""
         spec = job.spec
         try:
-            handed = (self.handoff.take(spec.req_id, spec.in_step, step)
-                      if spec.in_step > 0 and self.handoff is not None else None)
+            handed = (self.handoff.take(spec.req_id, spec.token, step)
+                      if spec.mode is LoadMode.HANDED_OVER and self.handoff is not None else None)
             targets = self._targets(spec) if spec.hashes else None
             if targets is None:
                 self._unwritten(spec, LoadFailure.NO_BLOCK)
@@ -722,7 +717,7 @@ class WorkerSide:
             first = last if self.layout.groups[g].is_state else spec.local_tokens // bs
             self._unloaded.update(b for b in table[first : last + 1] if b)
         self.counters.add(loads=1, load_failures=1)
-        self._count(self.counters.failure_reasons, reason.value)
+        self.counters.tally("failure_reasons", reason.value)
         log.error("prefixvault: request %s: its synchronous load could not be written (%s); reported to "
                   "vLLM as unloaded blocks", spec.req_id, reason.value)
 
@@ -834,8 +829,7 @@ class WorkerSide:
                 self.counters.add(loaded_tokens=spec.tokens - spec.local_tokens)
             else:
                 self.counters.add(load_failures=1)
-                why = (reason or LoadFailure.INTERNAL_ERROR).value
-                self.counters.failure_reasons[why] = self.counters.failure_reasons.get(why, 0) + 1
+                self.counters.tally("failure_reasons", reason or LoadFailure.INTERNAL_ERROR)
                 self._failed_loads.add(spec.req_id)
             self._finished_loads.add(spec.req_id)
         return True
@@ -868,11 +862,6 @@ class WorkerSide:
                     "prefixvault: %s failed: %s", what, e)
         else:
             self.guard.failed("worker", e)
-
-    def _count(self, counts: dict[str, int], reason: str, n: int = 1) -> None:
-        key = str(reason)  # an enum's value: the keys are plain strings
-        with self._lock:
-            counts[key] = counts.get(key, 0) + n
 
     def _scatter_pinned(self, io: GroupIO, items: Sequence[tuple[memoryview, int]], after: Any) -> None:
         """Write objects into a device's blocks through the pinned load buffer: one transfer

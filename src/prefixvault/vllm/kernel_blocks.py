@@ -1,4 +1,7 @@
-"""vLLM's per-layer cache views, as block I/O takes them (torch only: no vLLM import).
+"""vLLM's per-layer cache views regrouped into manager blocks, as block I/O takes them (torch only).
+
+Kernel blocks: where an attention backend cannot take the manager's block size, vLLM splits
+each manager block into kernel blocks; this module undoes the split (no vLLM import).
 
 vLLM hands ``register_kv_caches`` one view per layer of one shared int8 allocation: a logical
 ``[B, H, N, C]`` view with the strides of the engine's ``KVCacheLayout`` for attention, an int8
@@ -21,7 +24,7 @@ from typing import Any
 
 import torch
 
-from prefixvault.blockio import DEVICE_BUFFER_BYTES, GroupIO, Lanes
+from prefixvault.blockio import DEVICE_BUFFER_BYTES, CopyStreams, GroupIO
 
 
 def manager_view(t: torch.Tensor, num_blocks: int | None, name: str) -> torch.Tensor:
@@ -70,15 +73,15 @@ def group_ios(kv_caches: Mapping[str, Any], layer_groups: Sequence[Sequence[str]
     devices = {t.device for tensors, _ in groups for t in tensors}
     if len(devices) > 1:
         raise ValueError(f"prefixvault: cache tensors on several devices: {sorted(map(str, devices))}")
-    lanes: Lanes | None = None
+    streams: CopyStreams | None = None
     if devices and next(iter(devices)).type == "cuda":
         pages = [sum(t[0].numel() * t.element_size() for t in tensors) for tensors, _ in groups]
         try:
-            lanes = Lanes.allocate(next(iter(devices)), pages, budget)
+            streams = CopyStreams.allocate(next(iter(devices)), pages, budget)
         except torch.cuda.OutOfMemoryError as e:
             need = 2 * max([budget, *pages])
             raise ValueError(f"prefixvault: no device memory for the copy buffers ({need} bytes): {e}") from e
-    ios = [GroupIO(tensors, names, lanes) for tensors, names in groups]
+    ios = [GroupIO(tensors, names, streams) for tensors, names in groups]
     if num_blocks is not None:
         for gi, io in enumerate(ios):
             if io.num_blocks != num_blocks:

@@ -8,10 +8,12 @@ store and verified on its lookup lane, and handed to the worker that will write 
 answers: then the worker's part is a copy of bytes in hand into blocks vLLM allocated, which a
 store cannot fail. Everywhere else (several ranks, other executors) loads stay asynchronous.
 
-The worker is in the scheduler's process (vLLM's in-process executor: ``Handoff``, a mailbox in
-memory) or, with vLLM's multiprocessing executor at one rank (vLLM CPU's servers always), a
-child of it (``SharedHandoff``: a private directory in shared memory the scheduler writes each
-load's payloads into, one file per load, which the worker reads and removes).
+The worker is in the scheduler's process (vLLM's in-process executor: ``MemoryMailbox``) or,
+with vLLM's multiprocessing executor at one rank (vLLM CPU's servers always), a child of it
+(``SharedMailbox``: a private directory in shared memory the scheduler writes each load's
+payloads into, one file per load, which the worker reads and removes). ``Mailboxes`` is the one
+way in: a worker ``serve``s its engine's mailbox, a scheduler ``find``s it, and a stopping
+scheduler ``close``s it.
 
 Invariant: a mailbox is served only by a worker whose cache tensors are registered and
 usable, for an engine of one rank, and only to the scheduler of its own process or of its
@@ -34,7 +36,7 @@ import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 from prefixvault.vault import ObjectRef
 
@@ -47,18 +49,29 @@ Payloads = Mapping[ObjectRef, memoryview]
 class Mailbox(Protocol):
     """Where a scheduler hands a worker the payloads of its synchronous loads."""
 
-    def put(self, req_id: str, payloads: Payloads, step: int) -> int: ...
+    def put(self, req_id: str, payloads: Payloads, step: int) -> int:
+        """Hand over a request's payloads for the load of ``step``; the token that load names
+        them by (never 0). Raises ``OSError`` if they could not be handed over."""
 
-    def take(self, req_id: str, token: int, step: int) -> Payloads | None: ...
+    def take(self, req_id: str, token: int, step: int) -> Payloads | None:
+        """The payloads handed over under ``token``, once; None if they are not here."""
 
-    def drop(self, req_id: str) -> None: ...
+    def drop(self, req_id: str) -> None:
+        """Let go of what was handed over for a request (vLLM did not allocate its load)."""
+
+    def withdraw(self) -> None:
+        """The worker serving it takes no more (it stopped, or its caches are unusable)."""
+
+    def __len__(self) -> int: ...
 
 
-class Handoff:
-    """One engine's mailbox: the scheduler puts a request's payloads, the worker takes them in
-    the step that loads them. A request has at most one entry (a newer put replaces it)."""
+class MemoryMailbox:
+    """One engine's mailbox in memory, for a worker in the scheduler's process: the scheduler
+    puts a request's payloads, the worker takes them in the step that loads them. A request
+    has at most one entry (a newer put replaces it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, engine_id: str = "") -> None:
+        self.engine_id = engine_id
         self.pid = os.getpid()  # a forked child has no worker taking from it
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)
@@ -89,42 +102,12 @@ class Handoff:
         with self._lock:
             self._items.pop(req_id, None)
 
+    def withdraw(self) -> None:
+        Mailboxes.withdraw_memory(self)
+
     def __len__(self) -> int:
         with self._lock:
             return len(self._items)
-
-
-# Engines of this process whose worker takes handoffs, by vLLM's engine id (the same on both
-# sides of one engine); None: two workers named the same id, and neither is served.
-_served: dict[str, Handoff | None] = {}
-_served_lock = threading.Lock()
-
-
-def serve(engine_id: str) -> Handoff | None:
-    """A worker of this process takes this engine's handoffs from now on; None if another
-    worker of this process serves the same engine id (then neither does)."""
-    with _served_lock:
-        if engine_id in _served:
-            _served[engine_id] = None
-            return None
-        handoff = _served[engine_id] = Handoff()
-        return handoff
-
-
-def withdraw(engine_id: str, handoff: Handoff) -> None:
-    """The worker serving ``handoff`` takes no more (it stopped, or its caches are unusable)."""
-    with _served_lock:
-        if _served.get(engine_id) is handoff:
-            del _served[engine_id]
-
-
-def served(engine_id: str | None) -> Handoff | None:
-    """The engine's handoff if a worker of this process takes it, else None."""
-    if engine_id is None:
-        return None
-    with _served_lock:
-        handoff = _served.get(engine_id)
-    return handoff if handoff is not None and handoff.pid == os.getpid() else None
 
 
 # -- a worker in a child process of the scheduler's (vLLM's multiprocessing executor) ---------
@@ -177,7 +160,7 @@ def _private(path: Path) -> bool:
         and st.st_mode & 0o077 == 0
 
 
-class SharedHandoff:
+class SharedMailbox:
     """One engine's mailbox between processes: a file per load, named by its step, token and
     request, written whole (then renamed) before the scheduler's step returns, so the worker
     finds it complete when that step's metadata reaches it."""
@@ -265,6 +248,16 @@ class SharedHandoff:
                 with contextlib.suppress(OSError):
                     os.unlink(self.path / name)
 
+    def withdraw(self) -> None:
+        """Its directory goes, with what is in it (left as it is if another worker's refusal
+        marks it: the id stays served by neither)."""
+        if (self.path / _REFUSED).exists():
+            with contextlib.suppress(OSError):
+                (self.path / _WORKER).unlink()
+            return
+        if _worker_pid(self.path) == os.getpid():
+            shutil.rmtree(self.path, ignore_errors=True)
+
     def __len__(self) -> int:
         return len(self._entries())
 
@@ -281,7 +274,7 @@ def _sweep(root: Path) -> None:
                 shutil.rmtree(entry.path, ignore_errors=True)
 
 
-def serve_parent(engine_id: str, root: Path | None = None) -> SharedHandoff | None:
+def _serve_parent(engine_id: str, root: Path | None = None) -> SharedMailbox | None:
     """A worker in a child process of its scheduler's takes this engine's handoffs from now on;
     None if another live worker already serves the engine id to the same scheduler process
     (then neither does), or the directory cannot be made ours. The directory appears whole
@@ -299,7 +292,7 @@ def serve_parent(engine_id: str, root: Path | None = None) -> SharedHandoff | No
     for _ in range(2):
         try:
             os.rename(aside, path)
-            return SharedHandoff(path)
+            return SharedMailbox(path)
         except OSError:  # there already: another worker's, or a dead one's
             pass
         other = _worker_pid(path)
@@ -318,21 +311,8 @@ def serve_parent(engine_id: str, root: Path | None = None) -> SharedHandoff | No
     return None
 
 
-def withdraw_shared(handoff: SharedHandoff) -> None:
-    """The worker serving ``handoff`` takes no more: its directory goes, with what is in it
-    (left as it is if another worker's refusal marks it: the id stays served by neither)."""
-    if (handoff.path / _REFUSED).exists():
-        with contextlib.suppress(OSError):
-            (handoff.path / _WORKER).unlink()
-        return
-    if _worker_pid(handoff.path) == os.getpid():
-        shutil.rmtree(handoff.path, ignore_errors=True)
-
-
-def served_by_child(engine_id: str | None, root: Path | None = None) -> SharedHandoff | None:
+def _served_by_child(engine_id: str, root: Path | None = None) -> SharedMailbox | None:
     """The engine's mailbox if a worker that is a live child of this process serves it."""
-    if engine_id is None:
-        return None
     path = shared_dir(os.getpid(), engine_id, root)
     if (path / _REFUSED).exists() or not _private(path):
         return None
@@ -343,16 +323,66 @@ def served_by_child(engine_id: str | None, root: Path | None = None) -> SharedHa
     if parent is not None and parent != os.getpid():  # a stale mailbox, its pid reused
         return None
     # one writer per mailbox in this process: its tokens never repeat
-    return _writers.setdefault(path, SharedHandoff(path))
+    return Mailboxes.writer(path)
 
 
-def close_shared(engine_id: str | None, root: Path | None = None) -> None:
-    """The scheduler's process stops: its engine's mailbox goes (also one two workers refused)."""
-    if engine_id is not None:
-        path = shared_dir(os.getpid(), engine_id, root)
-        _writers.pop(path, None)
-        if _private(path):
-            shutil.rmtree(path, ignore_errors=True)
+class Mailboxes:
+    """The one way to an engine's mailbox: a worker serves it, its scheduler finds it.
 
+    Invariant (module docstring): served only by a worker of one rank whose caches are usable,
+    found only by the scheduler of the worker's own process or of its parent process."""
 
-_writers: dict[Path, SharedHandoff] = {}
+    # Engines of this process whose worker takes handoffs in memory, by vLLM's engine id (the
+    # same on both sides of one engine); None: two workers named the same id, served by neither.
+    _memory: ClassVar[dict[str, MemoryMailbox | None]] = {}
+    _lock: ClassVar[threading.Lock] = threading.Lock()
+    # One writer per shared mailbox in this process: its tokens never repeat.
+    _writers: ClassVar[dict[Path, SharedMailbox]] = {}
+
+    @classmethod
+    def serve(cls, engine_id: str, executor: str | None, root: Path | None = None) -> Mailbox | None:
+        """The mailbox a worker of vLLM's ``executor`` takes its engine's synchronous loads
+        from: in memory for the in-process executors, in shared memory for the multiprocessing
+        one (its scheduler is its parent process); None for any other, or where another worker
+        already serves the same engine id (then neither does)."""
+        if executor == "mp":
+            return _serve_parent(engine_id, root)
+        if executor not in (None, "uni", "external_launcher"):
+            return None
+        with cls._lock:
+            if engine_id in cls._memory:
+                cls._memory[engine_id] = None
+                return None
+            mailbox = cls._memory[engine_id] = MemoryMailbox(engine_id)
+            return mailbox
+
+    @classmethod
+    def find(cls, engine_id: str | None, root: Path | None = None) -> Mailbox | None:
+        """The engine's mailbox, if a worker of this process or a live child of it serves it."""
+        if engine_id is None:
+            return None
+        with cls._lock:
+            own = cls._memory.get(engine_id)
+        if own is not None and own.pid == os.getpid():
+            return own
+        return _served_by_child(engine_id, root)
+
+    @classmethod
+    def close(cls, engine_id: str | None, root: Path | None = None) -> None:
+        """The scheduler's process stops: its engine's shared mailbox goes (also one two
+        workers refused)."""
+        if engine_id is not None:
+            path = shared_dir(os.getpid(), engine_id, root)
+            cls._writers.pop(path, None)
+            if _private(path):
+                shutil.rmtree(path, ignore_errors=True)
+
+    @classmethod
+    def withdraw_memory(cls, mailbox: MemoryMailbox) -> None:
+        with cls._lock:
+            if cls._memory.get(mailbox.engine_id) is mailbox:
+                del cls._memory[mailbox.engine_id]
+
+    @classmethod
+    def writer(cls, path: Path) -> SharedMailbox:
+        return cls._writers.setdefault(path, SharedMailbox(path))

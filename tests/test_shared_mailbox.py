@@ -1,4 +1,4 @@
-"""Synchronous loads to a worker in a child process (``vllm/handoff.py``, ``SharedHandoff``):
+"""Synchronous loads to a worker in a child process (``vllm/mailbox.py``, ``SharedMailbox``):
 vLLM's multiprocessing executor at one rank, vLLM CPU's servers always. Real child processes
 and real files; this test's process plays the scheduler's."""
 
@@ -15,7 +15,7 @@ from test_vault import fill, layout
 
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
-from prefixvault.vllm.handoff import SharedHandoff, served_by_child, shared_dir
+from prefixvault.vllm.mailbox import Mailboxes, SharedMailbox, shared_dir
 
 TOKENS = list(range(64))
 
@@ -24,8 +24,8 @@ TOKENS = list(range(64))
 WORKER = textwrap.dedent("""
     import hashlib, sys
     from pathlib import Path
-    from prefixvault.vllm.handoff import serve_parent, withdraw_shared
-    handoff = serve_parent(sys.argv[1], Path(sys.argv[2]))
+    from prefixvault.vllm.mailbox import Mailboxes
+    handoff = Mailboxes.serve(sys.argv[1], "mp", Path(sys.argv[2]))
     print("serving" if handoff is not None else "refused", flush=True)
     for line in sys.stdin:
         cmd, *args = line.split()
@@ -36,7 +36,7 @@ WORKER = textwrap.dedent("""
                 flush=True)
         elif cmd == "stop":
             if handoff is not None:
-                withdraw_shared(handoff)
+                handoff.withdraw()
             print("stopped", flush=True)
             break
 """)
@@ -78,12 +78,12 @@ def _digests(payloads: dict) -> str:  # type: ignore[type-arg]
 
 
 def test_a_worker_in_a_child_process_takes_the_bytes_its_scheduler_hands_over(tmp_path: Path) -> None:
-    assert served_by_child("engine-a", tmp_path) is None  # no worker yet: loads stay asynchronous
+    assert Mailboxes.find("engine-a", tmp_path) is None  # no worker yet: loads stay asynchronous
     worker = Worker("engine-a", tmp_path)
     try:
         assert worker.first == "serving"
-        mailbox = served_by_child("engine-a", tmp_path)
-        assert mailbox is not None and served_by_child("engine-a", tmp_path) is mailbox
+        mailbox = Mailboxes.find("engine-a", tmp_path)
+        assert mailbox is not None and Mailboxes.find("engine-a", tmp_path) is mailbox
         path = shared_dir(os.getpid(), "engine-a", tmp_path)
         assert path.stat().st_mode & 0o777 == 0o700  # this user's alone
         payloads = _payloads()
@@ -106,13 +106,13 @@ def test_a_worker_in_a_child_process_takes_the_bytes_its_scheduler_hands_over(tm
         assert worker.ask(f"take req-6 {theirs} 10") == _digests(payloads)
     finally:
         worker.stop()
-    assert served_by_child("engine-a", tmp_path) is None and not path.exists()  # withdrawn: gone
+    assert Mailboxes.find("engine-a", tmp_path) is None and not path.exists()  # withdrawn: gone
 
 
 def test_a_damaged_handoff_is_not_taken(tmp_path: Path) -> None:
     worker = Worker("engine-b", tmp_path)
     try:
-        mailbox = served_by_child("engine-b", tmp_path)
+        mailbox = Mailboxes.find("engine-b", tmp_path)
         assert mailbox is not None
         token = mailbox.put("req", _payloads(), step=1)
         (file,) = [p for p in mailbox.path.iterdir() if p.name.startswith("1-")]
@@ -133,11 +133,11 @@ def test_an_engine_id_two_child_workers_serve_is_served_by_neither(tmp_path: Pat
     second = Worker("engine-c", tmp_path)
     try:
         assert (first.first, second.first) == ("serving", "refused")
-        assert served_by_child("engine-c", tmp_path) is None
+        assert Mailboxes.find("engine-c", tmp_path) is None
     finally:
         first.stop()
         second.stop()
-    assert served_by_child("engine-c", tmp_path) is None
+    assert Mailboxes.find("engine-c", tmp_path) is None
 
 
 def test_a_dead_workers_mailbox_is_not_used_and_a_new_worker_takes_it_over(tmp_path: Path) -> None:
@@ -145,11 +145,11 @@ def test_a_dead_workers_mailbox_is_not_used_and_a_new_worker_takes_it_over(tmp_p
     worker.proc.kill()
     worker.proc.wait(10)
     path = shared_dir(os.getpid(), "engine-d", tmp_path)
-    assert path.exists() and served_by_child("engine-d", tmp_path) is None
-    SharedHandoff(path).put("left", {}, step=1)
+    assert path.exists() and Mailboxes.find("engine-d", tmp_path) is None
+    SharedMailbox(path).put("left", {}, step=1)
     again = Worker("engine-d", tmp_path)
     try:
-        assert again.first == "serving" and served_by_child("engine-d", tmp_path) is not None
+        assert again.first == "serving" and Mailboxes.find("engine-d", tmp_path) is not None
         assert [p.name for p in path.iterdir()] == ["worker"]  # the dead worker's mail is gone
     finally:
         again.stop()
@@ -161,7 +161,7 @@ def test_a_mailbox_whose_worker_is_not_a_child_of_this_process_is_not_used(tmp_p
     path = shared_dir(os.getpid(), "engine-h", tmp_path)
     path.mkdir(mode=0o700)
     (path / "worker").write_text(str(os.getppid()))
-    assert served_by_child("engine-h", tmp_path) is None
+    assert Mailboxes.find("engine-h", tmp_path) is None
 
 
 def test_a_mailbox_another_user_could_reach_is_never_used(tmp_path: Path) -> None:
@@ -169,7 +169,7 @@ def test_a_mailbox_another_user_could_reach_is_never_used(tmp_path: Path) -> Non
     path.mkdir(mode=0o755)
     path.chmod(0o755)
     (path / "worker").write_text(str(os.getppid()))  # a live process, not this one
-    assert served_by_child("engine-e", tmp_path) is None
+    assert Mailboxes.find("engine-e", tmp_path) is None
 
 
 @pytest.mark.parametrize("engine_id", ["", "a/b", "x" * 300])
@@ -183,7 +183,7 @@ def test_mailboxes_of_schedulers_that_are_gone_are_removed_when_a_worker_starts(
     gone.wait(10)
     left = shared_dir(gone.pid, "engine-f", tmp_path)  # a crashed engine's, files and all
     left.mkdir(mode=0o700)
-    SharedHandoff(left).put("req", _payloads(), step=1)
+    SharedMailbox(left).put("req", _payloads(), step=1)
     alive = shared_dir(os.getppid(), "engine-g", tmp_path)  # a live process's: kept
     alive.mkdir(mode=0o700)
     worker = Worker("engine-f", tmp_path)

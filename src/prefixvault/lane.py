@@ -1,7 +1,8 @@
-"""A lane: the one way the connector runs store work in the background.
+"""A lane: the one way store work runs in the background, beside an engine's steps.
 
 Every store round trip of the connector (lookups, verification samples, saves, loads) runs on a
-lane, never in the engine's step (over a local store the step may wait a bounded time for a
+lane, never in the engine's step, and so does every call into a store client that must be
+bounded by a deadline (the Mooncake store's) (over a local store the step may wait a bounded time for a
 lookup or load to finish: ``restore_in_step``). A lane is one daemon thread with a bounded queue:
 
 - ``put`` queues a job with an optional deadline, or refuses it at once (queue full, lane
@@ -10,10 +11,11 @@ lookup or load to finish: ``restore_in_step``). A lane is one daemon thread with
   them: a slow store is paid per batch, not per job). Jobs whose deadline passed while queued
   are failed with ``TIMEOUT`` and never run; ``overdue`` lists running jobs past theirs.
 - The owner's ``run(batch)`` resolves every job of the batch, or raises: the lane then
-  fails the whole batch with the error's reason (``fail`` skips jobs ``run`` resolved). A
-  ``StoreError`` is the store's failure (a warning; quiet for an open breaker, which said so
-  when it opened); anything else is a bug of ours, counted by the ``Guard`` and logged once per
-  type with its traceback: a bug never looks like a flaky store on a dashboard.
+  fails the whole batch with the error's reason (``fail`` skips jobs ``run`` resolved), sorted
+  by ``report``, the one rule every path of ours sorts errors by: a ``StoreError`` is the
+  store's failure (a warning; quiet for an open breaker, which said so when it opened);
+  anything else is a bug of ours, counted by the ``Guard`` and logged once per type with its
+  traceback: a bug never looks like a flaky store on a dashboard.
 - ``close(timeout)`` drops the jobs not started (or lets them run, ``drop_queued=False``) and
   waits for the rest up to ``timeout``; it returns whether the thread is idle. If not, a job is
   still inside a store call, and the store must stay open under it.
@@ -33,9 +35,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Generic, TypeVar
 
-from prefixvault.stores.base import StoreError
-from prefixvault.stores.breaker import BreakerOpen
-from prefixvault.vllm.guard import Guard
+from prefixvault.counters import Counters
+from prefixvault.errors import BreakerOpen, StoreError
+from prefixvault.guard import Guard
 
 log = logging.getLogger("vllm.prefixvault")
 J = TypeVar("J")
@@ -61,30 +63,27 @@ def failure_of(exc: BaseException) -> Failure:
     return Failure.INTERNAL_ERROR
 
 
+def report(guard: Guard, where: str, exc: BaseException, doing: str = "") -> Failure:
+    """The one rule every path sorts an error by: the store's failure is a warning saying
+    what failed (``doing``, else ``where``; an open breaker's quietly: it was said once when it
+    opened); anything else is a bug of ours, counted by the guard under ``where`` and logged
+    once per type with its traceback, never as the store's. Returns the error's ``Failure``."""
+    reason = failure_of(exc)
+    if reason is Failure.INTERNAL_ERROR:
+        guard.failed(where, exc)
+    else:
+        log.log(logging.DEBUG if reason is Failure.BREAKER_OPEN else logging.WARNING,
+                "prefixvault: %s failed: %s", doing or where, exc)
+    return reason
+
+
 @dataclass
-class LaneCounters:
+class LaneCounters(Counters):
     """What a lane did, for metrics."""
 
     jobs: int = 0  # jobs run (in a batch that returned or raised)
     batches: int = 0
     failed: dict[str, int] = field(default_factory=dict)  # jobs failed by the lane, by ``Failure``
-    # Invariant: every change goes through ``add``/``tally`` under this lock (the owner's
-    # thread counts refusals, the lane's thread the rest).
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for name, n in deltas.items():
-                setattr(self, name, getattr(self, name) + n)
-
-    def tally(self, reason: Failure, n: int = 1) -> None:
-        with self._lock:
-            self.failed[reason.value] = self.failed.get(reason.value, 0) + n
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return {"jobs": self.jobs, "batches": self.batches,
-                    **{f"failed:{k}": v for k, v in self.failed.items()}}
 
 
 @dataclass
@@ -137,7 +136,7 @@ class Lane(Generic[J]):
                     threading.Thread(target=self._loop, name=f"prefixvault-{self.name}", daemon=True).start()
                 self._cond.notify_all()
         if refused is not None:
-            self.counters.tally(refused)
+            self.counters.tally("failed", refused)
         return refused
 
     def overdue(self, now: float | None = None) -> list[J]:
@@ -211,18 +210,12 @@ class Lane(Generic[J]):
         try:
             self._run(jobs)
         except Exception as e:
-            reason = failure_of(e)
-            if reason is Failure.INTERNAL_ERROR:
-                self.guard.failed(self.name, e)
-            else:
-                log.log(logging.DEBUG if reason is Failure.BREAKER_OPEN else logging.WARNING,
-                        "prefixvault: %s of %d jobs failed: %s", self.name, len(jobs), e)
-            self._give_up(jobs, reason, e)
+            self._give_up(jobs, report(self.guard, self.name, e, f"{self.name} of {len(jobs)} jobs"), e)
 
     def _give_up(self, jobs: Sequence[J], reason: Failure, error: BaseException | None) -> None:
         if not jobs:
             return
-        self.counters.tally(reason, len(jobs))
+        self.counters.tally("failed", reason, len(jobs))
         try:
             self._fail(list(jobs), reason, error)
         except Exception as e:  # an owner's bug; its jobs are lost to it, never to the engine

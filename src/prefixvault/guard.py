@@ -1,10 +1,10 @@
-"""Nothing of ours raises into vLLM.
+"""Nothing of ours raises into the engine.
 
-Every connector entry point vLLM calls runs inside ``Guard.call``: an error of prefixvault
+Every connector entry point an engine calls runs inside ``Guard.call``: an error of prefixvault
 (a bug, a store that misbehaves, an input we did not expect) becomes the entry point's safe
 answer — a miss, a skipped save, a failed load that vLLM recomputes — counted by entry
 point, and logged once per entry point and error type (with its traceback), never an
-exception into the engine, which would kill it.
+exception into the engine, which would kill it. The lanes count their own bugs here too.
 """
 
 from __future__ import annotations
