@@ -12,7 +12,7 @@ import pytest
 from prefixvault import identity
 from prefixvault.identity import content_digest, model_content
 from prefixvault.keys import chain_hashes
-from prefixvault.vllm.scheduler import extra_keys
+from prefixvault.vllm.request import extra_keys
 
 
 def _checkpoint(root: Path, seed: int, big: bool = False) -> Path:

@@ -5,6 +5,8 @@ vault, store and CPU tensors; no engine (the contract suite drives vLLM's schedu
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 from test_vault import fill, layout
@@ -13,7 +15,8 @@ from prefixvault.guard import Guard
 from prefixvault.keys import ExtraKeys
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
-from prefixvault.vllm.lookups import Lookups, ReadAheadBudget
+from prefixvault.vllm.in_step import ReadAheadBudget
+from prefixvault.vllm.lookups import Lookups
 from prefixvault.vllm.mailbox import Mailboxes, MemoryMailbox
 from prefixvault.vllm.metadata import LoadMode, LoadSpec
 from prefixvault.vllm.worker import WorkerSide
@@ -31,8 +34,14 @@ def _worker(vault: Vault, caches: dict[str, torch.Tensor]) -> WorkerSide:
     """A worker writing loads into ``caches``, taking synchronous loads' bytes from a mailbox."""
     worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], load_in_step=True)
     worker.register_kv_caches(caches)
-    worker.handoff = MemoryMailbox()
+    worker.mailbox = MemoryMailbox()
     return worker
+
+
+def _ask(min_tokens: int) -> dict[str, Any]:
+    """A lookup of the first 41 tokens, past the engine's ``min_tokens``."""
+    return dict(prompt=TOKENS[:41], extra=ExtraKeys(), known=[], num_tokens=41, min_tokens=min_tokens,
+                saving=None)
 
 
 def test_a_lookup_reads_ahead_every_object_its_hits_load_needs() -> None:
@@ -40,15 +49,18 @@ def test_a_lookup_reads_ahead_every_object_its_hits_load_needs() -> None:
     fill(vault, TOKENS, [16, 40])
     budget = ReadAheadBudget(1 << 20)
     lookups = Lookups(vault, Guard(), budget=budget)
-    hashes, found, payloads = lookups.submit(TOKENS[:41], ExtraKeys(), [], 41, 16, None,
-                                             read_from=16).result(5)
-    assert found is not None and found.hit == 40 and payloads is not None
+    hashes, found, ahead = lookups.submit(**_ask(16), read_from=16).result(5)
+    assert found is not None and found.hit == 40 and ahead is not None
+    payloads = ahead.payloads
     needed = vault.needed(hashes[:5], 40, ranks=[0], since=16)
     assert set(payloads) == set(needed)  # the KV past the engine's 16 tokens and the state at 40
     assert all(bytes(payloads[r]) for r in needed)
-    assert budget.held == sum(len(p) for p in payloads.values())  # held until the scheduler gives it back
+    assert budget.held == sum(len(p) for p in payloads.values())  # held until the scheduler lets go
+    ahead.release()
+    ahead.release()  # (once: a second release gives nothing back)
+    assert budget.held == 0
     # without read_from: the answer alone
-    assert lookups.submit(TOKENS[:41], ExtraKeys(), [], 41, 16, None).result(5)[2] is None
+    assert lookups.submit(**_ask(16)).result(5)[2] is None
     lookups.close(1)
 
 
@@ -63,8 +75,8 @@ def test_a_hit_whose_objects_cannot_be_read_ahead_is_still_answered() -> None:
     store.put_many([(state.key, [bytes(good)[:-4] + b"\xff\xff\xff\xff"])])  # there, but rejected
     budget = ReadAheadBudget(1 << 20)
     lookups = Lookups(vault, Guard(), budget=budget)
-    _, found, payloads = lookups.submit(TOKENS[:41], ExtraKeys(), [], 41, 0, None, read_from=0).result(5)
-    assert found is not None and found.hit == 40 and payloads is None  # its load reads for itself
+    _, found, ahead = lookups.submit(**_ask(0), read_from=0).result(5)
+    assert found is not None and found.hit == 40 and ahead is None  # its load reads for itself
     assert budget.held == 0
 
 
@@ -72,9 +84,8 @@ def test_a_hit_larger_than_the_read_ahead_budget_is_not_read_ahead() -> None:
     vault = Vault(MemoryStore(), layout())
     fill(vault, TOKENS, [16, 40])
     budget = ReadAheadBudget(100)  # fewer bytes than one KV block of this layout
-    _, found, payloads = Lookups(vault, Guard(), budget=budget).submit(TOKENS[:41], ExtraKeys(), [], 41, 0,
-                                                                       None, read_from=0).result(5)
-    assert found is not None and found.hit == 40 and payloads is None and budget.held == 0
+    _, found, ahead = Lookups(vault, Guard(), budget=budget).submit(**_ask(0), read_from=0).result(5)
+    assert found is not None and found.hit == 40 and ahead is None and budget.held == 0
 
 
 def test_a_synchronous_load_is_written_at_once_its_state_also_into_the_blocks_named() -> None:
@@ -84,8 +95,8 @@ def test_a_synchronous_load_is_written_at_once_its_state_also_into_the_blocks_na
     worker = _worker(vault, caches)
     hashes = vault.hashes(TOKENS[:41])
     payloads = vault.load(vault.needed(hashes[:5], 40, ranks=[0]), borrow=False).payloads
-    assert worker.handoff is not None
-    token = worker.handoff.put("r", payloads, step=3)
+    assert worker.mailbox is not None
+    token = worker.mailbox.put("r", payloads, step=3)
     spec = LoadSpec("r", hashes[:5], 40, 0, TABLE, mode=LoadMode.HANDED_OVER, token=token,
                     state_copies=[(2, 7), (2, 11), (2, 12)])
     worker.load([spec], step=3)
@@ -98,7 +109,7 @@ def test_a_synchronous_load_is_written_at_once_its_state_also_into_the_blocks_na
     assert worker.take_finished() == (set(), set()) and worker.take_unloaded() == set()
     assert worker.counters.loads == 1 and worker.counters.loads_in_step == 1
     assert worker.counters.loads_in_step_read == 0  # every byte handed over
-    assert worker.counters.loaded_tokens == 40 and len(worker.handoff) == 0
+    assert worker.counters.loaded_tokens == 40 and len(worker.mailbox) == 0
     worker.close()
 
 

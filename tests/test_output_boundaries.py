@@ -126,7 +126,7 @@ def test_last_holds_each_output_boundary_and_stores_the_last_at_finish() -> None
     assert finish(s, req, "FINISHED_STOPPED") == (True, [("r", True)])  # blocks kept until sent
     assert s.counters.plans == 2
     # Lookups of the finished prefix wait for the save, as for any save in flight.
-    assert s._in_flight.names_any([second.hashes[2]])
+    assert s.saves.in_flight.names_any([second.hashes[2]])
 
 
 def test_last_drops_the_hold_of_a_failed_preempted_or_moved_request() -> None:
@@ -144,7 +144,7 @@ def test_last_drops_the_hold_of_a_failed_preempted_or_moved_request() -> None:
         if how == "window":  # a sliding window let it go (vLLM's null block)
             tables = ([11, 0, 13, 14], TABLES[1])
         assert finish(s, req, status, tables) == (False, [("r", False)]), how
-        assert not s._in_flight.names_any([held.hashes[1]]), how  # no save of 8 is in flight
+        assert not s.saves.in_flight.names_any([held.hashes[1]]), how  # no save of 8 is in flight
         reason = {"failed": "request_failed", "preempted": "preempted"}.get(how, "blocks_moved")
         assert s.counters.holds_dropped.get(reason) == 1, (how, s.counters.holds_dropped)
         assert not s.counters.refused.get(reason), "a held boundary dropped is not a refused boundary"

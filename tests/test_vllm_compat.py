@@ -64,7 +64,9 @@ def test_a_request_that_skips_external_reads_is_never_looked_up() -> None:
     req = SimpleNamespace(request_id="r", prompt_token_ids=list(range(20)), num_tokens=20, lora_request=None,
                           cache_salt=None, mm_features=None, skip_reading_external_kv=True)
     assert ask(side, req, 0) == (0, False)
-    assert side.counters.lookups == 0 and side._reqs["r"].lookup is None and not side._reqs["r"].counted
+    tracked = side.tracked("r")
+    assert side.counters.lookups == 0 and tracked is not None and tracked.restore.lookup is None
+    assert not tracked.counted
 
 
 def test_the_mamba_cache_mode_flag_only_where_vllm_has_it() -> None:
@@ -233,10 +235,10 @@ def test_a_worker_takes_synchronous_loads_through_the_mailbox_its_executor_allow
     assert conn.worker is not None
     conn.register_kv_caches({"a": torch.zeros(64, 2, 16, 16, dtype=BF16)})
     assert not conn.guard.errors.get("register_kv_caches")
-    handoff = conn.worker.handoff
+    handoff = conn.worker.mailbox
     assert (type(handoff).__name__ if handoff is not None else None) == mailbox
     conn.shutdown()
-    assert conn.worker.handoff is None
+    assert conn.worker.mailbox is None
     if isinstance(handoff, SharedMailbox):
         assert not handoff.path.exists()
 
@@ -392,7 +394,8 @@ def test_a_forked_child_gets_a_clear_error_from_the_connector_never_a_hang() -> 
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:  # a connector thread inside a critical section at the fork
-        with side._lookups.lane._cond:  # the lookup lane's lock
+        assert side.restores is not None
+        with side.restores.lane._cond:  # the lookup lane's lock
             held.set()
             release.wait(30)
 

@@ -79,13 +79,13 @@ def test_a_load_larger_than_the_pinned_buffer_goes_through_it_in_pieces() -> Non
     caches = {"a": torch.zeros(16, 2, BS, 4), "w": torch.zeros(16, 2, BS, 4), "s": torch.zeros(16, 4, 4)}
     worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]])
     worker.register_kv_caches(caches)
-    assert worker._load_host is None  # CPU caches: loaded bytes are scattered directly
-    io = worker._io[0]
-    worker._load_host = torch.zeros(2 * io.object_bytes + 8, dtype=torch.uint8)  # two objects fit
+    assert worker.caches._load_buffer is None  # CPU caches: loaded bytes are scattered directly
+    io = worker.caches.ios[0]
+    worker.caches._load_buffer = torch.zeros(2 * io.object_bytes + 8, dtype=torch.uint8)  # two objects fit
     blocks = [3, 9, 4, 12, 7]
     payloads = [np.full(io.object_bytes // 4, i + 0.5, np.float32) for i in range(len(blocks))]
-    worker._scatter_pinned(io, [(p.view(np.uint8).data, b) for p, b in zip(payloads, blocks, strict=True)],
-                           None)
+    items = [(p.view(np.uint8).data, b) for p, b in zip(payloads, blocks, strict=True)]
+    worker.caches._write_pinned(io, items, None)
     for i, b in enumerate(blocks):
         assert np.all(caches["a"][b].numpy() == i + 0.5)
     untouched = [b for b in range(16) if b not in blocks]
@@ -183,9 +183,9 @@ def test_a_load_past_its_deadline_is_recomputed_never_written_late_and_counts_fo
     assert store.breaker._failures == 1
     inner.gate.set()  # the store answers, late
     deadline = time.monotonic() + 5
-    while worker._loads.busy and time.monotonic() < deadline:
+    while worker.loads.lane.busy and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert not worker._loads.busy
+    assert not worker.loads.lane.busy
     for t in caches.values():
         assert np.all(t.numpy() == -1), "a load past its deadline wrote its bytes"
     assert worker.take_finished() == (set(), set())  # reported once
@@ -222,15 +222,15 @@ def test_with_a_hot_set_overlapping_and_later_restores_of_a_prefix_read_the_stor
 def test_a_load_that_started_writing_is_never_expired_under_it() -> None:
     """The expiry checks and ends a load in one hold of the lock: a load that moved to writing
     meanwhile lands and is reported once, as loaded (never failed while its bytes go in)."""
-    from prefixvault.vllm.worker import LoadFailure, LoadJob, LoadState
+    from prefixvault.vllm.loads import LoadFailure, LoadJob, LoadState
 
     vault = Vault(MemoryStore(), layout())
     worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]])
-    job = LoadJob(LoadSpec("r", [], 16, 0, ([1, 2], [0, 2], [0, 3])), ())
-    assert worker._begin_write(job) and job.state is LoadState.WRITING
-    assert not worker._end_load(job, False, LoadFailure.TIMEOUT, only=LoadState.QUEUED)
+    job = LoadJob(spec=LoadSpec("r", [], 16, 0, ([1, 2], [0, 2], [0, 3])), marks=())
+    assert worker.loads._begin_write(job) and job.state is LoadState.WRITING
+    assert not worker.loads._end_load(job, False, LoadFailure.TIMEOUT, only=LoadState.QUEUED)
     assert job.state is LoadState.WRITING and worker.take_finished() == (set(), set())
-    assert worker._end_load(job, True)
+    assert worker.loads._end_load(job, True)
     assert worker.take_finished() == ({"r"}, set()) and worker.counters.load_failures == 0
     worker.close()
 

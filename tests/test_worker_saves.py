@@ -114,7 +114,7 @@ def test_a_save_returns_before_the_store_and_keeps_the_bytes_of_its_step(strided
     worker, caches = engine(vault, staging=1 << 20, strided=strided)
     store.gate.clear()  # the store does not answer yet
     t0 = time.monotonic()
-    worker.save([spec(vault)], step=3)
+    worker.step([spec(vault)], [], step=3)
     assert time.monotonic() - t0 < 0.5, "wait_for_save waited for the store"
     assert worker.take_settled() == []  # not stored yet
     assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 0
@@ -131,8 +131,8 @@ def test_a_save_returns_before_the_store_and_keeps_the_bytes_of_its_step(strided
 def test_without_staging_a_save_is_stored_in_the_step() -> None:
     vault = Vault(MemoryStore(), layout())
     worker, _ = engine(vault, staging=0)
-    worker.save([spec(vault)], step=1)
-    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS  # before save() returned
+    worker.step([spec(vault)], [], step=1)
+    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS  # before step() returned
     assert worker.take_settled() == [(save_id(1, "r"), True)]
     worker.close()
 
@@ -145,19 +145,19 @@ def test_a_save_that_does_not_fit_is_dropped_counted_and_settled() -> None:
     one = sum(vault.layout.groups[ref.group].nbytes(0) for ref, _ in objects)
     worker, _ = engine(vault, staging=one + one // 2)  # room for one save in flight
     store.gate.clear()
-    worker.save([spec(vault, "a")], step=1)
-    worker.save([spec(vault, "b", [*TOKENS[: 2 * BS], *range(500, 500 + BS)])], step=1)  # staging is full
+    worker.step([spec(vault, "a")], [], step=1)
+    worker.step([spec(vault, "b", [*TOKENS[: 2 * BS], *range(500, 500 + BS)])], [], step=1)  # staging is full
     assert worker.counters.save_dropped == {"staging_full": 1}
     assert worker.take_settled() == [(save_id(1, "b"), False)]  # dropped: settled at once, unpublished
     store.gate.set()
     assert settle(worker, {save_id(1, "a")}) == {save_id(1, "a")}
-    worker.save([spec(vault, "c", [*TOKENS[: 2 * BS], *range(600, 600 + BS)])], step=2)  # room again
+    worker.step([spec(vault, "c", [*TOKENS[: 2 * BS], *range(600, 600 + BS)])], [], step=2)  # room again
     assert settle(worker, {save_id(2, "c")}) == {save_id(2, "c")}
     assert worker.counters.published == 2
     worker.close()
     other = Vault(MemoryStore(), layout())
     small, _ = engine(other, staging=one // 2)
-    small.save([spec(other)], step=1)
+    small.step([spec(other)], [], step=1)
     assert small.counters.save_dropped == {"too_large": 1}
     small.close()
 
@@ -169,7 +169,7 @@ def test_a_stopping_worker_stores_its_queued_saves() -> None:
     store.gate.clear()
     prompts = [[*TOKENS[: 2 * BS], *range(1000 + BS * i, 1000 + BS * (i + 1))] for i in range(5)]
     for i, prompt in enumerate(prompts):
-        worker.save([spec(vault, f"r{i}", prompt)], step=i)
+        worker.step([spec(vault, f"r{i}", prompt)], [], step=i)
     threading.Timer(0.2, store.gate.set).start()
     assert worker.close()  # waits for the five: drained
     assert worker.counters.published == 5
@@ -204,7 +204,7 @@ def test_saves_queued_behind_a_slow_store_are_stored_in_one_batch() -> None:
     store.gate.clear()
     prompts = [[*TOKENS[: 2 * BS], *range(2000 + BS * i, 2000 + BS * (i + 1))] for i in range(6)]
     for i, prompt in enumerate(prompts):
-        worker.save([spec(vault, f"q{i}", prompt)], step=i)
+        worker.step([spec(vault, f"q{i}", prompt)], [], step=i)
     store.gate.set()
     assert settle(worker, {save_id(i, f"q{i}") for i in range(6)}) == {save_id(i, f"q{i}") for i in range(6)}
     assert CountingGated.puts <= 2  # the first save, maybe alone, then the five queued behind it
@@ -220,8 +220,8 @@ def test_a_stopping_worker_waits_no_longer_than_its_drain_timeout(caplog: pytest
     vault = Vault(store, layout())
     worker, _ = engine(vault, staging=1 << 20, drain=0.3)
     store.gate.clear()
-    worker.save([spec(vault)], step=1)
-    worker.save([spec(vault, "r2", [*TOKENS[: 2 * BS], *range(500, 500 + BS)])], step=1)
+    worker.step([spec(vault)], [], step=1)
+    worker.step([spec(vault, "r2", [*TOKENS[: 2 * BS], *range(500, 500 + BS)])], [], step=1)
     t0 = time.monotonic()
     with caplog.at_level(logging.WARNING, logger="vllm.prefixvault"):
         drained = worker.close()
@@ -247,14 +247,14 @@ def test_a_stopping_worker_abandons_a_stuck_load_within_its_deadline_and_says_so
         monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     """Issue 32: the load thread's shutdown had no deadline, so one stuck load hung engine
     shutdown; and close() never said whether its threads were done."""
-    import prefixvault.vllm.worker as worker_module
+    import prefixvault.vllm.loads as loads_module
 
-    monkeypatch.setattr(worker_module, "LOAD_DRAIN_S", 0.3)
+    monkeypatch.setattr(loads_module, "LOAD_DRAIN_S", 0.3)
     store = StuckGets()
     store.gate.set()
     vault = Vault(store, layout())
     worker, _ = engine(vault, staging=1 << 20)
-    worker.save([spec(vault)], step=1)
+    worker.step([spec(vault)], [], step=1)
     wait_published(worker)
     store.gate.clear()
     hashes = vault.hashes(TOKENS)
@@ -304,7 +304,7 @@ def test_a_lookup_waits_for_a_save_of_its_prefix_in_flight(settled: bool) -> Non
     meta = side.build_connector_meta(_first_step(side, "t1", first))
     assert [s.req_id for s in meta.saves] == ["t1"], side.counters.refused
     store.gate.clear()
-    worker.save(meta.saves, meta.step)
+    worker.step(meta.saves, [], meta.step)
     nxt = _request("t2", [*TOKENS, 888, 889])
     for _ in range(5):
         assert side.get_num_new_matched_tokens(nxt, 0) == (None, False)  # held
@@ -364,18 +364,18 @@ def held(vault: Vault, req: str = "r", tokens: list[int] = TOKENS) -> SaveSpec:
 def test_a_held_save_stores_the_state_of_its_step_when_its_request_finishes(staging: int) -> None:
     vault = Vault(MemoryStore(), layout())
     worker, caches = engine(vault, staging=staging, hold=1 << 20)
-    worker.save([held(vault)], step=1)
+    worker.step([held(vault)], [], step=1)
     caches["s"][STATE_BLOCK] = 5.0  # a later decode step writes the state block...
-    worker.save([held(vault)], step=2)  # ...and the next output boundary replaces the hold
+    worker.step([held(vault)], [], step=2)  # ...and the next output boundary replaces the hold
     assert worker.take_settled() == [] and vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 0
-    assert worker._holds is not None and worker._holds.taken == 1  # one slot per request
+    assert worker.holds._slots is not None and worker.holds._slots.taken == 1  # one slot per request
     caches["s"][STATE_BLOCK] = 99.0  # decoding goes on past the last boundary
-    worker.release([Release("r", True)], step=9)
+    worker.step([], [Release("r", True)], step=9)
     assert worker.take_sent() == {"r"}  # its blocks were read: vLLM may free them
     assert settle(worker, {save_id(9, "r")}) == {save_id(9, "r")}
     assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS
     restored(vault, worker, caches, state=5.0)  # the held state, not the engine's block now
-    assert worker._holds.taken == 0
+    assert worker.holds._slots.taken == 0
     worker.close()
 
 
@@ -387,7 +387,7 @@ def test_a_release_and_a_new_hold_of_the_same_request_in_one_step() -> None:
     worker.step([held(vault)], [], step=1)
     caches["s"][STATE_BLOCK] = 5.0
     worker.step([held(vault)], [Release("r", False)], step=2)
-    assert "r" in worker._held
+    assert "r" in worker.holds._held
     worker.step([], [Release("r", True)], step=3)
     assert worker.take_sent() == {"r"}
     assert settle(worker, {save_id(3, "r")}) == {save_id(3, "r")}
@@ -399,18 +399,18 @@ def test_holds_without_room_are_dropped_and_a_release_always_reports_the_request
     vault = Vault(MemoryStore(), layout())
     state_bytes = vault.layout.groups[2].nbytes(0)
     worker, _ = engine(vault, staging=1 << 20, hold=state_bytes)  # one slot
-    worker.save([held(vault, "a"), held(vault, "b", [*TOKENS[: 2 * BS], *range(500, 500 + BS)])], step=1)
+    worker.step([held(vault, "a"), held(vault, "b", [*TOKENS[: 2 * BS], *range(500, 500 + BS)])], [], step=1)
     assert worker.counters.save_dropped == {"hold_full": 1}
-    worker.release([Release("b", True), Release("a", False)], step=2)  # b has no hold; a dropped
+    worker.step([], [Release("b", True), Release("a", False)], step=2)  # b has no hold; a dropped
     assert worker.take_sent() == {"b"} and worker.take_settled() == [(save_id(2, "b"), False)]
-    assert worker._holds is not None and worker._holds.taken == 0
-    worker.save([held(vault, "c")], step=3)
+    assert worker.holds._slots is not None and worker.holds._slots.taken == 0
+    worker.step([held(vault, "c")], [], step=3)
     worker.fail_releases([Release("c", True)], step=4)  # an error of ours while releasing
     assert worker.take_sent() == {"c"} and worker.take_settled() == [(save_id(4, "c"), False)]
-    assert worker._holds.taken == 0
+    assert worker.holds._slots.taken == 0
     worker.close()
     tiny, _ = engine(vault, staging=1 << 20, hold=state_bytes - 1)
-    tiny.save([held(vault)], step=1)
+    tiny.step([held(vault)], [], step=1)
     assert tiny.counters.save_dropped == {"hold_too_large": 1}
     tiny.close()
 
@@ -444,7 +444,7 @@ def test_bytes_saved_on_kernel_blocks_restore_on_an_engine_without() -> None:
     producer = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], staging_bytes=1 << 20,
                           num_blocks=16)
     producer.register_kv_caches(caches)
-    producer.save([spec(vault)], step=1)
+    producer.step([spec(vault)], [], step=1)
     assert settle(producer, {save_id(1, "r")}) == {save_id(1, "r")}
     assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS
     producer.close()
@@ -498,7 +498,7 @@ def test_a_load_tells_our_errors_from_the_stores() -> None:
     store = MemoryStore()
     vault = Vault(store, layout())
     worker, _ = engine(vault, staging=1 << 20)
-    worker.save([spec(vault)], step=1)
+    worker.step([spec(vault)], [], step=1)
     wait_published(worker)
     hashes = vault.hashes(TOKENS)
     # Block ids past the engine's 16 blocks: our mapping fails, not the store.

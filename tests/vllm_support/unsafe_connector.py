@@ -7,24 +7,27 @@ seed scenario really fails when the boundary rule is bypassed. Never use it else
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from prefixvault.boundary import SavePlan
+from prefixvault.vllm.compat import step_starts
 from prefixvault.vllm.connector import PrefixVaultConnector
 from prefixvault.vllm.metadata import SaveSpec
-from prefixvault.vllm.scheduler import SchedulerSide
+from prefixvault.vllm.request import TrackedRequest
+from prefixvault.vllm.save_plans import SavePlans
 
 
-class UnsafeSchedulerSide(SchedulerSide):
-    def _plan_saves(self, out: Any) -> list[SaveSpec]:
+class UnsafeSavePlans(SavePlans):
+    def plan(self, out: Any, step: int, requests: Mapping[str, TrackedRequest]) -> list[SaveSpec]:
         state = out.kv_connector_block_state
         if state is None:
             return []
         bs = self.block_size
-        starts = self._starts(out)
+        starts = step_starts(out)
         saves = []
         for req_id, n_new in out.num_scheduled_tokens.items():
-            st = self._reqs.get(req_id)
+            st = requests.get(req_id)
             tables = state.get_block_ids(req_id)
             if st is None or tables is None or req_id not in starts:
                 continue
@@ -38,12 +41,12 @@ class UnsafeSchedulerSide(SchedulerSide):
                 plans.append(SavePlan(b, blocks, states))
             if plans:
                 st.saved = max(p.tokens for p in plans)
-                saves.append(SaveSpec(req_id, self._hashes(st, st.saved), plans))
+                saves.append(SaveSpec(req_id, self._chain(st, st.saved), plans))
         return saves
 
 
 class UnsafeConnector(PrefixVaultConnector):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        if self.scheduler is not None:
-            self.scheduler.__class__ = UnsafeSchedulerSide
+        if self.scheduler is not None and self.scheduler.saves is not None:
+            self.scheduler.saves.__class__ = UnsafeSavePlans

@@ -77,6 +77,15 @@ def skips_external(request: Any) -> bool:
     return False
 
 
+def step_starts(scheduler_output: Any) -> dict[str, int]:
+    """Tokens each request scheduled in a step had computed before it: new requests and
+    cached ones name them apart in vLLM's ``SchedulerOutput`` (the same in 0.32-0.34)."""
+    starts = {r.req_id: r.num_computed_tokens for r in scheduler_output.scheduled_new_reqs}
+    cached = scheduler_output.scheduled_cached_reqs
+    starts.update(zip(cached.req_ids, cached.num_computed_tokens, strict=True))
+    return starts
+
+
 # -- the scheduler's cache manager ----------------------------------------------------------------
 
 

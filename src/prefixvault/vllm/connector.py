@@ -119,19 +119,18 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             if ktc.kv_load_failure_policy != "recompute" and ktc.is_kv_consumer:
                 # A bad or missing object must cost a recompute, never a failed request.
                 ktc.kv_load_failure_policy = "recompute"
+            device = current_platform.device_type
+            # A restore's load is synchronous (its first chunk in the step that restores it)
+            # where this engine's one worker runs in this process or in a child of it: the
+            # worker serving the engine id's mailbox (``vllm/in_step.py``).
+            checkpoints = internal_checkpoints(vllm_config, kv_cache_config, device)
             self._scheduler = SchedulerSide(self.settings, self.layout, self.vault,
                                            load=ktc.is_kv_consumer, save=ktc.is_kv_producer, guard=self.guard,
-                                           in_step=in_step)
-            # A restore's load is synchronous (its first chunk in the step that restores it)
-            # where this engine's one worker runs in this process or in a child of it
-            # (``vllm/mailbox.py``).
-            engine_id = self._engine_id
-            self._scheduler.handoff = lambda: Mailboxes.find(engine_id)
-            device = current_platform.device_type
+                                           in_step=in_step, engine_id=self._engine_id,
+                                           checkpoints=checkpoints)
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
                                             enabled=self.layout.has_state,
                                             rewrite=resets_cpu_block_size(device, running_version()))
-            self._scheduler.checkpoints = internal_checkpoints(vllm_config, kv_cache_config, device)
             log.info("prefixvault: %s on %s, namespace %s%s, layout %s, block size %d, capture %s, "
                      "restores waited for in the step: %s",
                      ktc.kv_role, redact(self.settings.store), self.settings.namespace,
@@ -260,26 +259,26 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             log.warning("prefixvault: off for this worker (rank %d): its cache tensors do not match the "
                         "layout (logged above); every request it serves is computed", worker.rank)
         self.guard.call("register_kv_caches", lambda: worker.register_kv_caches(kv_caches), inert)
-        if (worker.disabled is None and self.layout.world_size == 1 and worker.handoff is None
+        if (worker.disabled is None and self.layout.world_size == 1 and worker.mailbox is None
                 and self._engine_id is not None):
             # synchronous loads: the scheduler of this process, or of the parent process (vLLM's
             # multiprocessing executor), may hand this worker their bytes
             backend = getattr(self._vllm_config.parallel_config, "distributed_executor_backend", None)
-            worker.handoff = Mailboxes.serve(self._engine_id, backend)
+            worker.mailbox = Mailboxes.serve(self._engine_id, backend)
 
-    def _withdraw_handoff(self) -> None:
+    def _withdraw_mailbox(self) -> None:
         """The worker takes no more synchronous loads (``vllm/mailbox.py``)."""
         worker = self._worker
-        if worker is not None and worker.handoff is not None:
-            worker.handoff.withdraw()
-            worker.handoff = None
+        if worker is not None and worker.mailbox is not None:
+            worker.mailbox.withdraw()
+            worker.mailbox = None
 
     def unregister_kv_caches(self) -> None:
         """vLLM (0.34) releases the cache tensors (its extensible cache): the worker stops
         touching them for good; every request is computed from then on."""
         worker = self.worker
         if worker is not None:
-            self._withdraw_handoff()
+            self._withdraw_mailbox()
             worker.disable("the engine released its cache tensors")
 
     @classmethod
@@ -398,7 +397,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler is not None:
             Mailboxes.close(self._engine_id)  # its worker's mailbox, where one served it
         if self.worker is not None:
-            self._withdraw_handoff()
+            self._withdraw_mailbox()
             drained = self.worker.close() and drained
         if self.vault is None:
             return

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 from collections import Counter
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
@@ -19,7 +18,7 @@ from prefixvault.guard import Guard
 from prefixvault.keys import ExtraKeys
 from prefixvault.lane import Failure, Lane
 from prefixvault.vault import LookupResult, Miss, ObjectRef, Vault
-from prefixvault.vllm.mailbox import Payloads
+from prefixvault.vllm.in_step import ReadAhead, ReadAheadBudget
 
 log = logging.getLogger("vllm.prefixvault")
 
@@ -29,12 +28,12 @@ LOOKUP_QUEUE = 4096
 #: What a lookup answers: the prompt's chain hashes, its result (None: held for a save), and
 #: with ``read_from`` the verified payloads of every object a load of its hit needs (rank 0), or
 #: None if any could not be read.
-Answer = tuple[list[bytes], LookupResult | None, Payloads | None]
+Answer = tuple[list[bytes], LookupResult | None, ReadAhead | None]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class LookupJob:
-    """A lookup handed to the lookup lane; answered through ``future``."""
+    """A lookup handed to the lookup lane (a record between threads); answered through ``future``."""
 
     future: Future[Answer]
     prompt: list[int]
@@ -65,32 +64,6 @@ LOOKUP_MISS = {Failure.STORE_ERROR: Miss.STORE_ERROR, Failure.BREAKER_OPEN: Miss
                Failure.FULL: Miss.BUSY, Failure.CLOSED: Miss.BUSY}
 
 
-class ReadAheadBudget:
-    """Bytes read ahead and not yet handed to a worker or let go of, at most ``limit``: a hit
-    whose objects would pass it is not read ahead (its load is asynchronous)."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self._held = 0  # under _lock (the lookup lane takes, the scheduler's thread gives back)
-        self._lock = threading.Lock()
-
-    def take(self, n: int) -> bool:
-        with self._lock:
-            if self._held + n > self.limit:
-                return False
-            self._held += n
-            return True
-
-    def give(self, n: int) -> None:
-        with self._lock:
-            self._held -= n
-
-    @property
-    def held(self) -> int:
-        with self._lock:
-            return self._held
-
-
 class Lookups:
     def __init__(self, vault: Vault, guard: Guard, capacity: int = LOOKUP_QUEUE,
                  budget: ReadAheadBudget | None = None) -> None:
@@ -101,13 +74,15 @@ class Lookups:
         # One lane: the scheduler's store calls stay in order, and never run in its step.
         self.lane: Lane[LookupJob] = Lane("lookup", self._run, self._fail, capacity=capacity, guard=guard)
 
-    def submit(self, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
+    def submit(self, *, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
                min_tokens: int, saving: Counter[bytes] | None,
                read_from: int | None = None) -> Future[Answer]:
-        """Queue a lookup; it is answered with every lookup queued by the time the lane is free
-        (``Vault.lookup_many``: one or two round trips for all of them; with ``read_from``, one
-        more read for the objects of every hit that asked for them)."""
-        job = LookupJob(Future(), prompt, extra, known, num_tokens, min_tokens, saving, read_from)
+        """Queue a lookup (``LookupJob`` says what each argument is); it is answered with every
+        lookup queued by the time the lane is free (``Vault.lookup_many``: one or two round
+        trips for all of them; with ``read_from``, one more read for the objects of every hit
+        that asked for them)."""
+        job = LookupJob(future=Future(), prompt=prompt, extra=extra, known=known, num_tokens=num_tokens,
+                        min_tokens=min_tokens, saving=saving, read_from=read_from)
         refused = self.lane.put(job)
         if refused is not None:
             job.future.set_exception(LaneFailed(refused))
@@ -159,13 +134,13 @@ class Lookups:
         except Exception as e:  # the answers stand; a store error here costs freshness only
             log.debug("prefixvault: touching what a lookup found failed: %s", e)
 
-    def _read_ahead(self, ahead: list[tuple[LookupJob, list[bytes], LookupResult]]) -> list[Payloads | None]:
+    def _read_ahead(self, ahead: list[tuple[LookupJob, list[bytes], LookupResult]]) -> list[ReadAhead | None]:
         """For each hit, the verified objects its load needs (rank 0, from ``read_from`` or
-        ``min_tokens``), in memory of their own (bytes counted in ``budget``, given back by
-        whoever lets go of them); None if the budget has no room for them or any could not be
+        ``min_tokens``), in memory of their own (bytes counted in ``budget`` until the
+        ``ReadAhead`` is released); None if the budget has no room for them or any could not be
         read. Every hit's objects are read in one call (one round trip to a network store).
         Best effort: the hits stand either way (their loads then read the objects themselves)."""
-        out: list[Payloads | None] = [None] * len(ahead)
+        out: list[ReadAhead | None] = [None] * len(ahead)
         if self.budget is None:
             return out
         bs = self.vault.layout.block_size
@@ -196,6 +171,7 @@ class Lookups:
                 continue
             payloads = {r: loaded[r] for r in refs}
             # (two hits naming one object share its bytes: each counts them, as each lets go)
-            self.budget.give(size - sum(len(p) for p in payloads.values()))  # (the same, by the layout)
-            out[i] = payloads
+            nbytes = sum(len(p) for p in payloads.values())
+            self.budget.give(size - nbytes)  # (the same, by the layout)
+            out[i] = ReadAhead(payloads=payloads, nbytes=nbytes, budget=self.budget)
         return out

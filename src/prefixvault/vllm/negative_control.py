@@ -66,10 +66,10 @@ class PrefixVaultControlConnector(PrefixVaultConnector):
             idx = (spec.tokens - 1) // bs
             if not group.is_state or idx >= len(table) or table[idx] == 0:
                 continue
-            io = worker._io[g]
+            zeros = torch.zeros((1, worker.caches.object_bytes(g)), dtype=torch.uint8)
             # a synchronous load's state is also in the running blocks the forward reads
             for block in [table[idx], *(b for gg, b in spec.state_copies if gg == g)]:
-                io.scatter([block], torch.zeros((1, io.object_bytes), dtype=torch.uint8))
+                worker.caches.scatter(g, [block], zeros)
             self.zeroed += 1
             log.warning("prefixvault: negative control: zeroed the restored state of group %d (block %d) "
                         "for request %s", g, table[idx], spec.req_id)

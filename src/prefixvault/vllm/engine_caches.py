@@ -1,0 +1,180 @@
+"""The engine's cache tensors as a worker touches them: objects copied out of blocks and into them.
+
+vLLM hands the worker one view per layer (``register_kv_caches``); they become one ``GroupIO``
+per cache group (``kernel_blocks.group_ios``), checked against the layout before any copy: an
+object of group g is ``layout.groups[g].nbytes(rank)`` bytes on this rank, or the caches are
+refused. Saves and holds read objects out of blocks here, loads write them in.
+
+Memory on a CUDA engine, all allocated at registration (vLLM has sized its KV cache by then: an
+allocation that fails shows at start, and nothing grows later): the copy buffers of
+``prefixvault.blockio`` (``DEVICE_BUFFER_BYTES`` per direction, shared by the groups), host
+memory the other parts keep for copies (``host_buffer``: pinned, so a device's copies overlap)
+and one pinned load buffer of ``LOAD_STAGING_BYTES`` (32 MiB, or one object of the largest group
+where that is larger), reused by every load: a load larger than it is written in pieces.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from prefixvault.blockio import Done, GroupIO
+from prefixvault.layout import CacheLayout
+from prefixvault.vault import ObjectRef
+from prefixvault.vllm.kernel_blocks import group_ios
+
+log = logging.getLogger("vllm.prefixvault")
+
+#: Pinned host memory one worker keeps for loads into CUDA caches (a larger load goes in pieces).
+LOAD_STAGING_BYTES = 32 << 20
+
+
+class EngineCaches:
+    """One rank's cache groups, as block I/O. Invariant: ``ios`` is empty while nothing usable
+    is registered and once the worker lets go of the tensors (``let_go``): no copy touches a
+    tensor then (each raises)."""
+
+    def __init__(self, layout: CacheLayout, rank: int, layer_groups: Sequence[Sequence[str]],
+                 num_blocks: int | None) -> None:
+        """``num_blocks``: the engine's manager blocks (``KVCacheConfig.num_blocks``); a layer
+        with more (kernel blocks) is viewed as that many manager blocks."""
+        self.layout = layout
+        self.rank = rank
+        self.layer_groups = [list(g) for g in layer_groups]
+        self.num_blocks = num_blocks
+        self.ios: list[GroupIO] = []  # per cache group: copies between its layers' blocks and host bytes
+        self._device: Any = None  # the caches' CUDA device, once registered
+        # Loads into CUDA caches go through this pinned buffer, one load at a time (under the lock).
+        self._load_buffer: Any = None
+        self._load_lock = threading.Lock()
+
+    # -- registration -----------------------------------------------------------------------------
+
+    def register(self, kv_caches: Mapping[str, Any]) -> None:
+        """Block I/O for every cache group, checked against the layout, and the pinned load
+        buffer on CUDA. Raises ``ValueError`` if the caches do not match the layout."""
+        import torch
+
+        self.ios = []
+        ios = group_ios(kv_caches, self.layer_groups, self.num_blocks)
+        if len(ios) != len(self.layout.groups):
+            raise ValueError(f"prefixvault: {len(ios)} cache groups registered, layout has "
+                             f"{len(self.layout.groups)}")
+        for gi, io in enumerate(ios):
+            expected = self.layout.groups[gi].nbytes(self.rank)
+            if io.object_bytes != expected:
+                raise ValueError(f"prefixvault: cache group {gi} has {io.object_bytes} bytes per block on "
+                                 f"rank {self.rank}, layout says {expected}")
+        cuda = [io for io in ios if io.device.type == "cuda"]
+        if cuda:
+            size = max([LOAD_STAGING_BYTES, *(io.object_bytes for io in cuda)])
+            self._load_buffer = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+            self._device = cuda[0].device
+        self.ios = ios
+
+    def unregister(self) -> None:
+        """Hold nothing of caches that could not be used (registration failed part-way)."""
+        self.let_go()
+        self._device = None
+
+    def let_go(self) -> None:
+        """Touch the engine's tensors no more (the worker is disabled): every copy raises from
+        now on. The device stays known, for lane threads still to start."""
+        self.ios = []
+        self._load_buffer = None
+
+    def host_buffer(self, nbytes: int) -> np.ndarray:
+        """``nbytes`` of host memory for copies of these caches (pinned on CUDA)."""
+        import torch
+
+        buf: np.ndarray = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._device is not None).numpy()
+        return buf
+
+    def state_bytes(self) -> int:
+        """Bytes of one boundary's states on this rank (one object of every state group)."""
+        return sum(io.object_bytes for g, io in enumerate(self.ios) if self.layout.groups[g].is_state)
+
+    def object_bytes(self, group: int) -> int:
+        return self.ios[group].object_bytes
+
+    def on_lane_thread(self) -> None:
+        """A lane's thread works on the caches' device: a thread that never chose one would
+        open a context on device 0 in every tensor-parallel rank (outside vLLM's budget)."""
+        if self._device is None:
+            return
+        try:
+            import torch
+
+            torch.cuda.set_device(self._device)
+        except Exception as e:  # the copies still name their device explicitly
+            log.warning("prefixvault: a worker thread could not select %s: %s", self._device, e)
+
+    # -- copies out (saves, holds) ----------------------------------------------------------------
+
+    def read(self, ref: ObjectRef, block_id: int) -> memoryview:
+        """One object's payload, copied out of the engine's blocks into fresh host memory."""
+        out = np.empty(self.ios[ref.group].object_bytes, np.uint8)
+        self.read_into(ref, block_id, out.data)
+        return out.data
+
+    def read_into(self, ref: ObjectRef, block_id: int, dest: memoryview) -> None:
+        """Copy one object's payload out of the engine's blocks into ``dest``."""
+        self.ios[ref.group].gather([block_id], _host(dest, 1)).wait()
+
+    def copy_out(self, group: int, block_ids: Sequence[int], dest: memoryview) -> Done:
+        """Copy blocks of one group into ``dest``, one object after another, in one gather; on
+        a device it may still be running: wait for the ``Done`` before reading ``dest``."""
+        return self.ios[group].gather(list(block_ids), _host(dest, len(block_ids)))
+
+    # -- copies in (loads) ------------------------------------------------------------------------
+
+    def mark(self) -> list[Any]:
+        """Per cache group: the engine's work queued by now, which writes wait for (``GroupIO.mark``)."""
+        return [io.mark() for io in self.ios]
+
+    def write(self, refs: Sequence[ObjectRef], payloads: Sequence[memoryview], blocks: Sequence[int],
+              marks: Sequence[Any]) -> None:
+        """Write each object's payload into its block, once the engine's work ``marks`` names
+        ran; returns once they landed."""
+        by_group: dict[int, list[tuple[memoryview, int]]] = {}
+        for ref, payload, block_id in zip(refs, payloads, blocks, strict=True):
+            by_group.setdefault(ref.group, []).append((payload, block_id))
+        for g, items in by_group.items():
+            io = self.ios[g]
+            if io.device.type == "cpu":  # straight from the loaded bytes, one copy per object
+                for payload, block_id in items:
+                    io.scatter([block_id], _host(payload, 1))
+            else:
+                self._write_pinned(io, items, marks[g] if g < len(marks) else None)
+
+    def _write_pinned(self, io: GroupIO, items: Sequence[tuple[memoryview, int]], after: Any) -> None:
+        """Write objects into a device's blocks through the pinned load buffer: one transfer
+        and one scatter per piece that fits it."""
+        host = self._load_buffer
+        if host is None:
+            raise RuntimeError("no pinned load buffer (caches not registered)")
+        rows = max(1, host.numel() // io.object_bytes)
+        flat = host.numpy()
+        with self._load_lock:
+            for start in range(0, len(items), rows):
+                piece = items[start : start + rows]
+                for j, (payload, _) in enumerate(piece):
+                    flat[j * io.object_bytes : (j + 1) * io.object_bytes] = np.frombuffer(payload, np.uint8)
+                src = host[: len(piece) * io.object_bytes].view(len(piece), io.object_bytes)
+                io.scatter([b for _, b in piece], src, after=after)  # returns once landed
+
+    def scatter(self, group: int, block_ids: Sequence[int], rows: Any) -> None:
+        """Write host rows (uint8 ``[len(block_ids), object_bytes]``) into blocks as they are,
+        nothing verified: for the negative control, which writes a wrong state on purpose."""
+        self.ios[group].scatter(list(block_ids), rows)
+
+
+def _host(buf: memoryview, rows: int) -> Any:
+    """Host bytes as the uint8 [rows, n / rows] tensor block I/O reads or writes (no copy)."""
+    import torch
+
+    return torch.from_numpy(np.frombuffer(buf, np.uint8)).view(rows, -1)

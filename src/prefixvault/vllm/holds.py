@@ -1,0 +1,201 @@
+"""Output holds (``output_boundaries: last``): a decoding request's last output boundary, kept until it ends.
+
+A held save copies only its states, in the step that ends on the boundary, into a slot of its
+own (``SlotPool``: fixed-size slots in one pre-faulted buffer, taken and given back in any
+order, since requests finish in any order); the request's next held save replaces it in the
+same slot. When the request finishes, its ``Release`` says what to do: a stored one's KV blocks
+(kept by vLLM until every worker reports the request sent) are staged beside the held states
+and the save goes to the save lane as any other (``saves.py``); a dropped one gives its slot
+back. A request without a slot free holds nothing (``save_dropped{reason="hold_full"}``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prefixvault.codec import ObjectKind
+from prefixvault.lane import report
+from prefixvault.staging import SlotPool
+from prefixvault.vault import ObjectRef
+from prefixvault.vllm.metadata import Release, SaveSpec, save_id
+from prefixvault.vllm.saves import SaveDrop, Saves
+from prefixvault.vllm.worker_context import WorkerContext
+
+log = logging.getLogger("vllm.prefixvault")
+
+
+@dataclass(frozen=True, kw_only=True)
+class HeldSave:
+    """A request's held save, until its request finishes."""
+
+    spec: SaveSpec
+    slot: int | None  # None: it had no states to hold
+    payloads: dict[str, memoryview]  # the held states by object key: views of the slot
+
+
+class Holds:
+    """The held saves of one worker, and the requests whose held saves' blocks were read."""
+
+    def __init__(self, ctx: WorkerContext, saves: Saves, *, hold_bytes: int) -> None:
+        """``saves``: where a held save goes once its request finishes."""
+        self._ctx = ctx
+        self._saves = saves
+        self._hold_bytes = hold_bytes if ctx.vault is not None else 0
+        self._slots: SlotPool | None = None  # allocated once the caches are registered
+        # Held saves by request. Only the engine's thread (hold, release) touches it; slots go
+        # back from the save lane too (``SlotPool`` has a lock of its own). Invariant: a held
+        # save's slot is its request's alone, and goes back once: when the hold is dropped, or
+        # once the save it became is stored or dropped.
+        self._held: dict[str, HeldSave] = {}
+        # Requests whose held save's blocks were read since the last ``take_sent``; under _lock.
+        # Invariant: every request released to be stored lands here, whatever happened to its
+        # save: vLLM keeps its blocks until it is reported sent.
+        self._sent: set[str] = set()
+        self._lock = threading.Lock()
+
+    def allocate(self) -> None:
+        """The slots, once the caches are registered: one boundary's states each."""
+        slot = self._ctx.caches.state_bytes()
+        if self._hold_bytes and slot and self._slots is None:
+            if self._hold_bytes < slot:
+                log.warning("prefixvault: one boundary's states (%d bytes) do not fit save_hold_mib (%d "
+                            "bytes): no output boundary is stored; raise it", slot, self._hold_bytes)
+            else:
+                self._slots = SlotPool(slot, self._hold_bytes // slot)
+
+    def hold(self, spec: SaveSpec, sid: str) -> None:
+        """Hold a save (``SaveSpec.hold``): nothing is stored, nor settled, until its request
+        finishes. An error of ours costs this save only."""
+        try:
+            self._hold(spec)
+        except Exception as e:
+            self._saves.fail(sid, f"staging the save of request {spec.req_id}", e)
+
+    def _hold(self, spec: SaveSpec) -> None:
+        """Copy a held save's states into the request's slot (taking one if it has none); its
+        earlier hold is replaced. No slot free: the earlier hold, if any, stays."""
+        assert self._ctx.vault is not None
+        objects, _ = self._ctx.vault.objects_of(self._ctx.rank, spec.hashes, spec.plans)
+        states = [(ref, b) for ref, b in objects if ref.kind is ObjectKind.STATE]
+        old = self._held.get(spec.req_id)
+        slot = old.slot if old is not None else None
+        if states and slot is None:
+            slot = self._slots.take() if self._slots is not None else None
+            if slot is None:
+                self._ctx.counters.tally("save_dropped",
+                                     SaveDrop.HOLD_FULL if self._slots else SaveDrop.HOLD_TOO_LARGE)
+                return
+        payloads: dict[str, memoryview] = {}
+        try:
+            if states:
+                assert self._slots is not None and slot is not None
+                view, off = self._slots.view(slot), 0
+                for ref, block_id in states:
+                    size = self._ctx.caches.object_bytes(ref.group)
+                    if off + size > len(view):
+                        raise ValueError("a held save has more states than one boundary's")
+                    self._ctx.caches.read_into(ref, block_id, view[off : off + size])
+                    payloads[ref.key] = view[off : off + size]
+                    off += size
+        except BaseException:  # the slot may hold half of two boundaries: drop the hold
+            self._held.pop(spec.req_id, None)
+            self._give(slot)
+            raise
+        self._held[spec.req_id] = HeldSave(spec=spec, slot=slot, payloads=payloads)
+
+    def release(self, releases: Sequence[Release], step: int) -> None:
+        """Store (``Release.store``) or drop the finished requests' held saves. A stored one's
+        KV blocks are copied out now and the request is reported sent (vLLM frees its blocks),
+        whatever happens to the save. Never raises: after an error of ours, the held saves left
+        are dropped, and every request to store is still reported sent, its save settled."""
+        try:
+            self._release(releases, step)
+        except Exception as e:
+            report(self._ctx.guard, "worker", e, "releasing held saves")
+            self._ctx.counters.add(save_errors=1)
+            self.fail_releases(releases, step)
+
+    def _release(self, releases: Sequence[Release], step: int) -> None:
+        for rel in releases:
+            held = self._held.pop(rel.req_id, None)
+            if not rel.store:
+                if held is not None:
+                    self._give(held.slot)
+                continue
+            sid = save_id(step, rel.req_id)
+            try:
+                if held is None:  # its hold was dropped when made (no slot)
+                    self._saves.settle(sid, False)
+                else:
+                    self._store_held(sid, held)
+            except Exception as e:  # one save's error costs that save only
+                self._saves.fail(sid, f"storing the held save of request {rel.req_id}", e)
+            finally:
+                with self._lock:
+                    self._sent.add(rel.req_id)
+
+    def _store_held(self, sid: str, held: HeldSave) -> None:
+        """Stage (or, without staging, store) a held save: its KV blocks from the engine, its
+        states from the slot, which goes back once the save is stored."""
+        spec = dataclasses.replace(held.spec, hold=False)
+        slot, states = held.slot, held.payloads
+        if self._saves.stored_in_step:
+            def read(ref: ObjectRef, block_id: int) -> memoryview:
+                return states[ref.key] if ref.key in states else self._ctx.caches.read(ref, block_id)
+
+            def read_into(ref: ObjectRef, block_id: int, dest: memoryview) -> None:
+                if ref.key in states:
+                    dest[:] = states[ref.key]
+                else:
+                    self._ctx.caches.read_into(ref, block_id, dest)
+            try:
+                self._saves.settle(sid, self._saves.store_now(spec, read, read_into))
+            finally:
+                self._give(slot)
+            return
+        try:
+            staged = self._saves.stage(sid, spec, states, give_back=functools.partial(self._give, slot))
+        except BaseException:
+            self._give(slot)
+            raise
+        if staged is None:
+            self._give(slot)
+            self._saves.settle(sid, False)
+            return
+        try:
+            self._saves.wait_copied(staged)  # the blocks are freed once this request is reported sent
+        except BaseException:
+            self._give(slot)
+            raise
+        self._saves.enqueue(staged)
+
+    def fail_releases(self, releases: Sequence[Release], step: int) -> None:
+        """After an error of ours in ``release`` (or with the worker off): drop the held saves
+        left; every request to store is still reported sent (its blocks must be freed) and its
+        save settled."""
+        for rel in releases:
+            held = self._held.pop(rel.req_id, None)
+            if held is not None:
+                self._give(held.slot)
+            if rel.store:
+                with self._lock:
+                    done = rel.req_id in self._sent
+                if not done:
+                    self._saves.settle(save_id(step, rel.req_id), False)
+                    with self._lock:
+                        self._sent.add(rel.req_id)
+
+    def take_sent(self) -> set[str]:
+        """Requests whose held saves' blocks were read since the last call (vLLM frees them)."""
+        with self._lock:
+            out, self._sent = self._sent, set()
+        return out
+
+    def _give(self, slot: int | None) -> None:
+        if slot is not None and self._slots is not None:
+            self._slots.give(slot)

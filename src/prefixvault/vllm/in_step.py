@@ -1,0 +1,286 @@
+"""Synchronous loads: a restore written before the forward of the step that restores it.
+
+This module is the one owner of synchronous loads (``LoadMode.HANDED_OVER``,
+``LoadMode.READ_IN_STEP``), both sides: the scheduler's (``InStepHandover``: the read-ahead
+budget, finding the worker's mailbox, handing a load's bytes over before its hit is answered,
+taking them back, naming the running state blocks) and the worker's (``InStepWrites``). An
+asynchronous load is reported after the forward, so its request's first
+chunk runs a step later; a synchronous one is written before the forward of the step that
+schedules that chunk. vLLM has no way back from a failed synchronous load on a hybrid model
+(0.32-0.34), so a load is synchronous only where it cannot fail on the store's side: the
+lookup read and verified its objects ahead, and the scheduler handed them to the worker of its
+own process through a ``Mailbox`` (``vllm/mailbox.py``).
+
+The bytes read ahead for a hit (``ReadAhead``) count against ``ReadAheadBudget`` until let go
+of: a request's restore holds them only while it is answered or handed over
+(``vllm/request.py``). Where the mailbox cannot take them (shared memory full) the answer is
+asynchronous: no synchronous load is ever promised without its bytes in hand.
+
+The worker's side writes such a load in the engine's thread, from the bytes handed over under
+the load's token; bytes not handed over after all (an error of ours) are read from the store in
+the step (a local store: a copy). Align mode's pre-copy ran before ``start_load_kv``, so the
+state also goes into every running block ``LoadSpec.state_copies`` names; a load naming none is
+refused. A load not written is reported as vLLM asks (``take_unloaded``, vLLM's
+``get_block_ids_with_load_errors``): its blocks unloaded. vLLM then recomputes from the first,
+or, on a model of several cache groups, stops rather than compute on a state never written.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from prefixvault.codec import ObjectKind
+from prefixvault.guard import Guard
+from prefixvault.lane import Failure, report
+from prefixvault.layout import CacheLayout
+from prefixvault.vault import ObjectRef
+from prefixvault.vllm.compat import step_starts
+from prefixvault.vllm.loads import LoadFailure, failed_reads, load_targets
+from prefixvault.vllm.mailbox import Mailbox, Mailboxes, Payloads
+from prefixvault.vllm.metadata import LoadMode, LoadSpec
+from prefixvault.vllm.worker_context import WorkerContext
+
+log = logging.getLogger("vllm.prefixvault")
+
+#: Bytes read ahead for synchronous loads that the scheduler holds at most, for requests not yet
+#: allocated their blocks (past it, lookups do not read ahead: those restores load asynchronously).
+READ_AHEAD_BYTES = 256 << 20
+
+
+# -- the scheduler's side ---------------------------------------------------------------------------
+
+
+class ReadAheadBudget:
+    """Bytes read ahead and not yet handed to a worker or let go of, at most ``limit``: a hit
+    whose objects would pass it is not read ahead (its load is asynchronous)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held = 0  # under _lock (the lookup lane takes, the scheduler's thread gives back)
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self._held + n > self.limit:
+                return False
+            self._held += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self._held -= n
+
+    @property
+    def held(self) -> int:
+        with self._lock:
+            return self._held
+
+
+@dataclass(kw_only=True, eq=False)
+class ReadAhead:
+    """The verified payloads a lookup read for its hit's load (rank 0), counted in ``budget``
+    until ``release``d (once: a second release gives nothing back)."""
+
+    payloads: Payloads
+    nbytes: int
+    budget: ReadAheadBudget
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.budget.give(self.nbytes)
+
+
+class InStepHandover:
+    """The scheduler's side of synchronous loads: whether lookups read ahead, handing a load's
+    bytes to the worker's mailbox before the hit is answered, taking them back when vLLM does
+    not allocate the load, and naming the running state blocks the load must also fill.
+
+    ``budget`` is set for an engine of one rank with ``restore_in_step`` (None: every load is
+    asynchronous); ``engine_id`` names the engine whose worker's mailbox is looked for
+    (``Mailboxes.find``: in this process, or a child of it)."""
+
+    def __init__(self, layout: CacheLayout, budget: ReadAheadBudget | None, engine_id: str | None) -> None:
+        self.layout = layout
+        self.budget = budget
+        self.engine_id = engine_id
+        self.state_groups = [i for i, g in enumerate(layout.groups) if g.is_state]
+
+    def mailbox(self) -> Mailbox | None:
+        return Mailboxes.find(self.engine_id)
+
+    @property
+    def held(self) -> int:
+        """Bytes read ahead and held for requests not yet allocated their blocks."""
+        return self.budget.held if self.budget is not None else 0
+
+    def reads_ahead(self) -> bool:
+        """Whether a lookup now also reads the objects of its hit, for a synchronous load."""
+        return self.budget is not None and self.mailbox() is not None
+
+    def hand_over(self, req_id: str, read_ahead: ReadAhead | None, refs: Sequence[ObjectRef],
+                  step: int) -> int:
+        """Hand the worker the bytes of a load whose objects are ``refs``, for the load of
+        ``step``, if those read ahead hold every one of them and a worker takes them: the
+        mailbox token (0: none handed over, the load is asynchronous)."""
+        mailbox = self.mailbox()
+        if read_ahead is None or mailbox is None or not all(r in read_ahead.payloads for r in refs):
+            return 0
+        try:
+            return mailbox.put(req_id, {r: read_ahead.payloads[r] for r in refs}, step)
+        except OSError as e:  # (a worker in a child process: shared memory full) asynchronous
+            log.warning("prefixvault: request %s: its bytes could not be handed to the worker (%s); "
+                        "it restores one step later", req_id, e)
+            return 0
+
+    def take_back(self, req_id: str) -> None:
+        """Bytes handed over for a synchronous load vLLM did not allocate: out of the mailbox."""
+        mailbox = self.mailbox()
+        if mailbox is not None:
+            mailbox.drop(req_id)
+
+    def name_state_copies(self, loads: list[LoadSpec], out: Any, guard: Guard) -> None:
+        """Name, for each synchronous load of this step, every running state block its state
+        must also be written into (``LoadSpec.state_copies``; an error here leaves the worker
+        to find a running block unnamed and refuse the load)."""
+        sync = [load for load in loads if load.in_step]
+        if not (sync and self.state_groups):
+            return
+        none: dict[tuple[int, int], LoadSpec] = {}
+        fills = guard.call("build_connector_meta", lambda: self._own_state_copies(sync, out), lambda: none)
+        guard.call("build_connector_meta", lambda: self._other_state_copies(fills, out), lambda: None)
+
+    def _own_state_copies(self, loads: list[LoadSpec], out: Any) -> dict[tuple[int, int], LoadSpec]:
+        """Name, for each synchronous load, its request's running state block in each state
+        group, from its own block table: align mode's pre-copy (from the state block at a
+        request's start into the block at its chunk's end) runs before vLLM calls
+        ``start_load_kv`` (0.32-0.34, both model runners), so the state is written there too
+        (the worker refuses a load that names none). The state blocks the loads fill, by
+        (group, block)."""
+        bs = self.layout.block_size
+        fills: dict[tuple[int, int], LoadSpec] = {}
+        for load in loads:
+            n = int(out.num_scheduled_tokens.get(load.req_id, 0))
+            for g in self.state_groups:
+                table = load.block_ids[g] if g < len(load.block_ids) else []
+                hit, running = (load.tokens - 1) // bs, (load.tokens + n - 1) // bs
+                if n and running < len(table) and table[running] and running != hit:
+                    load.state_copies.append((g, table[running]))
+                if hit < len(table) and table[hit]:
+                    fills[(g, table[hit])] = load
+        return fills
+
+    def _other_state_copies(self, fills: dict[tuple[int, int], LoadSpec], out: Any) -> None:
+        """vLLM caches a synchronous load's blocks as it allocates them: a request scheduled
+        after it in the same step whose pre-copy reads a state block a load fills gets the state
+        in its running block too. (vLLM 0.32-0.34 schedules none: ``MambaManager`` refuses a hit
+        on a state block cached in the same step; this holds if it ever does.)"""
+        if not fills:
+            return
+        bs = self.layout.block_size
+        state = getattr(out, "kv_connector_block_state", None)
+        new_tables = {r.req_id: r.block_ids for r in out.scheduled_new_reqs}
+        starts = step_starts(out)
+        own = {load.req_id for load in fills.values()}
+        for rid, n in out.num_scheduled_tokens.items():
+            start = starts.get(rid, 0)
+            tables = state.get_block_ids(rid) if state is not None else new_tables.get(rid)
+            if rid in own or not (start and n) or tables is None:
+                continue
+            src, dst = (start - 1) // bs, (start + n - 1) // bs
+            for g in self.state_groups:
+                table = tables[g]
+                filled = fills.get((g, table[src])) if src < len(table) else None
+                if filled is not None and src != dst and dst < len(table) and table[dst] != 0:
+                    filled.state_copies.append((g, table[dst]))
+
+
+# -- the worker's side ------------------------------------------------------------------------------
+
+
+
+class InStepWrites:
+    """A worker's synchronous loads: written in the engine's thread, or reported unloaded."""
+
+    def __init__(self, ctx: WorkerContext) -> None:
+        self._ctx = ctx
+        # Where the scheduler of this process hands the payloads of synchronous loads (set by the
+        # connector once the caches are registered; None: every synchronous load reads the store).
+        self.mailbox: Mailbox | None = None
+        # Blocks of synchronous loads not written since the last take_unloaded (the engine's
+        # thread only).
+        self._unloaded: set[int] = set()
+
+    def write(self, spec: LoadSpec, marks: Sequence[Any], step: int) -> None:
+        """Write a synchronous load of ``step`` now, its state also into the running blocks its
+        ``state_copies`` name, once the engine's work ``marks`` names ran. Never raises: one
+        that cannot be written is reported unloaded."""
+        try:
+            handed = (self.mailbox.take(spec.req_id, spec.token, step)
+                      if spec.mode is LoadMode.HANDED_OVER and self.mailbox is not None else None)
+            targets = load_targets(self._ctx, spec) if spec.hashes else None
+            if targets is None:
+                self.unwritten(spec, LoadFailure.NO_BLOCK)
+                return
+            refs, blocks = targets
+            named = {g for g, _ in spec.state_copies}
+            if any(g.is_state and i not in named for i, g in enumerate(self._ctx.layout.groups)):
+                raise RuntimeError(f"request {spec.req_id}: a synchronous load naming no running state block")
+            payloads: Payloads | None = handed
+            read = payloads is None or any(r not in payloads for r in refs)
+            if read:
+                assert self._ctx.vault is not None
+                loaded = self._ctx.vault.load(refs, borrow=False)
+                if loaded.failed:
+                    self.unwritten(spec, failed_reads(set(loaded.failed.values())))
+                    return
+                payloads = loaded.payloads
+            assert payloads is not None
+            self._write(spec, refs, blocks, payloads, marks)
+        except Exception as e:
+            ours = report(self._ctx.guard, "worker", e, f"request {spec.req_id}'s synchronous load")
+            self.unwritten(spec, LoadFailure.INTERNAL_ERROR if ours is Failure.INTERNAL_ERROR
+                           else LoadFailure.STORE_ERROR)
+            return
+        self._ctx.counters.add(loads=1, loads_in_step=1, loads_in_step_read=int(read),
+                           loaded_tokens=spec.tokens - spec.local_tokens)
+
+    def _write(self, spec: LoadSpec, refs: Sequence[ObjectRef], blocks: Sequence[int], payloads: Payloads,
+               marks: Sequence[Any]) -> None:
+        """Each object into its block, and a state also into the running blocks named for its group."""
+        all_refs, all_blocks, data = [], [], []
+        for ref, block in zip(refs, blocks, strict=True):
+            state = ref.kind is ObjectKind.STATE
+            extra = [b for g, b in spec.state_copies if g == ref.group] if state else []
+            for b in [block, *extra]:
+                all_refs.append(ref)
+                all_blocks.append(b)
+                data.append(payloads[ref])
+        self._ctx.caches.write(all_refs, data, all_blocks, marks)
+
+    def unwritten(self, spec: LoadSpec, reason: LoadFailure) -> None:
+        """A synchronous load not written: its blocks are reported unloaded (vLLM recomputes
+        from the first, or, for a model of several cache groups, stops: 0.32-0.34 cannot
+        recompute those, and a forward on a state never written would be wrong)."""
+        if self.mailbox is not None:
+            self.mailbox.drop(spec.req_id)  # (handed over for this load, if at all: taken by none)
+        bs = self._ctx.layout.block_size
+        for g, table in enumerate(spec.block_ids):
+            last = (spec.tokens - 1) // bs
+            first = last if self._ctx.layout.groups[g].is_state else spec.local_tokens // bs
+            self._unloaded.update(b for b in table[first : last + 1] if b)
+        self._ctx.counters.add(loads=1, load_failures=1)
+        self._ctx.counters.tally("failure_reasons", reason.value)
+        log.error("prefixvault: request %s: its synchronous load could not be written (%s); reported to "
+                  "vLLM as unloaded blocks", spec.req_id, reason.value)
+
+    def take_unloaded(self) -> set[int]:
+        """Blocks of synchronous loads not written since the last call (vLLM's
+        ``get_block_ids_with_load_errors``)."""
+        out, self._unloaded = self._unloaded, set()
+        return out

@@ -1,0 +1,262 @@
+"""What each step hands the workers to save, to hold, or to release: the scheduler's save plans.
+
+Saves are stored by the workers after the step that planned them. For each request a step
+computes, ``planner.plan_step`` picks the candidate boundaries from what the step shows (its
+chunk, the states vLLM offered, the state the step leaves at its end) and the admission policy,
+and the boundary rule (``plan_saves``) decides which of them can publish: a save of the KV
+blocks since the request's last save and the states at the boundaries. Each save is in flight
+(``SavesInFlight``) until every rank reports it settled; one that settles unpublished sends
+its request's next save back to that save's parent.
+
+With ``output_boundaries: last`` a request's output boundary is held, not saved: the workers
+copy its states into a slot and keep them, each new output boundary replacing the last; when
+the request finishes, its hold is released to be stored (its blocks are kept until the workers
+read them) or dropped (``HoldDrop``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping, Sequence
+from enum import StrEnum
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from prefixvault.admission import Admission, Kind
+from prefixvault.boundary import StateCapture, StepChunk, max_resume_tokens, plan_saves, step_end_captures
+from prefixvault.guard import Guard
+from prefixvault.layout import CacheLayout
+from prefixvault.vault import Vault
+from prefixvault.vllm.compat import InternalCheckpoints, step_starts
+from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
+from prefixvault.vllm.ledger import SavesInFlight
+from prefixvault.vllm.metadata import Release, SaveSpec, SavesSettled, save_id
+from prefixvault.vllm.planner import StepView, plan_step
+from prefixvault.vllm.request import TrackedRequest
+
+if TYPE_CHECKING:
+    from prefixvault.vllm.scheduler import SchedulerCounters
+
+#: How a request may end for its held output boundary to be stored (vLLM's ``RequestStatus``
+#: names): a stop token, its length limit, a repetition stop, or an abort — which is also how
+#: vLLM ends a request at a stop *string* (the frontend finds it and aborts the request); the
+#: boundary held is complete and exact whatever came after it. Failed: dropped.
+STORED_AT_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FINISHED_REPETITION",
+                              "FINISHED_ABORTED"})
+
+
+class HoldDrop(StrEnum):
+    """Why a held output boundary (``output_boundaries: last``) was dropped unstored."""
+
+    PREEMPTED = "preempted"  # the request was preempted: it is computed again
+    REQUEST_FAILED = "request_failed"  # it ended in a way that keeps no output (not ``STORED_AT_FINISH``)
+    BLOCKS_MOVED = "blocks_moved"  # a KV block the boundary needs was let go (a sliding window, say)
+    INTERNAL_ERROR = "internal_error"  # an error of ours (logged with its traceback)
+
+
+class SavePlans:
+    """The scheduler side's owner of saves (see the module)."""
+
+    def __init__(self, *, settings: ConnectorSettings, layout: CacheLayout, vault: Vault, guard: Guard,
+                 counters: SchedulerCounters, admission: Admission, in_flight: SavesInFlight,
+                 checkpoints: InternalCheckpoints | None = None) -> None:
+        """``checkpoints``: vLLM's rule for states its layers export from inside a prompt's
+        last chunk, where this platform's kernels do (None: every offer strictly inside a chunk
+        is refused)."""
+        self.settings = settings
+        self.layout = layout
+        self.vault = vault
+        self.guard = guard
+        self.counters = counters
+        self.admission = admission
+        self.in_flight = in_flight
+        self.checkpoints = checkpoints
+        self.block_size = layout.block_size
+        self.state_groups = [i for i, g in enumerate(layout.groups) if g.is_state]
+        self.attn_groups = [i for i, g in enumerate(layout.groups) if not g.is_state]
+        self.hold_last = settings.capture_outputs and settings.output_boundaries is OutputBoundaries.LAST
+        # Held saves to store or drop, for the next step's workers (a store: with its boundaries).
+        self._releases: list[tuple[Release, list[bytes]]] = []
+
+    def _chain(self, tr: TrackedRequest, upto: int) -> list[bytes]:
+        return tr.chain(upto, self.block_size, self.vault.hashes)
+
+    # -- a step -----------------------------------------------------------------------------------
+
+    def plan(self, out: Any, step: int, requests: Mapping[str, TrackedRequest]) -> list[SaveSpec]:
+        """The saves of step ``step`` (vLLM's scheduler output ``out``); one request's error
+        skips its own saves only."""
+        state = getattr(out, "kv_connector_block_state", None)
+        if state is None:
+            return []
+        offers: dict[str, list[tuple[int, int, int]]] = state.boundary_state_offloads or {}
+        starts = step_starts(out)
+        drafts = getattr(out, "scheduled_spec_decode_tokens", None) or {}
+        saves: list[SaveSpec] = []
+        for req_id, n_new in out.num_scheduled_tokens.items():
+            tr = requests.get(req_id)
+            if tr is None or req_id not in starts:
+                continue
+            saves += self.guard.call("build_connector_meta",
+                                     partial(self._plan_request, tr, step, starts[req_id], n_new, state,
+                                             offers, bool(drafts.get(req_id))),
+                                     list)
+        return saves
+
+    def take_releases(self, step: int, now: float) -> list[Release]:
+        """The held saves to store or drop in step ``step``; lookups of a stored one's prefix
+        wait for it, as for any save in flight."""
+        releases = []
+        for release, boundaries in self._releases:
+            releases.append(release)
+            if release.store:
+                self.in_flight.add(save_id(step, release.req_id), boundaries, now)
+        self._releases = []
+        return releases
+
+    def settle(self, report: SavesSettled, requests: Mapping[str, TrackedRequest]) -> None:
+        """Workers' reports of saves stored or dropped: lookups they held may go on. A save not
+        published makes its request plan the next one from that save's parent again (its later
+        boundaries would otherwise name a parent record that never came)."""
+        for req_id, parent in self.in_flight.settle(report):
+            tr = requests.get(req_id)
+            if tr is not None:
+                tr.saved = min(tr.saved, parent)
+
+    def _plan_request(self, tr: TrackedRequest, step: int, start: int, n_new: int, state: Any,
+                      offers: dict[str, list[tuple[int, int, int]]], speculative: bool = False
+                      ) -> list[SaveSpec]:
+        """What one request's step lets it publish, as the boundary rule decides: a save, a
+        hold, or both (a save of its other boundaries, and its prompt's end held)."""
+        bs = self.block_size
+        chunk = self._chunk(tr, start, start + n_new)
+        prompt_len = len(tr.prompt)
+        # Generated tokens: boundaries over them are kept with capture_outputs, from decode
+        # steps that end on a block boundary and compute no draft tokens (a rejected draft
+        # would leave a state past what the request keeps).
+        outputs = self.settings.capture_outputs and not speculative
+        if start >= prompt_len and (not outputs or chunk.end % bs):
+            return []
+        known = tr.known(chunk.end) if outputs and chunk.end > prompt_len else prompt_len
+        if start >= known:
+            return []  # the tokens this step computes are not known yet (async scheduling)
+        tables = state.get_block_ids(tr.req_id)
+        if tables is None:
+            return []
+        end = min(chunk.end, known)
+        offered = [StateCapture(g, t, b, step) for g, b, t in offers.get(tr.req_id, []) if t <= end]
+        at_end = step_end_captures(self.layout, chunk, known, {g: tables[g] for g in self.state_groups}, step)
+        view = StepView(bs, prompt_len, start, chunk, known, tr.saved, tr.last_capture, self.hold_last,
+                        bool(self.state_groups), tuple(offered), tuple(at_end))
+        planned = plan_step(view, self.admission.admits, self.kinds(tr, prompt_len))
+        tr.last_capture = planned.last_capture
+        captures, end = list(planned.captures), planned.end
+        specs = []
+        if planned.candidates:
+            specs += self._plan(tr, step, end, tables, captures, chunk, set(planned.candidates), planned.hold)
+        if planned.held_end:
+            specs += self._plan(tr, step, end, tables, captures, chunk, {planned.held_end}, True)
+        return specs
+
+    def _chunk(self, tr: TrackedRequest, start: int, end: int) -> StepChunk:
+        """The request's chunk this step, with the checkpoint its layers exported inside it
+        where vLLM's rule says they did (prefill end as vLLM's scheduler counts it: a resumed
+        request replays its output tokens too)."""
+        if self.checkpoints is None:
+            return StepChunk(start, end)
+        prompt = int(getattr(tr.source, "num_prompt_tokens", len(tr.prompt)))
+        prefill_end = max(prompt, int(getattr(tr.source, "num_tokens", prompt)) - 1)
+        return StepChunk(start, end, self.checkpoints.position(start, end, prefill_end))
+
+    def _plan(self, tr: TrackedRequest, step: int, end: int, tables: Any, captures: list[StateCapture],
+              chunk: StepChunk, candidates: set[int], hold: bool) -> list[SaveSpec]:
+        """Plan the saves of ``candidates`` since the request's last save: a save now, or its
+        hold (``hold``: published, if at all, when the request finishes, ``release_hold``)."""
+        bs = self.block_size
+        decision = plan_saves(self.layout, end, {g: tables[g] for g in self.attn_groups}, captures,
+                              step, candidates, chunk, since=tr.saved)
+        for _, why in decision.refused:
+            self.counters.tally("refused", why)
+        if not decision.publishable:
+            return []
+        top = max(p.tokens for p in decision.publishable)
+        if hold:
+            tr.hold = SaveSpec(tr.req_id, self._chain(tr, top), list(decision.publishable), tr.saved,
+                               hold=True)
+            return [tr.hold]
+        self.counters.add(plans=len(decision.publishable))
+        spec = SaveSpec(tr.req_id, self._chain(tr, top), list(decision.publishable), tr.saved)
+        tr.saved = max(tr.saved, top)
+        boundaries = [spec.hashes[p.tokens // bs - 1] for p in spec.plans]
+        if self.state_groups:
+            kinds = self.kinds(tr, len(tr.prompt))
+            for p, h in zip(spec.plans, boundaries, strict=True):
+                self.admission.admitted(h, kinds(p.tokens))
+        self.in_flight.add(save_id(step, tr.req_id), boundaries, time.monotonic(), tr.req_id, spec.parent)
+        return [spec]
+
+    def kinds(self, tr: TrackedRequest, prompt_len: int) -> Callable[[int], Kind]:
+        """What a boundary of this request is: vLLM's prompt checkpoint (the last block
+        boundary that leaves a token to compute), the sequence end as far as the connector
+        knows (the prompt's last block boundary: the last one before the request finishes is
+        not known in time), or the junction vLLM found with an earlier request's tokens."""
+        bs = self.block_size
+        checkpoint, last = max_resume_tokens(prompt_len, bs), prompt_len // bs * bs
+        junction = int(getattr(tr.source, "shared_prefix_boundary", 0) or 0)
+
+        def kinds(tokens: int) -> Kind:
+            k = Kind(0)
+            if tokens == checkpoint:
+                k |= Kind.PROMPT_END
+            if tokens == last:
+                k |= Kind.SEQUENCE_END
+            if tokens == junction:
+                k |= Kind.JUNCTION
+            return k
+        return kinds
+
+    # -- held output boundaries -------------------------------------------------------------------
+
+    def drop_hold(self, tr: TrackedRequest, why: HoldDrop) -> None:
+        """The workers free a request's held save, unstored; counted by ``why``."""
+        assert tr.hold is not None
+        self._releases.append((Release(tr.hold.req_id, False), []))
+        self.counters.tally("holds_dropped", why)
+        tr.hold = None
+
+    def finished(self, tr: TrackedRequest, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:
+        """A request finished: its hold is stored or dropped (an error here still frees the
+        workers' hold, and keeps no block). Whether vLLM must keep its blocks until the
+        workers read them."""
+        if tr.hold is None:
+            return False
+
+        def dropped() -> bool:
+            if tr.hold is not None:
+                self.drop_hold(tr, HoldDrop.INTERNAL_ERROR)
+            return False
+        return bool(self.guard.call("request_finished", lambda: self._release_hold(tr, request, block_ids),
+                                    dropped))
+
+    def _release_hold(self, tr: TrackedRequest, request: Any, block_ids: Sequence[Sequence[int]]) -> bool:
+        """Store a finished request's held output boundary, unless it failed, if every KV block
+        its plans read is still the request's, at the same place (blocks a sliding window let
+        go of, or a preemption replaced, are not)."""
+        spec = tr.hold
+        assert spec is not None
+        if getattr(getattr(request, "status", None), "name", "") not in STORED_AT_FINISH:
+            self.drop_hold(tr, HoldDrop.REQUEST_FAILED)
+            return False
+
+        def kept(g: int, i: int, b: int) -> bool:
+            return g < len(block_ids) and i < len(block_ids[g]) and block_ids[g][i] == b
+        if not all(kept(g, i, b) for p in spec.plans for g, i, b in p.blocks):
+            self.drop_hold(tr, HoldDrop.BLOCKS_MOVED)
+            return False
+        boundaries = [spec.hashes[p.tokens // self.block_size - 1] for p in spec.plans]
+        for h in boundaries:
+            self.admission.admitted(h, Kind.SEQUENCE_END)
+        self.counters.add(plans=len(spec.plans))
+        self._releases.append((Release(spec.req_id, True), boundaries))
+        tr.hold = None
+        return True

@@ -1,0 +1,136 @@
+"""A request's restore (``vllm/request.py``): its phases, their transitions, and the bytes read
+ahead that only the answered phases hold. Pure: no vault, no vLLM."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from prefixvault.vllm.in_step import ReadAhead, ReadAheadBudget
+from prefixvault.vllm.request import (
+    Answered,
+    Computed,
+    HandedOver,
+    Loading,
+    LookingUp,
+    New,
+    Restore,
+    WaitingForSave,
+    WrongPhase,
+)
+
+#: Every transition, with what it needs; each is tried in every phase.
+MOVES = ("look_up", "wait_for_save", "answer", "answer_ahead", "hand_over", "take_back", "let_go",
+         "ask_agreed", "allocated", "load", "restart", "give_up", "finish")
+
+
+def _move(r: Restore, move: str, budget: ReadAheadBudget) -> None:
+    if move == "look_up":
+        r.look_up(Future(), local=0, now=0.0)
+    elif move == "wait_for_save":
+        r.wait_for_save()
+    elif move == "answer":
+        r.answer(32)
+    elif move == "answer_ahead":
+        assert budget.take(100)
+        ahead = ReadAhead(payloads={}, nbytes=100, budget=budget)
+        try:
+            r.answer(32, ahead)
+        except WrongPhase:
+            ahead.release()  # (the caller's, when no phase took it)
+            raise
+    elif move == "hand_over":
+        r.hand_over(token=1, start=0)
+    elif move == "take_back":
+        r.take_back()
+    elif move == "let_go":
+        r.keep_read_ahead(False)
+    elif move == "ask_agreed":
+        r.ask_agreed(16)
+    elif move == "allocated":
+        r.allocated()
+    elif move == "load":
+        r.load()
+    elif move == "restart":
+        r.restart()
+    elif move == "give_up":
+        r.give_up()
+    elif move == "finish":
+        r.finish()
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(MOVES), max_size=30))
+def test_bytes_read_ahead_are_held_only_by_an_answered_restore(moves: list[str]) -> None:
+    """Whatever vLLM asks in whatever order, the bytes a restore holds are exactly those of its
+    phase's ``ReadAhead``: every transition out of the answered phases lets go of them."""
+    budget = ReadAheadBudget(1 << 20)
+    r = Restore()
+    for move in moves:
+        before = type(r.phase)
+        try:
+            _move(r, move, budget)
+        except WrongPhase:
+            assert type(r.phase) is before  # a refused transition changes nothing
+        ahead = r.read_ahead
+        assert budget.held == (ahead.nbytes if ahead is not None else 0), (move, r)
+        assert ahead is None or isinstance(r.phase, Answered | HandedOver)
+    r.finish()
+    assert budget.held == 0 and isinstance(r.phase, Computed)
+
+
+def test_each_transition_checks_where_it_comes_from() -> None:
+    r = Restore()
+    with pytest.raises(WrongPhase):
+        r.answer(16)  # not looked up
+    with pytest.raises(WrongPhase):
+        r.load()
+    r.look_up(Future(), local=0, now=1.0)
+    with pytest.raises(WrongPhase):
+        r.look_up(Future(), local=0, now=2.0)  # one lookup at a time
+    r.wait_for_save()
+    assert isinstance(r.phase, WaitingForSave) and r.phase.since == 1.0 and r.waited_for_save
+    r.look_up(Future(), local=16, now=3.0)
+    assert isinstance(r.phase, LookingUp)
+    r.answer(48)
+    assert r.hit == 48 and not r.sync and r.loaded == 0
+    r.load()
+    assert isinstance(r.phase, Loading) and r.loaded == 48 and r.loads == 1 and r.hit == 0
+    with pytest.raises(WrongPhase):
+        r.hand_over(token=1, start=0)
+    r.restart()
+    assert isinstance(r.phase, New) and r.loaded == 0 and r.loads == 1
+
+
+def test_a_hand_over_keeps_its_bytes_until_vllm_allocates_or_asks_again() -> None:
+    budget = ReadAheadBudget(1000)
+    assert budget.take(100)
+    r = Restore()
+    r.look_up(Future(), local=0, now=0.0)
+    r.answer(32, ReadAhead(payloads={}, nbytes=100, budget=budget))
+    r.hand_over(token=7, start=16)
+    assert r.sync and isinstance(r.phase, HandedOver) and r.phase.token == 7 and budget.held == 100
+    assert r.take_back() and not r.sync and budget.held == 100  # asked again: answered anew
+    assert not r.take_back()
+    r.hand_over(token=8, start=16)
+    r.load()
+    assert budget.held == 0 and r.loaded == 32
+
+
+def test_asked_again_for_the_agreed_hit_the_bytes_stay() -> None:
+    """A divergent offer asked again for vLLM's agreed hit is answered from the same lookup,
+    bytes read ahead included (a synchronous load from the agreed hit)."""
+    budget = ReadAheadBudget(1000)
+    assert budget.take(10)
+    r = Restore()
+    r.look_up(Future(), local=0, now=0.0)
+    ahead: Any = ReadAhead(payloads={}, nbytes=10, budget=budget)
+    r.answer(64, ahead)
+    r.ask_agreed(32)
+    assert isinstance(r.phase, Answered) and r.phase.asked_agreed == 32 and r.read_ahead is ahead
+    r.allocated()
+    assert isinstance(r.phase, Answered) and r.phase.asked_agreed == 0 and budget.held == 0
