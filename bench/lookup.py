@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from prefixvault import vault as vault_module
+from prefixvault import lookup as lookup_module
 from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores.base import Store
@@ -82,8 +82,8 @@ def timed_lookups(vault: Vault, hashes: list[bytes], prompt: int, repeat: int, s
                   ) -> tuple[list[float], list[float], int]:
     """Milliseconds to each answer and to each touch after it, and the hit."""
     answers, touches, hit = [], [], 0
-    default = vault_module.SPECULATIVE_KEYS
-    vault_module.SPECULATIVE_KEYS = speculative
+    default = lookup_module.SPECULATIVE_KEYS
+    lookup_module.SPECULATIVE_KEYS = speculative
     try:
         for _ in range(repeat):
             later: list[tuple[list[str], list[bool]]] = []
@@ -94,7 +94,7 @@ def timed_lookups(vault: Vault, hashes: list[bytes], prompt: int, repeat: int, s
             answers.append((t1 - t0) * 1e3)
             touches.append((time.perf_counter() - t1) * 1e3)
     finally:
-        vault_module.SPECULATIVE_KEYS = default
+        lookup_module.SPECULATIVE_KEYS = default
     return answers, touches, hit
 
 
@@ -113,7 +113,7 @@ def run_case(kind: str, block_size: int, tokens: int, repeat: int, shared: Store
     t0 = time.perf_counter()
     hashes = vault.hashes(consumer)
     hash_ms = (time.perf_counter() - t0) * 1e3
-    times, touches, hit = timed_lookups(vault, hashes, len(consumer), repeat, vault_module.SPECULATIVE_KEYS)
+    times, touches, hit = timed_lookups(vault, hashes, len(consumer), repeat, lookup_module.SPECULATIVE_KEYS)
     two, _, hit_two = timed_lookups(vault, hashes, len(consumer), repeat, 0)
     if hit != tokens or hit_two != tokens:
         raise SystemExit(f"{kind} bs={block_size} {tokens} tokens: lookup hit {hit} / {hit_two}, "

@@ -87,7 +87,7 @@ def test_a_keyed_namespace_keeps_its_own_layout_and_deny_list() -> None:
     assert key.tag in keyed.keys.layout() and len(key.tag) == 16
     keyed.keep_layout()
     plain.keep_layout()
-    keyed._layout_verified = None  # due for a read again
+    keyed._stored_layout.verified = None  # due for a read again
     keyed.keep_layout()
     assert keyed.counters.layout_writes == 1  # its own copy was never overwritten
     assert {k for k, _ in store.scan()} == {keyed.keys.layout(), plain.keys.layout()}

@@ -8,7 +8,7 @@ from unittest.mock import patch
 import numpy as np
 import pytest
 
-from prefixvault import vault as vault_module
+from prefixvault import lookup as lookup_module
 from prefixvault.boundary import Refusal, StateCapture, plan_saves
 from prefixvault.codec import HEADER_SIZE
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
@@ -385,7 +385,7 @@ def test_a_hit_is_answered_after_one_round_trip_and_touched_after() -> None:
     vault.touch(later)
     assert store.calls == ["touch", "touch"]
     store.calls.clear()
-    with patch.object(vault_module, "SPECULATIVE_KEYS", 4):
+    with patch.object(lookup_module, "SPECULATIVE_KEYS", 4):
         later = []
         assert vault.lookup_many([(hashes, 51, 0)], touch_later=later) == [NOT_LONGEST]
     assert store.calls == ["touch", "touch"] and later == []

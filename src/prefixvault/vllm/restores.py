@@ -30,17 +30,13 @@ import contextlib
 import logging
 import time
 from concurrent.futures import wait as futures_wait
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from prefixvault.admission import Admission
-from prefixvault.guard import Guard
 from prefixvault.lane import Lane, failure_of
-from prefixvault.layout import CacheLayout
-from prefixvault.vault import Miss, Vault
+from prefixvault.vault import Miss
 from prefixvault.vllm.compat import keep_restored_state
-from prefixvault.vllm.config import IN_STEP_WAIT_S, ConnectorSettings
+from prefixvault.vllm.config import IN_STEP_WAIT_S
 from prefixvault.vllm.in_step import InStepHandover
-from prefixvault.vllm.ledger import SavesInFlight
 from prefixvault.vllm.lookups import LOOKUP_MISS, LaneFailed, Lookups
 from prefixvault.vllm.metadata import LoadMode, LoadSpec
 from prefixvault.vllm.request import (
@@ -54,9 +50,7 @@ from prefixvault.vllm.request import (
     WaitingForSave,
 )
 from prefixvault.vllm.restored import DivergentHits, Offer
-
-if TYPE_CHECKING:
-    from prefixvault.vllm.scheduler import SchedulerCounters
+from prefixvault.vllm.scheduler_context import SchedulerContext
 
 log = logging.getLogger("vllm.prefixvault")
 
@@ -97,21 +91,15 @@ class StepWait:
 class Restores:
     """The scheduler side's owner of restores (see the module)."""
 
-    def __init__(self, *, settings: ConnectorSettings, layout: CacheLayout, vault: Vault, guard: Guard,
-                 counters: SchedulerCounters, admission: Admission, in_flight: SavesInFlight,
-                 handover: InStepHandover, divergent: DivergentHits, in_step: bool) -> None:
-        self.settings = settings
-        self.layout = layout
-        self.vault = vault
-        self.guard = guard
-        self.counters = counters
-        self.admission = admission
-        self.in_flight = in_flight
+    def __init__(self, ctx: SchedulerContext, handover: InStepHandover, divergent: DivergentHits,
+                 in_step: bool) -> None:
+        self.ctx = ctx
+        self.settings, self.vault, self.counters = ctx.settings, ctx.vault, ctx.counters
         self.handover = handover
         self.divergent = divergent
-        self.block_size = layout.block_size
-        self.has_state = any(g.is_state for g in layout.groups)
-        self._lookups = Lookups(vault, guard, budget=handover.budget)
+        self.block_size = ctx.layout.block_size
+        self.has_state = ctx.layout.has_state
+        self._lookups = Lookups(ctx.vault, ctx.guard, budget=handover.budget)
         self._wait = StepWait(IN_STEP_WAIT_S if in_step else LOOKUP_WAIT_S)
         self._pending: list[LoadSpec] = []  # loads vLLM allocated since the last step was built
         self._step = 0  # the last step built: asks now are for the next one
@@ -132,9 +120,6 @@ class Restores:
         self._wait.next_step()
         loads, self._pending = self._pending, []
         return loads
-
-    def _chain(self, tr: TrackedRequest, upto: int) -> list[bytes]:
-        return tr.chain(upto, self.block_size, self.vault.hashes)
 
     # -- vLLM asks ----------------------------------------------------------------------------------
 
@@ -194,12 +179,12 @@ class Restores:
             wait = self._wait.for_running()  # hold the step only to hand the lookup lane the lock
         else:
             if isinstance(r.phase, WaitingForSave):  # until the save settles, or for lookup_timeout
-                if (self.in_flight.names_any(tr.hashes)
+                if (self.ctx.in_flight.names_any(tr.hashes)
                         and time.monotonic() - r.phase.since < self.settings.lookup_timeout):
                     return False
             elif not r.waited_for_save:
                 self.counters.add(lookups=1)  # (a lookup held for a save in flight counts once)
-            saving = None if r.waited_for_save else self.in_flight.hashes
+            saving = None if r.waited_for_save else self.ctx.in_flight.hashes
             # from the hit every cache group holds: past a divergent offer the store may not
             # complete, it may hold a boundary past that one (asked again for it, in ``answer``)
             offer, since = self.divergent.classify(request, computed)
@@ -252,10 +237,10 @@ class Restores:
         r.answer(found.hit, read_ahead)
         if not tr.counted:
             tr.counted = True
-            self.admission.arrived(bool(found.hit or phase.local
+            self.ctx.admission.arrived(bool(found.hit or phase.local
                                         or getattr(tr.source, "shared_prefix_boundary", 0)))
         if found.hit:
-            self.admission.restored(hashes[found.hit // self.block_size - 1])
+            self.ctx.admission.restored(hashes[found.hit // self.block_size - 1])
         if found.miss is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("prefixvault: request %s restores %d of %d block-aligned prompt tokens: %s",
                       tr.req_id, found.hit, found.longest, found.miss.value)
@@ -266,7 +251,7 @@ class Restores:
         being built, if they were read ahead: the mailbox token (0: the load is asynchronous)."""
         if tr.restore.read_ahead is None:
             return 0
-        refs = self.vault.needed(self._chain(tr, hit), hit, ranks=[0], since=start)
+        refs = self.vault.needed(self.ctx.chain(tr, hit), hit, ranks=[0], since=start)
         return self.handover.hand_over(tr.req_id, tr.restore.read_ahead, refs, self._step + 1)
 
     # -- vLLM allocates -------------------------------------------------------------------------------
@@ -285,7 +270,7 @@ class Restores:
         tokens = phase.hit
         local = tokens - num_external_tokens
         block_ids = blocks.get_block_ids()
-        hashes = self._chain(tr, tokens)
+        hashes = self.ctx.chain(tr, tokens)
         if self.has_state:  # a restore is done once per engine: vLLM keeps the state it lands in
             keep_restored_state(request, tokens)
         self.divergent.loading(block_ids, local, tokens)
@@ -319,7 +304,7 @@ class Restores:
             hashes: list[bytes] = []
             with contextlib.suppress(Exception):  # (the worker then finds no blocks: reported unwritten)
                 tables = tuple(list(b) for b in blocks.get_block_ids())
-                hashes = self._chain(tr, phase.hit)
+                hashes = self.ctx.chain(tr, phase.hit)
             local = phase.hit - num_external_tokens
             handed = local == phase.start
             self._pending.append(LoadSpec(req_id, hashes, phase.hit, local, tables,

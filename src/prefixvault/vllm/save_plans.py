@@ -20,22 +20,16 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from prefixvault.admission import Admission, Kind
+from prefixvault.admission import Kind
 from prefixvault.boundary import StateCapture, StepChunk, max_resume_tokens, plan_saves, step_end_captures
-from prefixvault.guard import Guard
-from prefixvault.layout import CacheLayout
-from prefixvault.vault import Vault
 from prefixvault.vllm.compat import InternalCheckpoints, step_starts
-from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
-from prefixvault.vllm.ledger import SavesInFlight
+from prefixvault.vllm.config import OutputBoundaries
 from prefixvault.vllm.metadata import Release, SaveSpec, SavesSettled, save_id
 from prefixvault.vllm.planner import StepView, plan_step
 from prefixvault.vllm.request import TrackedRequest
-
-if TYPE_CHECKING:
-    from prefixvault.vllm.scheduler import SchedulerCounters
+from prefixvault.vllm.scheduler_context import SchedulerContext
 
 #: How a request may end for its held output boundary to be stored (vLLM's ``RequestStatus``
 #: names): a stop token, its length limit, a repetition stop, or an abort — which is also how
@@ -57,29 +51,21 @@ class HoldDrop(StrEnum):
 class SavePlans:
     """The scheduler side's owner of saves (see the module)."""
 
-    def __init__(self, *, settings: ConnectorSettings, layout: CacheLayout, vault: Vault, guard: Guard,
-                 counters: SchedulerCounters, admission: Admission, in_flight: SavesInFlight,
-                 checkpoints: InternalCheckpoints | None = None) -> None:
+    def __init__(self, ctx: SchedulerContext, checkpoints: InternalCheckpoints | None = None) -> None:
         """``checkpoints``: vLLM's rule for states its layers export from inside a prompt's
         last chunk, where this platform's kernels do (None: every offer strictly inside a chunk
         is refused)."""
-        self.settings = settings
-        self.layout = layout
-        self.vault = vault
-        self.guard = guard
-        self.counters = counters
-        self.admission = admission
-        self.in_flight = in_flight
+        self.ctx = ctx
+        self.settings, self.layout, self.guard = ctx.settings, ctx.layout, ctx.guard
+        self.counters, self.admission, self.in_flight = ctx.counters, ctx.admission, ctx.in_flight
         self.checkpoints = checkpoints
-        self.block_size = layout.block_size
-        self.state_groups = [i for i, g in enumerate(layout.groups) if g.is_state]
-        self.attn_groups = [i for i, g in enumerate(layout.groups) if not g.is_state]
-        self.hold_last = settings.capture_outputs and settings.output_boundaries is OutputBoundaries.LAST
+        self.block_size = ctx.layout.block_size
+        self.state_groups = [i for i, g in enumerate(ctx.layout.groups) if g.is_state]
+        self.attn_groups = [i for i, g in enumerate(ctx.layout.groups) if not g.is_state]
+        self.hold_last = (ctx.settings.capture_outputs
+                          and ctx.settings.output_boundaries is OutputBoundaries.LAST)
         # Held saves to store or drop, for the next step's workers (a store: with its boundaries).
         self._releases: list[tuple[Release, list[bytes]]] = []
-
-    def _chain(self, tr: TrackedRequest, upto: int) -> list[bytes]:
-        return tr.chain(upto, self.block_size, self.vault.hashes)
 
     # -- a step -----------------------------------------------------------------------------------
 
@@ -181,11 +167,11 @@ class SavePlans:
             return []
         top = max(p.tokens for p in decision.publishable)
         if hold:
-            tr.hold = SaveSpec(tr.req_id, self._chain(tr, top), list(decision.publishable), tr.saved,
+            tr.hold = SaveSpec(tr.req_id, self.ctx.chain(tr, top), list(decision.publishable), tr.saved,
                                hold=True)
             return [tr.hold]
         self.counters.add(plans=len(decision.publishable))
-        spec = SaveSpec(tr.req_id, self._chain(tr, top), list(decision.publishable), tr.saved)
+        spec = SaveSpec(tr.req_id, self.ctx.chain(tr, top), list(decision.publishable), tr.saved)
         tr.saved = max(tr.saved, top)
         boundaries = [spec.hashes[p.tokens // bs - 1] for p in spec.plans]
         if self.state_groups:

@@ -19,11 +19,9 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from prefixvault.admission import Admission, Policy
-from prefixvault.counters import Counters
 from prefixvault.guard import Guard
 from prefixvault.lane import Lane
 from prefixvault.layout import CacheLayout
@@ -38,24 +36,11 @@ from prefixvault.vllm.request import TrackedRequest
 from prefixvault.vllm.restored import DivergentHits
 from prefixvault.vllm.restores import Restores
 from prefixvault.vllm.save_plans import HoldDrop, SavePlans
+from prefixvault.vllm.scheduler_context import SchedulerContext, SchedulerCounters
 from prefixvault.vllm.verify_samples import SampleWriter
 
 #: How long closing the connector waits for samples still being written.
 SAMPLE_DRAIN_S = 5.0
-
-
-@dataclass
-class SchedulerCounters(Counters):
-    """What the scheduler side did (its thread, the lookup and sample lanes all count here)."""
-
-    lookups: int = 0  # requests looked up (a lookup held for a save in flight counts once)
-    lookup_errors: int = 0
-    hit_tokens: int = 0  # tokens vLLM allocated to load from the store
-    refused: dict[str, int] = field(default_factory=dict)  # boundaries not saved, by ``Refusal``
-    holds_dropped: dict[str, int] = field(default_factory=dict)  # by ``HoldDrop``
-    plans: int = 0
-    samples: int = 0
-    sample_errors: int = 0
 
 
 class SchedulerSide:
@@ -80,17 +65,16 @@ class SchedulerSide:
         self.divergent = DivergentHits(layout, completes=load and vault is not None)
         budget = ReadAheadBudget(READ_AHEAD_BYTES) if in_step and layout.world_size == 1 else None
         self.handover = InStepHandover(layout, budget, engine_id)
-        in_flight = SavesInFlight(layout.world_size)  # saves planned, not yet settled by every rank
         self.restores: Restores | None = None
         self.saves: SavePlans | None = None
         self._samples: SampleWriter | None = None
         if vault is not None:
-            self.restores = Restores(settings=settings, layout=layout, vault=vault, guard=self.guard,
-                                     counters=self.counters, admission=self.admission, in_flight=in_flight,
-                                     handover=self.handover, divergent=self.divergent, in_step=in_step)
-            self.saves = SavePlans(settings=settings, layout=layout, vault=vault, guard=self.guard,
-                                   counters=self.counters, admission=self.admission, in_flight=in_flight,
-                                   checkpoints=checkpoints)
+            # saves planned, not yet settled by every rank: shared by both parts
+            ctx = SchedulerContext(settings=settings, layout=layout, vault=vault, guard=self.guard,
+                                   counters=self.counters, admission=self.admission,
+                                   in_flight=SavesInFlight(layout.world_size))
+            self.restores = Restores(ctx, self.handover, self.divergent, in_step)
+            self.saves = SavePlans(ctx, checkpoints)
             self._samples = SampleWriter(vault, self.guard, lambda n: self.counters.add(sample_errors=n))
 
     @property

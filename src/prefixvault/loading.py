@@ -1,0 +1,142 @@
+"""Loads: objects read from the store (or the hot set) and handed out only where they verify
+(invariant 3).
+
+Every object is checked against the header the reader expects and its checksum (its MAC, in a
+namespace with a secret), and against the deny-list, before its payload is handed out. Bad
+objects are counted by reason; those proved wrong are removed from the store (bytes of another
+format or key are someone else's, and stay).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from prefixvault.codec import HEADER_SIZE, PROVED_WRONG, IntegrityError, decode
+from prefixvault.counters import Counters
+from prefixvault.denysync import DenySync
+from prefixvault.hotset import HotSet
+from prefixvault.objects import ObjectNames, ObjectRef, chain_order
+from prefixvault.stores.base import Store
+from prefixvault.tenancy import NamespaceKey
+
+#: Keys a vault remembers having read, to count bytes read again (``reread_bytes``).
+READS_SEEN = 1 << 16
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """Verified payloads of a load, and what failed (missing or rejected), by ref."""
+
+    payloads: dict[ObjectRef, memoryview]
+    failed: dict[ObjectRef, str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+@dataclass(eq=False)
+class Loader:
+    """Reads and verifies objects of ``names`` from ``store``, through ``hot`` where there is one."""
+
+    store: Store
+    names: ObjectNames
+    key: NamespaceKey | None
+    counters: Counters  # get_*, hot_*, reread_bytes; what was refused (``rejected``)
+    deny: DenySync
+    hot: HotSet | None
+    # hashes of the keys read last (READS_SEEN)
+    _seen: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
+
+    def load(self, refs: Sequence[ObjectRef], staging: np.ndarray | None = None,
+             borrow: bool = True) -> Loaded:
+        """Fetch and verify objects; bad ones are counted, removed from the store and reported.
+
+        With ``borrow``, payloads may be views of memory the store lent: use them before the
+        next call on the same store (a load beside other calls on their own thread passes
+        ``borrow=False``). With a hot set, objects in it are served from it (the deny-list
+        still applies), and only the others are read, then kept in it."""
+        refs = sorted(refs, key=chain_order)  # a read is a use: the store ranks them in this order
+        hot = self._from_hot(refs) if self.hot is not None else {}
+        if hot:
+            refs = [r for r in refs if r not in hot]
+            if not refs:
+                return Loaded(hot, {})
+        headers = [self.names.expected_header(r) for r in refs]
+        sizes = [HEADER_SIZE + h.length for h in headers]
+        total = sum(sizes)
+        if staging is not None and staging.nbytes >= total:
+            buf = staging.data.cast("B")
+        else:  # memory the store can fill directly, where it has such memory
+            lent = self.store.staging_buffer(total) if borrow else None
+            buf = lent or np.empty(total, dtype=np.uint8).data.cast("B")
+        views, off = [], 0
+        for s in sizes:
+            views.append(buf[off : off + s])
+            off += s
+        self.deny.refresh()
+        got = self.store.get_into([r.key for r in refs], views)
+        payloads: dict[ObjectRef, memoryview] = {}
+        failed: dict[ObjectRef, str] = {}
+        bad_keys: list[str] = []
+        for ref, header, view, size in zip(refs, headers, views, got, strict=True):
+            if size is None:
+                failed[ref] = "missing"
+                self.counters.add(get_failed=1)
+                continue
+            try:
+                if size != len(view):
+                    raise IntegrityError("length", f"object has {size} bytes, expected {len(view)}")
+                _, payload = decode(view, header, self.key)
+                if self.deny.denied(ref.key, header, payload):  # a copy of bytes proved wrong
+                    raise IntegrityError("denied", "bytes a quarantine proved wrong")
+            except IntegrityError as e:
+                failed[ref] = e.reason
+                self.counters.tally("rejected", e.reason, 1)
+                self.counters.add(get_failed=1)
+                if e.reason in PROVED_WRONG:
+                    bad_keys.append(ref.key)
+                continue
+            payloads[ref] = payload
+            self.counters.add(get_keys=1)
+            self.counters.add(get_bytes=size)
+            if self._read_before(ref.key):
+                self.counters.add(reread_bytes=size)
+        if bad_keys:  # proved wrong only: bytes of another format or key are someone else's
+            self.store.delete_many(bad_keys)
+        if self.hot is not None:
+            for ref, payload in payloads.items():
+                self.hot.put(ref.key, payload)
+        payloads.update(hot)
+        return Loaded(payloads, failed)
+
+    def _read_before(self, key: str) -> bool:
+        """Whether ``key`` was among the last ``READS_SEEN`` keys this vault read (then it is
+        again, as the most recent)."""
+        h = hash(key)
+        seen = h in self._seen
+        self._seen[h] = None
+        self._seen.move_to_end(h)
+        if len(self._seen) > READS_SEEN:
+            self._seen.popitem(last=False)
+        return seen
+
+    def _from_hot(self, refs: Sequence[ObjectRef]) -> dict[ObjectRef, memoryview]:
+        """The objects of ``refs`` the hot set holds, unless the deny-list names their bytes."""
+        assert self.hot is not None
+        self.deny.refresh()
+        out: dict[ObjectRef, memoryview] = {}
+        for ref in refs:
+            payload = self.hot.get(ref.key)
+            if payload is None:
+                continue
+            if self.deny.denied(ref.key, self.names.expected_header(ref), payload):
+                self.hot.discard(ref.key)  # proved wrong since it was loaded: read (and refused) again
+                continue
+            out[ref] = memoryview(payload)
+            self.counters.add(hot_keys=1, hot_bytes=len(payload))
+        return out

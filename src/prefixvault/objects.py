@@ -1,0 +1,122 @@
+"""The objects of one layout: which ones a boundary needs, the key of each, and the header its
+bytes must carry.
+
+An object is the bytes of one KV block or one state, of one cache group on one rank. Its key
+names its content (the chain hash of the block, or of the boundary for a state) within a
+namespace and a layout fingerprint, so the same key is the same bytes whoever computed them;
+its expected header is what a reader checks before it uses them (invariant 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from prefixvault.boundary import SavePlan, needed_blocks
+from prefixvault.codec import ObjectHeader, ObjectKind
+from prefixvault.keys import KeySpace
+from prefixvault.layout import CacheLayout, TensorSpec
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """One object a boundary needs: a KV block or a state, of one group on one rank."""
+
+    key: str
+    kind: ObjectKind
+    group: int
+    rank: int
+    key_hash: bytes
+    tokens: int  # block end (BLOCK) or boundary (STATE)
+    block_index: int  # index of the KV block, or of the boundary's last block for a state
+
+
+def chain_order(ref: ObjectRef) -> tuple[int, bool]:
+    """Where an object sits in its prefix's chain: by block, a block's KV before the state at
+    its end. Objects are handed to the store in this order, and a store ranks keys used
+    together in the order given (the first kept longest), so a chain ages from its tail."""
+    return ref.tokens, ref.kind is ObjectKind.STATE
+
+
+@dataclass(frozen=True)
+class ObjectNames:
+    """Names the objects of ``layout`` in the key space ``keys`` (of that layout's
+    fingerprint). Pure: no store, no state."""
+
+    layout: CacheLayout
+    keys: KeySpace
+
+    def needed(
+        self, hashes: Sequence[bytes], tokens: int, ranks: Iterable[int] | None = None, since: int = 0
+    ) -> list[ObjectRef]:
+        """Every object (all groups, the given ranks) needed to resume at ``tokens``; KV blocks
+        only from boundary ``since`` on (those before it are covered elsewhere: a parent record,
+        or the engine's own cache)."""
+        bs = self.layout.block_size
+        n = tokens // bs
+        if tokens % bs or not 0 < n <= len(hashes):
+            raise ValueError(f"boundary {tokens} is not a block boundary within {len(hashes)} blocks")
+        first = since // bs if 0 < since < tokens else 0
+        refs: list[ObjectRef] = []
+        for rank in range(self.layout.world_size) if ranks is None else ranks:
+            for gi, group in enumerate(self.layout.groups):
+                if group.is_state:
+                    refs.append(self._state_ref(gi, rank, hashes, n - 1))
+                else:
+                    need = needed_blocks(group, tokens, bs)
+                    refs.extend(self._block_ref(gi, rank, hashes, i)
+                                for i in range(max(first, need.start), need.stop))
+        return refs
+
+    def objects_of(
+        self, rank: int, hashes: Sequence[bytes], plans: Sequence[SavePlan]
+    ) -> tuple[list[tuple[ObjectRef, int]], list[list[str]]]:
+        """The distinct objects ``plans`` store on ``rank``, each with the engine block it is
+        read from, and each plan's object keys."""
+        wanted: dict[str, tuple[ObjectRef, int]] = {}
+        per_plan: list[list[str]] = []
+        for plan in plans:
+            keys: list[str] = []
+            n = plan.tokens // self.layout.block_size
+            for gi, i, block_id in plan.blocks:
+                ref = self._block_ref(gi, rank, hashes, i)
+                wanted.setdefault(ref.key, (ref, block_id))
+                keys.append(ref.key)
+            for gi, block_id in plan.states:
+                ref = self._state_ref(gi, rank, hashes, n - 1)
+                wanted[ref.key] = (ref, block_id)
+                keys.append(ref.key)
+            per_plan.append(keys)
+        return list(wanted.values()), per_plan
+
+    def _block_ref(self, group: int, rank: int, hashes: Sequence[bytes], i: int) -> ObjectRef:
+        return self.block_ref(group, rank, hashes[i], i)
+
+    def _state_ref(self, group: int, rank: int, hashes: Sequence[bytes], i: int) -> ObjectRef:
+        return self.state_ref(group, rank, hashes[i], i)
+
+    def block_ref(self, group: int, rank: int, block_hash: bytes, i: int) -> ObjectRef:
+        """KV block ``i`` (named by its chain hash) of an attention group on ``rank``."""
+        return ObjectRef(self.keys.block(group, rank, block_hash), ObjectKind.BLOCK, group, rank,
+                         block_hash, (i + 1) * self.layout.block_size, i)
+
+    def state_ref(self, group: int, rank: int, boundary_hash: bytes, i: int) -> ObjectRef:
+        """The state of a state group on ``rank`` at the end of block ``i``."""
+        return ObjectRef(self.keys.state(group, rank, boundary_hash), ObjectKind.STATE, group, rank,
+                         boundary_hash, (i + 1) * self.layout.block_size, i)
+
+    def expected_header(self, ref: ObjectRef) -> ObjectHeader:
+        """The header an object must carry to be used for ``ref``."""
+        group = self.layout.groups[ref.group]
+        shard = group.shards[ref.rank]
+        shape, dtype = _payload_shape(shard)
+        return ObjectHeader(ref.kind, self.keys.fingerprint, ref.key_hash, ref.group, ref.rank,
+                            ref.tokens, dtype, shape, group.nbytes(ref.rank))
+
+
+def _payload_shape(shard: Sequence[object]) -> tuple[tuple[int, ...], str]:
+    """Header shape and dtype of a shard: the tensor's own if it is one tensor, else flat bytes."""
+    specs = [s for s in shard if isinstance(s, TensorSpec)]
+    if len(specs) == 1:
+        return specs[0].shape, specs[0].dtype
+    return (sum(s.nbytes for s in specs),), "uint8"

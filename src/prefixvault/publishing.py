@@ -1,0 +1,151 @@
+"""Publishing: the record of a boundary is written last, only when every object of every rank
+is acknowledged (``RankAck``, the answer of a rank's save: ``saving``) or seen in the store
+(invariant 1).
+
+A record lists its segment of the hash chain and points at the earlier record it extends, so
+record bytes and publish work grow with what a step computed, not with the prompt. Records are
+put if absent, never overwritten; the layout object is touched after them, so it is never
+older than a record that needs it.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from prefixvault.boundary import Refusal
+from prefixvault.codec import ObjectKind
+from prefixvault.counters import Counters
+from prefixvault.keys import KeySpace
+from prefixvault.layout import CacheLayout
+from prefixvault.objects import ObjectNames
+from prefixvault.records import BoundaryRecord
+from prefixvault.stored_layout import StoredLayout
+from prefixvault.stores.base import Store
+from prefixvault.tenancy import NamespaceKey
+
+
+@dataclass(frozen=True)
+class RankAck:
+    """A rank's answer for one boundary: all of its objects are stored (ok) or not."""
+
+    rank: int
+    tokens: int
+    boundary_hash: bytes
+    ok: bool
+    reason: Refusal | None = None
+
+
+def producer_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass(eq=False)
+class Publisher:
+    """Writes the records of boundaries whose objects every rank has stored."""
+
+    store: Store
+    layout: CacheLayout
+    keys: KeySpace
+    names: ObjectNames
+    key: NamespaceKey | None
+    counters: Counters  # records_*, and boundaries refused (``refused``)
+    stored_layout: StoredLayout
+
+    def publish_many(
+        self, publishes: Sequence[tuple[Sequence[bytes], Iterable[RankAck], int]]
+    ) -> list[dict[int, Refusal | None]]:
+        """Publish several prefixes at once, (hashes, acks, parent) each, in the round trips of
+        one: one existence check for all of them, then one conditional put of all their records
+        (a slow store is paid per batch, not per save). A record names the one before it, so
+        each prefix's records are built in order, and a save may continue one an earlier save
+        of the batch publishes (the same request's previous step): that parent is put first. A
+        record two prefixes both publish is put once (the first built).
+
+        A rank without an ok ack for a boundary is checked in the store, so ranks that cannot
+        exchange acknowledgements each publish after their own puts: the last to finish sees
+        every object. If a ``parent`` record is gone, the blocks before it are checked in the
+        store instead. Per prefix and boundary: None if its record exists now, else why not."""
+        bs = self.layout.block_size
+        world = set(range(self.layout.world_size))
+        outs: list[dict[int, Refusal | None]] = []
+        plans: list[tuple[Sequence[bytes], list[int], int, dict[int, list[str]]]] = []
+        keys: list[str] = []
+        for hashes, acks, parent in publishes:
+            acked: dict[int, set[int]] = {}
+            failed: set[int] = set()
+            for a in acks:
+                n = a.tokens // bs
+                if a.tokens % bs or not 0 < n <= len(hashes) or a.boundary_hash != hashes[n - 1]:
+                    raise ValueError(f"ack for boundary {a.tokens} does not match the prefix given")
+                acked.setdefault(a.tokens, set())
+                if a.ok:
+                    acked[a.tokens].add(a.rank)
+                else:
+                    failed.add(a.tokens)
+            outs.append({b: Refusal.STORE_ERROR for b in failed})
+            todo = sorted(b for b in acked if b not in failed and b > parent)
+            checks: dict[int, list[str]] = {}
+            if todo:
+                if parent:
+                    keys.append(self.keys.record(hashes[parent // bs - 1]))
+                for b in todo:
+                    missing_ranks = sorted(world - acked[b])
+                    if missing_ranks:
+                        checks[b] = [r.key for r in self.names.needed(hashes, b, missing_ranks, since=parent)]
+                        keys.extend(checks[b])
+            plans.append((hashes, todo, parent, checks))
+        # One round trip: every parent record, and every object of a rank that did not ack.
+        unique = list(dict.fromkeys(keys))
+        present = dict(zip(unique, self.store.exists_many(unique), strict=True)) if unique else {}
+        records: dict[str, bytes] = {}  # put in this order: a parent before the records naming it
+        for (hashes, todo, parent, checks), out in zip(plans, outs, strict=True):
+            if not todo:
+                continue
+            parent_key = self.keys.record(hashes[parent // bs - 1]) if parent else ""
+            # A parent published by an earlier save of this batch (the same request's previous
+            # step) is as good as one already stored.
+            if parent and not (present[parent_key] or parent_key in records):
+                # The parent's record is gone: publish from the first block if the blocks it
+                # covered are all still stored (one more round trip, only on this path).
+                early = sorted({r.key for r in self.names.needed(hashes, todo[0], since=0)
+                                if r.kind is ObjectKind.BLOCK and r.tokens <= parent})
+                if early and not all(self.store.exists_many(early)):
+                    for b in todo:
+                        out[b] = Refusal.MISSING_OBJECT
+                        self.counters.tally("refused", Refusal.MISSING_OBJECT, 1)
+                    continue
+                parent = 0
+            for b in todo:
+                if not all(present[k] for k in checks.get(b, ())):
+                    out[b] = Refusal.MISSING_RANK
+                    self.counters.tally("refused", Refusal.MISSING_RANK, 1)
+                    continue
+                key, blob = self._record(hashes, b, parent)
+                if key in records:  # another prefix of this batch publishes the same boundary
+                    self.counters.add(records_existing=1)
+                else:
+                    records[key] = blob
+                out[b] = None
+                parent = b
+        if records:
+            stored = self.store.put_if_absent_many(list(records.items()))
+            self.counters.add(records_published=sum(stored))
+            self.counters.add(records_existing=len(stored) - sum(stored))
+            self.stored_layout.keep()  # after the records: never older than a record that needs it
+        return outs
+
+    def _record(self, hashes: Sequence[bytes], tokens: int, parent: int) -> tuple[str, bytes]:
+        """The key and stored bytes of the record of boundary ``tokens`` extending ``parent``."""
+        bs = self.layout.block_size
+        n = tokens // bs
+        record = BoundaryRecord(tokens, tuple(hashes[parent // bs : n]), self.layout.world_size,
+                                producer_id(), parent=parent,
+                                parent_hash=hashes[parent // bs - 1] if parent else b"")
+        return self.keys.record(hashes[n - 1]), record.encode(self.keys.fingerprint, self.key)
+
+    def refuse(self, reason: Refusal, count: int = 1) -> None:
+        """Count boundaries the boundary rule refused (for metrics)."""
+        self.counters.tally("refused", reason, count)

@@ -1,0 +1,88 @@
+"""Quarantine: a boundary proved wrong (``prefixvault watch``) is taken out, and its bytes stay
+refused wherever they reappear (invariant 3).
+
+Its record and the states at its boundary (every state group, every rank) are listed in the
+namespace's deny-list by content digest, then removed. The KV blocks of its segment stay: a
+block is named by its tokens alone and shared by every prefix through it (a boundary published
+with no parent names every block from the first), so a wrong restore at one boundary proves
+nothing against them, and listing them would refuse the right bytes of every other boundary
+for as long as the entry lives. What a wrong restore implicates, and what the seed bug's class
+of errors gets wrong, is the state at the boundary.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+from prefixvault.codec import IntegrityError, content_digest, decode
+from prefixvault.denysync import DenySync
+from prefixvault.keys import KeySpace
+from prefixvault.layout import CacheLayout
+from prefixvault.objects import ObjectNames, ObjectRef
+from prefixvault.records import BoundaryRecord
+from prefixvault.stores.base import Store
+from prefixvault.tenancy import NamespaceKey
+
+
+@dataclass(eq=False)
+class Quarantine:
+    """Takes boundaries of one namespace and layout (``keys``) out of ``store``."""
+
+    store: Store
+    layout: CacheLayout
+    keys: KeySpace
+    names: ObjectNames
+    key: NamespaceKey | None
+    deny: DenySync
+
+    def take_out(self, record_key: str) -> list[str]:
+        """Take out the boundary whose record is ``record_key``: list the digests of its record
+        and of its states in the deny-list, then remove them. Returns the keys removed."""
+        prefix = self.keys.record_prefix()
+        hexed = record_key[len(prefix):] if record_key.startswith(prefix) else ""
+        try:
+            boundary = bytes.fromhex(hexed)
+        except ValueError:
+            boundary = b""
+        if len(boundary) != len(self.keys.fingerprint):
+            raise ValueError(f"{record_key[:200]!r} is not a record key of this namespace and layout")
+        blob = self.store.get_many([record_key])[0]
+        record: BoundaryRecord | None = None
+        digests: list[tuple[str, bytes]] = []
+        if blob is not None:
+            try:
+                header, body = decode(blob, key=self.key)
+                record = BoundaryRecord.decode(blob, self.keys.fingerprint, self.key)
+                if record.boundary_hash != boundary or record.block_size != self.layout.block_size:
+                    record = None
+                else:
+                    digests.append((record_key, content_digest(header, body)))
+            except IntegrityError:
+                record = None
+        refs: list[ObjectRef] = []
+        bs, ranks = self.layout.block_size, range(self.layout.world_size)
+        states = [(gi, r) for gi, g in enumerate(self.layout.groups) if g.is_state for r in ranks]
+        if record is not None:
+            refs.extend(self.names.state_ref(gi, r, boundary, record.tokens // bs - 1) for gi, r in states)
+        else:  # the boundary's token count is unknown: its states say it
+            keys = [self.keys.state(gi, r, boundary) for gi, r in states]
+            for (gi, r), found in zip(states, self.store.get_many(keys), strict=True):
+                with contextlib.suppress(IntegrityError):
+                    h = decode(found, key=self.key)[0] if found is not None else None
+                    if h is not None and h.tokens > 0 and h.tokens % bs == 0:
+                        refs.append(self.names.state_ref(gi, r, boundary, h.tokens // bs - 1))
+        for ref, got in zip(refs, self.store.get_many([r.key for r in refs]), strict=True):
+            if got is None:
+                continue
+            header = self.names.expected_header(ref)
+            try:
+                _, body = decode(got, header, self.key)
+            except IntegrityError:
+                continue  # refused by every load anyway; removed below
+            digests.append((ref.key, content_digest(header, body)))
+        if digests:
+            self.deny.add(digests)
+        keys = list(dict.fromkeys([record_key, *(r.key for r in refs)]))
+        self.store.delete_many(keys)
+        return keys
