@@ -10,18 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from prefixvault.vllm import request as rq
 from prefixvault.vllm.in_step import ReadAhead, ReadAheadBudget
-from prefixvault.vllm.request import (
-    Answered,
-    Computed,
-    HandedOver,
-    Loading,
-    LookingUp,
-    New,
-    Restore,
-    WaitingForSave,
-    WrongPhase,
-)
+from prefixvault.vllm.request import Restore, WrongPhase
 
 #: Every transition, with what it needs; each is tried in every phase.
 MOVES = ("look_up", "wait_for_save", "answer", "answer_ahead", "hand_over", "take_back", "let_go",
@@ -78,9 +69,9 @@ def test_bytes_read_ahead_are_held_only_by_an_answered_restore(moves: list[str])
             assert type(r.phase) is before  # a refused transition changes nothing
         ahead = r.read_ahead
         assert budget.held == (ahead.nbytes if ahead is not None else 0), (move, r)
-        assert ahead is None or isinstance(r.phase, Answered | HandedOver)
+        assert ahead is None or isinstance(r.phase, rq.Answered | rq.HandedOver)
     r.finish()
-    assert budget.held == 0 and isinstance(r.phase, Computed)
+    assert budget.held == 0 and isinstance(r.phase, rq.Computed)
 
 
 def test_each_transition_checks_where_it_comes_from() -> None:
@@ -93,17 +84,17 @@ def test_each_transition_checks_where_it_comes_from() -> None:
     with pytest.raises(WrongPhase):
         r.look_up(Future(), local=0, now=2.0)  # one lookup at a time
     r.wait_for_save()
-    assert isinstance(r.phase, WaitingForSave) and r.phase.since == 1.0 and r.waited_for_save
+    assert isinstance(r.phase, rq.WaitingForSave) and r.phase.since == 1.0 and r.waited_for_save
     r.look_up(Future(), local=16, now=3.0)
-    assert isinstance(r.phase, LookingUp)
+    assert isinstance(r.phase, rq.LookingUp)
     r.answer(48)
     assert r.hit == 48 and not r.sync and r.loaded == 0
     r.load()
-    assert isinstance(r.phase, Loading) and r.loaded == 48 and r.loads == 1 and r.hit == 0
+    assert isinstance(r.phase, rq.Loading) and r.loaded == 48 and r.loads == 1 and r.hit == 0
     with pytest.raises(WrongPhase):
         r.hand_over(token=1, start=0)
     r.restart()
-    assert isinstance(r.phase, New) and r.loaded == 0 and r.loads == 1
+    assert isinstance(r.phase, rq.New) and r.loaded == 0 and r.loads == 1
 
 
 def test_a_hand_over_keeps_its_bytes_until_vllm_allocates_or_asks_again() -> None:
@@ -113,7 +104,7 @@ def test_a_hand_over_keeps_its_bytes_until_vllm_allocates_or_asks_again() -> Non
     r.look_up(Future(), local=0, now=0.0)
     r.answer(32, ReadAhead(payloads={}, nbytes=100, budget=budget))
     r.hand_over(token=7, start=16)
-    assert r.sync and isinstance(r.phase, HandedOver) and r.phase.token == 7 and budget.held == 100
+    assert r.sync and isinstance(r.phase, rq.HandedOver) and r.phase.token == 7 and budget.held == 100
     assert r.take_back() and not r.sync and budget.held == 100  # asked again: answered anew
     assert not r.take_back()
     r.hand_over(token=8, start=16)
@@ -131,6 +122,6 @@ def test_asked_again_for_the_agreed_hit_the_bytes_stay() -> None:
     ahead: Any = ReadAhead(payloads={}, nbytes=10, budget=budget)
     r.answer(64, ahead)
     r.ask_agreed(32)
-    assert isinstance(r.phase, Answered) and r.phase.asked_agreed == 32 and r.read_ahead is ahead
+    assert isinstance(r.phase, rq.Answered) and r.phase.asked_agreed == 32 and r.read_ahead is ahead
     r.allocated()
-    assert isinstance(r.phase, Answered) and r.phase.asked_agreed == 0 and budget.held == 0
+    assert isinstance(r.phase, rq.Answered) and r.phase.asked_agreed == 0 and budget.held == 0
