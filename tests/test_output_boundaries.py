@@ -23,7 +23,7 @@ LAYOUT = CacheLayout(
     groups=(CacheGroup.uniform(GroupKind.FULL_ATTENTION, [TensorSpec((8,), "uint8")], 1),
             CacheGroup.uniform(GroupKind.STATE, [TensorSpec((8,), "uint8")], 1)),
 )
-PROMPT = list(range(1, 7))  # 6 tokens: the prompt's last block boundary is 4
+PROMPT = list(range(1, 7))  # 6 tokens: the prompt's last block boundary is 4, its exact end 6
 
 
 def side(capture_outputs: bool, boundaries: OutputBoundaries = OutputBoundaries.EVERY,
@@ -62,7 +62,8 @@ def test_decode_steps_publish_only_with_capture_outputs() -> None:
     for enabled in (False, True):
         s, req = side(enabled)
         assert [p.tokens for spec in step(s, 0, 4) for p in spec.plans] == [4]  # the prompt's boundary
-        assert step(s, 4, 2) == []
+        end, = step(s, 4, 2)  # the prompt's exact end: a tail boundary, in a save of its own
+        assert [p.tokens for p in end.plans] == [6] and end.tail == 6 and end.parent == 4
         req.all_token_ids += [50, 51]  # two generated tokens; the step computes token 7 (id 51)
         saves = step(s, 7, 1)
         if not enabled:
@@ -111,7 +112,7 @@ def decode_to(s: SchedulerSide, req: Any, end: int) -> list[Any]:
 def test_last_holds_each_output_boundary_and_stores_the_last_at_finish() -> None:
     s, req = side(True, OutputBoundaries.LAST)
     assert [p.tokens for spec in step(s, 0, 4) for p in spec.plans] == [4]  # prompt: saved now
-    assert step(s, 4, 2) == []
+    assert [p.tokens for spec in step(s, 4, 2) for p in spec.plans] == [6]  # its exact end too
     first, = decode_to(s, req, 8)
     assert first.hold and [p.tokens for p in first.plans] == [8] and first.parent == 4
     second, = decode_to(s, req, 12)
@@ -120,11 +121,11 @@ def test_last_holds_each_output_boundary_and_stores_the_last_at_finish() -> None
     assert second.hold and [p.tokens for p in second.plans] == [12] and second.parent == 4
     assert [(g, i) for g, i, _ in second.plans[0].blocks] == [(0, 1), (0, 2)]
     assert [b for _, b in second.plans[0].states] == [22]
-    assert s.counters.plans == 1  # held saves count once stored
+    assert s.counters.plans == 2  # held saves count once stored
     decode_to(s, req, 13)
 
     assert finish(s, req, "FINISHED_STOPPED") == (True, [("r", True)])  # blocks kept until sent
-    assert s.counters.plans == 2
+    assert s.counters.plans == 3
     # Lookups of the finished prefix wait for the save, as for any save in flight.
     assert s.saves.in_flight.names_any([second.hashes[2]])
 
@@ -168,21 +169,23 @@ def test_last_stores_the_hold_of_a_request_stopped_by_a_stop_string() -> None:
 
 
 def test_marconi_holds_the_prompt_end_until_it_knows_it_is_the_sequence_end() -> None:
-    """marconi stores a request's sequence end only: with output boundaries held, the prompt's
-    last block boundary is held too, and an output boundary replaces it."""
+    """marconi stores a request's sequence ends only: the prompt's last block boundary (where
+    the same prompt sent again resumes) at once; with output boundaries held, the prompt's exact
+    end is held, and an output boundary replaces it."""
     for outputs_to in (7, 9):  # no output boundary before finishing; one at 8
         s, req = side(True, OutputBoundaries.LAST, CapturePolicy.MARCONI)
-        prompt_end, = step(s, 0, 4)
-        assert prompt_end.hold and [p.tokens for p in prompt_end.plans] == [4]
-        step(s, 4, 2)
+        last_block, = step(s, 0, 4)
+        assert not last_block.hold and [p.tokens for p in last_block.plans] == [4]
+        prompt_end, = step(s, 4, 2)
+        assert prompt_end.hold and [p.tokens for p in prompt_end.plans] == [6] and prompt_end.tail == 6
         held = decode_to(s, req, outputs_to)
         if outputs_to > 8:
-            assert [p.tokens for spec in held for p in spec.plans] == [8] and held[0].parent == 0
-            assert [(g, i) for g, i, _ in held[0].plans[0].blocks] == [(0, 0), (0, 1)]
+            assert [p.tokens for spec in held for p in spec.plans] == [8] and held[0].parent == 4
+            assert [(g, i) for g, i, _ in held[0].plans[0].blocks] == [(0, 1)]
         else:
             assert held == []
         assert finish(s, req, "FINISHED_STOPPED") == (True, [("r", True)])
-        assert s.counters.plans == 1  # one sequence end, nothing else
+        assert s.counters.plans == 2  # the last block boundary, and one sequence end
 
 
 def test_other_policies_save_the_prompt_end_at_once_with_held_outputs() -> None:
@@ -192,6 +195,8 @@ def test_other_policies_save_the_prompt_end_at_once_with_held_outputs() -> None:
         s, req = side(True, OutputBoundaries.LAST, capture, interval=4)
         saved, = step(s, 0, 4)
         assert not saved.hold and [p.tokens for p in saved.plans] == [4], capture
-        step(s, 4, 2)
+        end = step(s, 4, 2)  # steps: the exact end too (a step end); interval:4 crosses none
+        expected = [6] if capture is CapturePolicy.STEPS else []
+        assert [p.tokens for spec in end for p in spec.plans] == expected
         held, = decode_to(s, req, 9)
         assert held.hold and held.parent == 4, capture

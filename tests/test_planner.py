@@ -44,7 +44,11 @@ def test_with_state_only_admitted_states_are_candidates() -> None:
 
     plan = plan_step(view(0, 64, offered=(48,)), checkpoints_only, plain)
     assert plan.candidates == {48} and plan.last_capture == 0  # the step's end was not admitted
-    assert plan_step(view(0, 60), every, plain).candidates == set()  # a step ending inside a block
+    # a step ending inside a block, inside the prompt: a tail boundary; past the prompt: none
+    assert plan_step(view(0, 60), every, plain).candidates == {60}
+    assert plan_step(view(96, 108, prompt=100), every, plain).candidates == set()
+    # (attention alone: block boundaries only)
+    assert plan_step(view(0, 60, state=False), every, plain).candidates == {16, 32, 48}
 
 
 def test_a_decode_step_on_an_output_boundary_is_held_and_only_its_end() -> None:
@@ -67,17 +71,17 @@ def test_unknown_token_ids_end_the_step_where_they_stop() -> None:
 
 
 def test_the_prompt_end_admitted_only_as_a_sequence_end_is_held_not_saved() -> None:
-    """With output boundaries held, the prompt's last block boundary is a sequence end only if
-    no output boundary follows: a policy admitting it for that alone holds it."""
+    """With output boundaries held, the prompt's exact end is a sequence end only if no output
+    boundary follows: a policy admitting it for that alone holds it."""
 
     def sequence_ends(kinds: Kind, tokens: int, last: int) -> bool:
         return bool(kinds & Kind.SEQUENCE_END)
 
     def prompt_kinds(tokens: int) -> Kind:
-        return Kind.SEQUENCE_END if tokens == 96 else Kind(0)
+        return Kind.SEQUENCE_END if tokens == 100 else Kind(0)
 
-    plan = plan_step(view(0, 96, prompt=100, hold_last=True), sequence_ends, prompt_kinds)
-    assert plan.held_end == 96 and plan.candidates == set() and not plan.hold
+    plan = plan_step(view(96, 100, prompt=100, hold_last=True), sequence_ends, prompt_kinds)
+    assert plan.held_end == 100 and plan.candidates == set() and not plan.hold
     # admitted for another reason too (every step end): saved now, nothing held
-    plan = plan_step(view(0, 96, prompt=100, hold_last=True), every, prompt_kinds)
-    assert plan.held_end == 0 and plan.candidates == {96}
+    plan = plan_step(view(96, 100, prompt=100, hold_last=True), every, prompt_kinds)
+    assert plan.held_end == 0 and plan.candidates == {100}

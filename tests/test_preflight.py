@@ -19,9 +19,18 @@ def config(prefix: bool = True, mode: str = "align", max_len: int = 4096,
                            model_config=SimpleNamespace(max_model_len=max_len), shutdown_timeout=shutdown)
 
 
+def _with(cfg: SimpleNamespace, **fields: object) -> SimpleNamespace:
+    for name, value in fields.items():
+        setattr(cfg, name, value)
+    return cfg
+
+
 def test_a_good_configuration_says_nothing() -> None:
     assert preflight(config(), HYBRID, ConnectorSettings(), "kv_both") == []
     assert preflight(config(prefix=False, mode="none"), ATTENTION, ConnectorSettings(), "kv_both") == []
+    # async scheduling silences only output boundaries: said where they are asked for
+    asynchronous = _with(config(), scheduler_config=SimpleNamespace(async_scheduling=True))
+    assert preflight(asynchronous, HYBRID, ConnectorSettings(), "kv_both") == []
 
 
 def test_each_bad_configuration_is_one_line_with_its_fix() -> None:
@@ -36,6 +45,10 @@ def test_each_bad_configuration_is_one_line_with_its_fix() -> None:
         (config(shutdown=0), HYBRID, ConnectorSettings(), "kv_both", "--shutdown-timeout 45"),
         (config(max_len=100_000), CacheShape(False, 2048),
          ConnectorSettings(), "kv_both", "smaller --block-size"),
+        (_with(config(), scheduler_config=SimpleNamespace(async_scheduling=True)), HYBRID,
+         ConnectorSettings(capture_outputs=True), "kv_both", "--no-async-scheduling"),
+        (_with(config(), speculative_config=SimpleNamespace(method="ngram")), HYBRID,
+         ConnectorSettings(capture_outputs=True), "kv_both", "only prompt boundaries"),
     ]
     for cfg, lay, settings, role, fix in cases:
         lines = preflight(cfg, lay, settings, role)

@@ -227,7 +227,7 @@ def test_refusal_reasons() -> None:
     d = plan_saves(layout, 14, {0: [1, 2, 3, NULL_BLOCK_ID]}, caps, step=1, candidates=[3, 4, 8, 12, 16, 20])
     assert [p.tokens for p in d.publishable] == [4]
     assert dict(d.refused) == {
-        3: Refusal.NOT_ALIGNED,
+        3: Refusal.NOT_CAPTURED,  # (with state, a boundary inside a block is a tail: it needs a state too)
         8: Refusal.NULL_BLOCK,
         12: Refusal.STALE,
         16: Refusal.NOT_COMPUTED,
@@ -239,6 +239,9 @@ def test_refusal_reasons() -> None:
     assert dict(d.refused) == {16: Refusal.NULL_BLOCK}
     d = plan_saves(layout, 8, {0: [1, 2]}, [], candidates=[8])
     assert dict(d.refused) == {8: Refusal.NOT_CAPTURED}
+    attention_only = CacheLayout(model="m", block_size=4, groups=(attn,))
+    d = plan_saves(attention_only, 8, {0: [1, 2]}, [], candidates=[3, 4])
+    assert dict(d.refused) == {3: Refusal.NOT_ALIGNED} and [p.tokens for p in d.publishable] == [4]
     # Fail closed: a capture, or a save, whose step is unknown is not evidence.
     d = plan_saves(layout, 8, {0: [1, 2]}, [StateCapture(1, 8, 5, None)], step=1, candidates=[8])
     assert dict(d.refused) == {8: Refusal.STALE}

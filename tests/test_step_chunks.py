@@ -153,11 +153,12 @@ def _planned(meta: Any) -> dict[str, list[tuple[int, tuple[tuple[int, int], ...]
     return {s.req_id: [(p.tokens, p.states) for p in s.plans] for s in meta.saves}
 
 
-def test_step_end_capture_needs_a_block_aligned_end_inside_the_prompt() -> None:
+def test_step_end_capture_needs_an_end_inside_the_prompt() -> None:
     tables = {1: [7, 8, 9]}
     assert step_end_captures(LAYOUT, StepChunk(0, 8), 10, tables, 3) == [StateCapture(1, 8, 8, 3)]
     assert step_end_captures(LAYOUT, StepChunk(4, 12), 12, tables, 3) == [StateCapture(1, 12, 9, 3)]
-    assert step_end_captures(LAYOUT, StepChunk(0, 6), 10, tables, 3) == []  # mid-block
+    # mid-block: the state is in the block the chunk's last token is in (a tail boundary)
+    assert step_end_captures(LAYOUT, StepChunk(0, 6), 10, tables, 3) == [StateCapture(1, 6, 8, 3)]
     assert step_end_captures(LAYOUT, StepChunk(8, 12), 10, tables, 3) == []  # past the prompt
     assert step_end_captures(LAYOUT, StepChunk(8, 16), 20, tables, 3) == [StateCapture(1, 16, 0, 3)]
 
@@ -264,15 +265,17 @@ def _planned_by(policy: str, junction: int, load: bool = True) -> list[int]:
 
 
 def test_the_capture_policy_picks_among_the_engine_reports() -> None:
-    """``steps`` keeps every step end; ``checkpoints`` what the engine offers; ``marconi`` and
-    ``reuse`` the junction vLLM found and the prompt's last block boundary, no step end between."""
-    assert _planned_by("steps", 8) == [4, 8, 12, 16]
+    """``steps`` keeps every step end (the prompt's exact end, 18, a tail boundary, too);
+    ``checkpoints`` what the engine offers; ``marconi`` and ``reuse`` the junction vLLM found and
+    the sequence ends: the prompt's last block boundary (where the same prompt sent again
+    resumes) and its exact end (where a longer prompt resumes), no step end between."""
+    assert _planned_by("steps", 8) == [4, 8, 12, 16, 18]
     assert _planned_by("interval:8", 8) == [8, 16]
     assert _planned_by("checkpoints", 8) == [8, 16]
-    assert _planned_by("marconi", 8) == [8, 16]
-    assert _planned_by("reuse", 8) == [8, 16]
-    assert _planned_by("reuse", 0) == [16]
-    assert _planned_by("reuse", 0, load=False) == [16]  # a producer cannot learn: as marconi
+    assert _planned_by("marconi", 8) == [8, 16, 18]
+    assert _planned_by("reuse", 8) == [8, 16, 18]
+    assert _planned_by("reuse", 0) == [16, 18]
+    assert _planned_by("reuse", 0, load=False) == [16, 18]  # a producer cannot learn: as marconi
 
 
 def test_reuse_stops_storing_prompt_ends_while_nothing_is_shared() -> None:

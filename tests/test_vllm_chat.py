@@ -7,12 +7,15 @@ served by the server that did not see the previous one, so its hit can only come
 
 Where the hit ends: the template only appends (the previous turn's prompt is a prefix of the
 next one's), and without ``capture_outputs`` only prompt boundaries are published, so turn n
-restores the last block boundary inside turn n-1's prompt; the previous answer and the new
-message are computed. Every turn's tokens and logprobs (top 5) equal the cold server's.
+restores turn n-1's prompt to its end; the previous answer and the new message are computed.
+Each user message is padded so that every prompt ends on a block boundary: there the cold
+server's steps (one block each) end too, so every turn's tokens and logprobs (top 5) equal the
+cold server's. (A prompt that ends inside a block is restored to its exact end as well, a tail
+boundary: tests/test_vllm_turns.py checks that against a cold run whose steps end there.)
 
 The pair runs the ``reuse`` capture policy (``prefixvault.admission``): of each turn it stores
-the sequence end (its prompt's last block boundary) and none of the step ends before it, the
-same hits as ``steps`` with one state per turn instead of one per block. The second server asks
+the sequence ends (its prompt's exact end, and the last block boundary before it, where the
+same prompt sent again resumes) and none of the step ends before them. The second server asks
 for ``capture_outputs``, which the connector refuses for ShortConv models (one warning line at
 start, ``preflight.outputs_refused``): it publishes prompt boundaries only, like the first.
 """
@@ -61,6 +64,19 @@ def chat(url: str, messages: list[dict[str, str]], salt: str | None = None) -> d
     return post(url, "/v1/chat/completions", body)
 
 
+def padded(url: str, messages: list[dict[str, str]], rng: random.Random, block: int) -> list[int]:
+    """Pad the last (user) message with words until the rendered prompt ends on a block
+    boundary; its tokens."""
+    base = messages[-1]["content"]
+    for _ in range(4 * block):
+        prompt: list[int] = post(url, "/tokenize", {"model": "tiny", "messages": messages,
+                                                    "add_generation_prompt": True})["tokens"]
+        if len(prompt) % block == 0:
+            return prompt
+        messages[-1]["content"] = base = base + " " + rng.choice(WORDS)
+    raise AssertionError("no padding ends the prompt on a block boundary")
+
+
 def tokens_and_logprobs(res: dict[str, Any]) -> list[tuple[str, float, list[tuple[str, float]]]]:
     return [(t["token"], t["logprob"], [(x["token"], x["logprob"]) for x in t["top_logprobs"]])
             for t in res["choices"][0]["logprobs"]["content"]]
@@ -98,8 +114,7 @@ def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path
         previous: list[int] = []
         report = []
         for turn in range(4):
-            prompt = post(pair[turn % 2], "/tokenize", {"model": "tiny", "messages": messages,
-                                                       "add_generation_prompt": True})["tokens"]
+            prompt = padded(pair[turn % 2], messages, rng, bs)
             got = chat(pair[turn % 2], messages)
             want = chat(cold, messages, salt=f"cold-{turn}")
             assert tokens_and_logprobs(got) == tokens_and_logprobs(want), f"turn {turn} differs from cold"
@@ -107,7 +122,7 @@ def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path
             cached = int(got["usage"]["prompt_tokens_details"]["cached_tokens"])
             if previous:
                 assert prompt[: len(previous)] == previous  # the template only appends
-                assert cached == len(previous) // bs * bs, (turn, cached, len(previous))
+                assert cached == len(previous), (turn, cached, len(previous))
             else:
                 assert cached == 0
             answer = got["choices"][0]["message"]["content"]
@@ -127,7 +142,9 @@ def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path
     refused = "capture_outputs is off for this model"
     assert refused in (tmp_path / "server1.log").read_text()
     assert refused not in (tmp_path / "server0.log").read_text()
-    # The servers stopped (their saves drained): one state per turn, at its prompt's end.
+    # The servers stopped (their saves drained): two states per turn, at its prompt's end and
+    # one block before it.
     with open_store(store) as s:
         boundaries = {k.rsplit("/", 1)[1] for k, _ in s.scan() if "/s/" in k}
-    assert len(boundaries) == len({r["prompt"] // bs for r in report}), boundaries  # turns may share one
+    ends = {e for r in report for e in (r["prompt"], r["prompt"] - bs) if e > 0}
+    assert len(boundaries) == len(ends), (boundaries, ends)  # turns may share one

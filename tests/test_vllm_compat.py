@@ -317,11 +317,11 @@ def test_vllms_rule_names_the_checkpoint_of_the_prompts_last_chunk() -> None:
     coarse = compat.InternalCheckpoints(hash_block_size=BS, block_size=BS, alignment=8,
                                         drop_eagle_block=False)
     assert coarse.position(0, 10, 10) == 8 and coarse.position(4, 10, 10) is None
-    # partial hits: vLLM puts the checkpoint on the hash block (96 of 100), not a block of ours
+    # partial hits: vLLM puts the checkpoint on the hash unit (96 of 100): a tail boundary of ours
     fine = compat.InternalCheckpoints(hash_block_size=16, block_size=64, alignment=1, drop_eagle_block=False,
                                       granularity=16)
-    assert fine.position(0, 100, 100) is None
-    assert fine.position(0, 130, 130) == 128  # where the hash block is also a block boundary
+    assert fine.position(0, 100, 100) == 96
+    assert fine.position(0, 130, 130) == 128
 
 
 def test_a_platform_whose_kernels_do_not_export_gets_no_checkpoint_rule() -> None:
@@ -336,6 +336,20 @@ def test_a_platform_whose_kernels_do_not_export_gets_no_checkpoint_rule() -> Non
                    (["s"], replace(mamba, num_prefill_checkpoint_blocks=0)))
     assert compat.internal_checkpoints(vcfg, none, "cuda") is None
     assert not compat.relies_on_internal_checkpoints(none)
+
+
+def test_the_hash_unit_is_read_from_the_cache_config_the_engine_core_resolved() -> None:
+    """In the engine core (vLLM's multiprocessing executors) only the ``KVCacheConfig`` carries
+    the hash unit and the hit alignment; ``cache_config`` has them only beside a worker."""
+    mamba = MambaSpec(block_size=64, shapes=((3, 64),), dtypes=(BF16,), num_prefill_checkpoint_blocks=1,
+                      prefill_checkpoint_alignment=1)
+    cfg = _config((["a"], replace(BASE, block_size=64)), (["s"], mamba))
+    vcfg = _vllm_config()
+    cfg.hash_block_size, cfg.cache_hit_alignment_tokens = 16, 16
+    assert compat.hash_unit(vcfg, cfg, 64) == (16, 16)
+    assert compat.internal_checkpoints(vcfg, cfg, "cuda") == compat.InternalCheckpoints(16, 64, 1, False, 16)
+    cfg.hash_block_size = cfg.cache_hit_alignment_tokens = None
+    assert compat.hash_unit(vcfg, cfg, 64) == (64, 64)  # nothing resolved: the block
 
 
 def test_staging_is_sized_from_the_geometry_unless_set() -> None:

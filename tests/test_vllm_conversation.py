@@ -72,14 +72,16 @@ def test_a_consumer_restores_the_previous_answer_with_capture_outputs(
 
     # An in-process engine steps only while requests are unfinished: turn 1's boundary is stored
     # with turn 2's first step, and vLLM frees turn 1's blocks once the worker reports it sent
-    # (only turn 2, whose own hold has no later step, is still kept at the end).
+    # (only turn 2, whose own hold has no later step, is still kept at the end). Turn 2 adds
+    # the state at its prompt's exact end (a tail boundary), one per state group.
     inproc = {"namespace": "last-inproc", "capture_outputs": True}
     out = run_result(seed, spec(seed, "kv_producer", [turn1, seed.producer[700:760]], ["", ""], store_uri,
                                 extra_config=inproc, max_tokens=400, ignore_eos=True, conversation=True),
                      root / "producer-inproc")
     assert out["requests_kept"] == 1, out["metrics"]
     kept = {k.split("/", 2)[2] for k, _ in store.scan("last-inproc/") if "/s/" in k}
-    assert kept == states["last"], (sorted(kept), sorted(states["last"]))
+    assert states["last"] < kept and len(kept - states["last"]) == len(groups), (sorted(kept),
+                                                                                 sorted(states["last"]))
 
     # The same prefix computed by prefill: every decode-computed object is the object at its
     # key up to how decode and prefill round (a wrong state or block would be off by about 1).

@@ -1,9 +1,12 @@
 """The boundary rule, in one place: which boundaries may be published, and which hit to take.
 
-A boundary b (a token count, a multiple of the block size) is publishable when, for every
-cache group, what that group needs to resume at b is really there:
+A boundary b is a token count: a multiple of the block size, or (for layouts with state) a
+*tail* boundary inside a block, where a chunk ended (a prompt's exact end) or the engine
+offered a state. It is publishable when, for every cache group, what that group needs to
+resume at b is really there:
 
-- full attention: the KV blocks of every token before b, none of them the null block;
+- full attention: the KV blocks of every token before b, none of them the null block (for a
+  tail boundary the last is the block b ends in, partly filled);
 - sliding window: the KV blocks inside the window before b, none of them the null block;
 - recurrent state: a state the engine reports it captured *exactly* at b, in a real
   (non-null) block, reported in the step being saved (a later step may have reused the block;
@@ -89,21 +92,22 @@ def step_end_captures(
     """The engine fact behind step-end capture, with its guard.
 
     In align mode a recurrent kernel leaves, after a step, the state at the end of the
-    request's chunk in the block at index ``chunk.end // block_size - 1`` of each state
-    group's table. That is the state at a prompt boundary only when the chunk ended on a
-    block boundary and inside the prompt: a request resumed after preemption recomputes
-    prompt + output tokens, and a chunk that ran past the prompt leaves a state that already
-    holds output tokens. Anything else gives no capture (never a guess).
+    request's chunk in the block at index ``(chunk.end - 1) // block_size`` of each state
+    group's table (the block the chunk's last token is in: the runner's running column), until
+    a later step of the request writes that block again. That is the state at a prompt
+    boundary only when the chunk ended inside the prompt: a request resumed after preemption
+    recomputes prompt + output tokens, and a chunk that ran past the prompt leaves a state
+    that already holds output tokens. Anything else gives no capture (never a guess).
     """
     bs = layout.block_size
     end = chunk.end
-    if end % bs or not chunk.start < end <= prompt_tokens:
+    if not chunk.start < end <= prompt_tokens:
         return []
     out = []
     for gi, group in enumerate(layout.groups):
         if group.is_state:
             table = state_tables.get(gi, ())
-            idx = end // bs - 1
+            idx = (end - 1) // bs
             out.append(StateCapture(gi, end, table[idx] if idx < len(table) else NULL_BLOCK_ID, step))
     return out
 
@@ -124,8 +128,9 @@ class BoundaryDecision:
 
 
 def needed_blocks(group: CacheGroup, boundary: int, block_size: int) -> range:
-    """Indices of the KV blocks an attention group needs to resume at ``boundary``."""
-    n = boundary // block_size
+    """Indices of the KV blocks an attention group needs to resume at ``boundary``: every block
+    it touches, the partly filled last one of a tail boundary included."""
+    n = -(-boundary // block_size)
     if group.kind is GroupKind.FULL_ATTENTION:
         return range(n)
     if group.kind is GroupKind.SLIDING_WINDOW:
@@ -136,11 +141,25 @@ def needed_blocks(group: CacheGroup, boundary: int, block_size: int) -> range:
     return range(0)
 
 
+def full_blocks(group: CacheGroup, boundary: int, block_size: int) -> range:
+    """Of ``needed_blocks``, the full ones: those a prefix shares with every longer one (a tail
+    boundary's partly filled block is an object of its own, named by its tail hash)."""
+    need = needed_blocks(group, boundary, block_size)
+    return range(need.start, min(need.stop, boundary // block_size))
+
+
 def max_resume_tokens(prompt_tokens: int, block_size: int) -> int:
     """The longest block-aligned prefix that still leaves one prompt token to compute."""
     if prompt_tokens <= 0:
         return 0
     return ((prompt_tokens - 1) // block_size) * block_size
+
+
+def resume_limit(prompt_tokens: int) -> int:
+    """The longest prefix of any length a request may resume from: one token short of its
+    prompt, since the engine computes at least the last one (a state restored at a request's
+    very end would have that token applied twice)."""
+    return max(0, prompt_tokens - 1)
 
 
 def plan_saves(
@@ -198,7 +217,7 @@ def _plan_one(
     first_block: int,
 ) -> SavePlan | Refusal:
     bs = layout.block_size
-    if b <= 0 or b % bs:
+    if b <= 0 or (b % bs and not layout.has_state):  # (attention alone resumes at any block end)
         return Refusal.NOT_ALIGNED
     if b > computed_tokens:
         return Refusal.NOT_COMPUTED

@@ -80,6 +80,7 @@ class ObjectKind(IntEnum):
     RECORD = 3  # boundary record
     LAYOUT = 4  # a layout description
     DENY = 5  # a namespace's deny-list: digests of bytes proved wrong (``denylist``)
+    TAIL_INDEX = 6  # the tail boundaries published past one block boundary (``tails``)
 
 
 class IntegrityError(Exception):

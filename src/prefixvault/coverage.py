@@ -16,7 +16,7 @@ from bisect import bisect_left
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from prefixvault.boundary import needed_blocks
+from prefixvault.boundary import full_blocks, needed_blocks
 from prefixvault.layout import CacheLayout, GroupKind
 
 #: (group, rank, index): one object; a state's index is its boundary's last block.
@@ -67,6 +67,19 @@ class Coverage:
     def resumable(self, boundary: int) -> bool:
         """Whether every object resuming at ``boundary`` needs is there."""
         return not self.missing_at(boundary, 1)
+
+    def full_blocks_present(self, boundary: int) -> bool:
+        """Whether every full KV block resuming at ``boundary`` needs is there (for a tail
+        boundary: all but its partly filled block, an object of its own the caller checks)."""
+        bs = self.layout.block_size
+        for (gi, _), holes in self.missing.items():
+            group = self.layout.groups[gi]
+            if group.is_state:
+                continue
+            need = full_blocks(group, boundary, bs)
+            if bisect_left(holes, need.stop) > bisect_left(holes, need.start):
+                return False
+        return True
 
     def first_missing(self, boundary: int) -> Slot | None:
         """One object that keeps ``boundary`` from resuming, or None."""

@@ -215,25 +215,29 @@ class _ScopeAudit:
         records that extend it): None when they verify, a finding, or "?" when unknown."""
         layout = self.vault.layout
         bs = layout.block_size
-        n = record.tokens // bs
+        n = -(-record.tokens // bs)
+        tail = record.tokens if record.tail else None  # its last block is partly filled, its own
         full: list[ObjectRef] = []  # full-attention blocks of the record's own segment
         other: list[ObjectRef] = []  # sliding-window blocks and states
         unknown = False
         ranks = range(layout.world_size)
         for gi, group in enumerate(layout.groups):
             if group.is_state:
-                other.extend(self.vault.state_ref(gi, r, record.boundary_hash, n - 1) for r in ranks)
+                other.extend(self.vault.state_ref(gi, r, record.boundary_hash, n - 1, record.tokens)
+                             for r in ranks)
                 continue
             need = needed_blocks(group, record.tokens, bs)
             if group.kind is GroupKind.FULL_ATTENTION:
                 seg = enumerate(record.hashes, record.first_block)
-                full.extend(self.vault.block_ref(gi, r, h, i) for i, h in seg for r in ranks)
+                full.extend(self.vault.block_ref(gi, r, h, i, tail if i == n - 1 else None)
+                            for i, h in seg for r in ranks)
                 continue
             chain = self._chain(record, records, need.start)
             if chain is None:
                 unknown = True
                 continue
-            other.extend(self.vault.block_ref(gi, r, chain[i], i) for i in need for r in ranks)
+            other.extend(self.vault.block_ref(gi, r, chain[i], i, tail if i == n - 1 else None)
+                         for i in need for r in ranks)
         has_full = bool(full)
         inherited = blocks_ok.get(record.parent_hash, "?") if record.parent and has_full else None
         own_full = self._verify(rkey, full)

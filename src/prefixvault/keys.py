@@ -1,7 +1,12 @@
 """Chain hashes over token ids and the store keys derived from them.
 
 ``h_i`` names the prefix ending at block i: it covers every token before it and every
-extra key (LoRA, cache salt, multimodal inputs). Hashes use BLAKE2b with fixed byte
+extra key (LoRA, cache salt, multimodal inputs). A prefix that ends inside a block (a *tail*
+boundary: a prompt's exact end, a chunk that ended mid-block) is named by its *tail hash*:
+the hash of its last full block's chain hash (the seed, before the first block) and the
+tokens past it. The hashes of a prefix of ``t`` tokens are one per block it touches,
+``ceil(t / block_size)``: the chain hashes of its full blocks, then its tail hash if it has a
+tail (``prefix_hashes``); the last always names the prefix itself. Hashes use BLAKE2b with fixed byte
 encodings, so they match across processes and machines without any seed to set. Keys
 carry hashes only, never raw token ids. In a namespace with a secret the chain's seed is
 keyed (``tenancy.NamespaceKey.hash_key``), so every hash of the chain is a keyed hash and
@@ -85,6 +90,51 @@ def chain_hashes(
     return out
 
 
+@dataclass(frozen=True)
+class PromptTokens:
+    """A prompt's token ids and extra keys: what names its tail boundaries (``tail_hash``)."""
+
+    tokens: Sequence[int]
+    extra: ExtraKeys = field(default_factory=ExtraKeys)
+
+    def tail(self, parent: bytes, start: int, end: int) -> bytes:
+        """The tail hash of the prefix of ``end`` tokens whose last full block ends at ``start``
+        (``parent``: the chain hash there, or the seed)."""
+        return tail_hash(parent, self.tokens[start:end], self.extra.block_extra(start, end))
+
+
+def tail_hash(parent: bytes, tail: Sequence[int] | np.ndarray, extra_bytes: bytes = b"") -> bytes:
+    """The name of a prefix that ends ``len(tail)`` tokens past a block boundary: ``parent`` is
+    the chain hash there (or the chain's seed), ``extra_bytes`` the multimodal hashes of the
+    tail's span. Another hash function than the chain's (its own personalisation), so a tail
+    hash never equals a chain hash."""
+    h = hashlib.blake2b(parent, digest_size=HASH_BYTES, person=b"pv-tail")
+    h.update(np.asarray(tail, dtype="<i8").tobytes())
+    if extra_bytes:
+        h.update(extra_bytes)
+    return h.digest()
+
+
+def prefix_hashes(
+    token_ids: Sequence[int] | np.ndarray,
+    block_size: int,
+    extra: ExtraKeys | None = None,
+    start: Sequence[bytes] = (),
+    key: bytes = b"",
+) -> list[bytes]:
+    """The hashes of the prefix ``token_ids``: one per block it touches, the chain hashes of
+    its full blocks then, if it ends inside a block, its tail hash. ``start``: chain hashes
+    already computed (full blocks only)."""
+    extra = extra or ExtraKeys()
+    out = chain_hashes(token_ids, block_size, extra, start, key)
+    k = len(out)
+    if len(token_ids) > k * block_size:
+        parent = out[-1] if out else extra.seed(key)
+        out.append(tail_hash(parent, token_ids[k * block_size :],
+                             extra.block_extra(k * block_size, len(token_ids))))
+    return out
+
+
 def check_namespace(namespace: str) -> str:
     if not isinstance(namespace, str) or not _NAMESPACE.fullmatch(namespace):
         raise ValueError(f"invalid namespace {str(namespace)[:100]!r}: use 1..64 chars of [A-Za-z0-9._-]")
@@ -98,6 +148,7 @@ class KeySpace:
     ``{ns}/{layout}/b/{group}/{rank}/{h_i}``  KV block i of an attention group
     ``{ns}/{layout}/s/{group}/{rank}/{h_i}``  state of a state group at boundary (i+1)*block_size
     ``{ns}/{layout}/r/{h_i}``                 boundary record for boundary (i+1)*block_size
+    ``{ns}/{layout}/t/{h_k}``                 the tail boundaries published past block k (``tails``)
     ``{ns}/{layout}/layout``                  the layout itself (for audits); ``layout.{tag}`` keyed
     ``{ns}/{layout}/deny``                    bytes proved wrong (``denylist``); ``deny.{tag}`` keyed
     """
@@ -134,6 +185,12 @@ class KeySpace:
 
     def record(self, boundary_hash: bytes) -> str:
         return self.record_prefix() + boundary_hash.hex()
+
+    def tail_index_prefix(self) -> str:
+        return f"{self.prefix}t/"
+
+    def tail_index(self, parent_hash: bytes) -> str:
+        return self.tail_index_prefix() + parent_hash.hex()
 
     def layout(self) -> str:
         return f"{self.prefix}layout" + (f".{self.tag}" if self.tag else "")

@@ -4,7 +4,10 @@
 Records first, then an existence check of every object the published candidates need, in two
 batched round trips whatever the prompt length, in time linear in the prompt; on a network
 store, where the objects of every candidate are few, they are checked beside the records, and
-a hit is answered after one round trip (its objects are touched afterwards). A hit's record is
+a hit is answered after one round trip (its objects are touched afterwards). For layouts with
+state, the first round trip also checks the tail index of every block boundary in range
+(``tails``); where one exists, one more read takes the tails it lists, and the deepest that the
+prompt reaches are checked beside the other candidates' objects. A hit's record is
 read only where the deny-list names it: a replayed copy of a quarantined record is refused,
 removed, and the lookup answers again from what is left. Every object is verified where it is
 loaded, so junk at a record key costs a load that fails, never wrong bytes.
@@ -13,21 +16,23 @@ loaded, so junk at a record key costs a load that fails, never wrong bytes.
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 
-from prefixvault.boundary import choose_hit, max_resume_tokens, needed_blocks
+from prefixvault.boundary import choose_hit, max_resume_tokens, needed_blocks, resume_limit
 from prefixvault.codec import IntegrityError, decode
 from prefixvault.counters import Counters
 from prefixvault.coverage import Coverage
 from prefixvault.denysync import DenySync
-from prefixvault.keys import KeySpace
+from prefixvault.keys import KeySpace, PromptTokens
 from prefixvault.layout import CacheLayout, GroupKind
 from prefixvault.records import BoundaryRecord
 from prefixvault.stored_layout import StoredLayout
 from prefixvault.stores.base import Store
+from prefixvault.tails import TAIL_CANDIDATES, TailIndex
 from prefixvault.tenancy import NamespaceKey
 
 #: On a network store (``Store.remote``) a lookup checks the objects of every candidate
@@ -62,7 +67,16 @@ class Miss(StrEnum):
 class LookupResult:
     hit: int  # tokens of the boundary to restore, 0 if none
     longest: int  # the longest block-aligned prefix that leaves a token to compute
-    miss: Miss | None  # why ``hit < longest``; None when it is not
+    miss: Miss | None  # why ``hit < longest``; None when it is not (a tail hit may pass it)
+    boundary_hash: bytes = field(default=b"", compare=False)  # the hit's name (chain or tail hash)
+
+
+#: One lookup: the prompt's chain hashes (full blocks), its length, the tokens the engine has,
+#: and its tokens and extra keys where its tail boundaries are looked up too (None: not).
+Ask = tuple[Sequence[bytes], int, int, PromptTokens | None]
+#: What one round trip of a lookup asks: ("touch", keys, whether each counts as used) or
+#: ("get", keys, ignored).
+Round = tuple[str, list[str], list[bool]]
 
 
 @dataclass(eq=False)
@@ -78,11 +92,9 @@ class HitFinder:
     deny: DenySync
     stored_layout: StoredLayout
 
-    def answer(self, asks: Sequence[tuple[Sequence[bytes], int, int]],
-               later: list[Touch]) -> list[LookupResult]:
-        """The results of several lookups, (hashes, prompt tokens, min tokens) each, in the round
-        trips of one; what those answered from their first round trip still have to touch is
-        appended to ``later`` (``touch``)."""
+    def answer(self, asks: Sequence[Ask], later: list[Touch]) -> list[LookupResult]:
+        """The results of several lookups (``Ask``) in the round trips of one; what those
+        answered from their first round trip still have to touch is appended to ``later``."""
         return self._verified(asks, self._lookup_rounds(asks, later), later)
 
     def touch(self, touches: Sequence[Touch]) -> None:
@@ -93,33 +105,41 @@ class HitFinder:
             self.store.touch_many(keys, [t for _, ts in touches for t in ts])
         self.deny.refresh()
 
-    def _lookup_rounds(self, asks: Sequence[tuple[Sequence[bytes], int, int]],
-                       later: list[Touch]) -> list[LookupResult]:
-        """The lookups' round trips, all asks together (their hits not yet verified)."""
-        steps = [self._lookup_steps(h, n, m, later) for h, n, m in asks]
+    def _lookup_rounds(self, asks: Sequence[Ask], later: list[Touch]) -> list[LookupResult]:
+        """The lookups' round trips, all asks together (their hits not yet verified): in each,
+        one existence check (``touch_many``) for every lookup that asks one, and one read
+        (``get_many``) for every lookup that reads."""
+        steps = [self._lookup_steps(h, n, m, later, p) for h, n, m, p in asks]
         results: list[LookupResult | None] = [None] * len(steps)
-        pending: dict[int, tuple[list[str], list[bool]]] = {}
+        pending: dict[int, Round] = {}
         for i, step in enumerate(steps):
             try:
                 pending[i] = next(step)
             except StopIteration as done:
                 results[i] = done.value
         while pending:
-            order = list(pending.items())
-            flags = self.store.touch_many([k for _, (keys, _) in order for k in keys],
-                                          [t for _, (_, touch) in order for t in touch])
-            pending, pos = {}, 0
-            for i, (keys, _) in order:
-                got = flags[pos : pos + len(keys)]
-                pos += len(keys)
+            got: dict[int, list[Any]] = {}
+            for op in ("touch", "get"):
+                order = [(i, keys, touch) for i, (o, keys, touch) in pending.items() if o == op]
+                if not order:
+                    continue
+                every = [k for _, keys, _ in order for k in keys]
+                answers: list[Any] = (self.store.touch_many(every, [t for *_, touch in order for t in touch])
+                                      if op == "touch" else self.store.get_many(every))
+                pos = 0
+                for i, keys, _ in order:
+                    got[i] = list(answers[pos : pos + len(keys)])
+                    pos += len(keys)
+            pending = {}
+            for i, answer in got.items():
                 try:
-                    pending[i] = steps[i].send(got)
+                    pending[i] = steps[i].send(answer)
                 except StopIteration as done:
                     results[i] = done.value
         assert all(r is not None for r in results)
         return [r for r in results if r is not None]
 
-    def _verified(self, asks: Sequence[tuple[Sequence[bytes], int, int]], results: list[LookupResult],
+    def _verified(self, asks: Sequence[Ask], results: list[LookupResult],
                   later: list[Touch]) -> list[LookupResult]:
         """Refuse hits whose record is a copy of one a quarantine proved wrong. Only records the
         deny-list names are read (one batched read; none at all in the common case): a record
@@ -133,7 +153,8 @@ class HitFinder:
             self.deny.refresh()  # once per vault; later reads follow the answers (``touch``)
         for attempt in range(RECORD_RETRIES + 1):
             hits = [i for i, r in enumerate(results) if r.hit]
-            names = {i: self.keys.record(asks[i][0][results[i].hit // bs - 1]) for i in hits}
+            names = {i: self.keys.record(results[i].boundary_hash or asks[i][0][results[i].hit // bs - 1])
+                     for i in hits}
             listed = [i for i in hits if self.deny.listed(names[i])]
             if not listed:
                 break
@@ -141,7 +162,8 @@ class HitFinder:
             blobs = dict(zip(unique, self.store.get_many(unique), strict=True))
             bad: dict[str, bool] = {}  # record key -> whether to remove it
             for i in listed:
-                why = self._record_problem(names[i], blobs[names[i]], asks[i][0], results[i].hit)
+                why = self._record_problem(names[i], blobs[names[i]], results[i].boundary_hash
+                                           or asks[i][0][results[i].hit // bs - 1], results[i].hit)
                 if why is not None:
                     bad[names[i]] = why != "gone"
                     if why != "gone":
@@ -162,9 +184,9 @@ class HitFinder:
                 results[i] = r
         return results
 
-    def _record_problem(self, name: str, blob: bytes | None, hashes: Sequence[bytes], hit: int) -> str | None:
-        """Why the record ``blob`` stored at ``name`` cannot publish boundary ``hit`` of
-        ``hashes`` (None: it can)."""
+    def _record_problem(self, name: str, blob: bytes | None, boundary_hash: bytes, hit: int) -> str | None:
+        """Why the record ``blob`` stored at ``name`` cannot publish boundary ``hit`` named
+        ``boundary_hash`` (None: it can)."""
         if blob is None:
             return "gone"  # removed since the existence check: evicted, or quarantined
         try:
@@ -176,7 +198,7 @@ class HitFinder:
         except IntegrityError as e:
             return e.reason
         bs = self.layout.block_size
-        if record.tokens != hit or record.boundary_hash != hashes[hit // bs - 1] or record.block_size != bs:
+        if record.tokens != hit or record.boundary_hash != boundary_hash or record.block_size != bs:
             return "identity"
         return None
 
@@ -187,99 +209,168 @@ class HitFinder:
             self.counters.tally("misses", result.miss.value, -1)
 
     def _lookup_steps(
-        self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int, later: list[Touch]
-    ) -> Generator[tuple[list[str], list[bool]], list[bool], LookupResult]:
-        """One lookup as the keys it checks, round trip by round trip (``_lookup_rounds`` sends
-        each answer back); returns its result.
+        self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int, later: list[Touch],
+        prompt: PromptTokens | None = None,
+    ) -> Generator[Round, list[Any], LookupResult]:
+        """One lookup as the keys it checks or reads, round trip by round trip
+        (``_lookup_rounds`` sends each answer back); returns its result.
 
         What it touches (keeps fresh for the store's eviction) and in which order: the
         layout, the records, then the KV blocks from the first on, so a chain ages from its
         tail. Of the states, only the one at the longest published boundary (the hit, unless
         an object of it is gone) is touched: a state the hit passes over ages (a
         conversation's earlier turns, once a later one is stored). Probes past the hit are
-        only checked.
+        only checked. Tail indexes and the records and objects of the tails checked are
+        touched.
 
         On a network store, where every candidate's objects are at most ``SPECULATIVE_KEYS``
         keys, they are checked (not touched) in the first round trip, the answer comes from it,
-        and the second round trip's touches go to ``later`` instead."""
+        and the second round trip's touches go to ``later`` instead (unless tails are checked:
+        then there is a second round trip anyway)."""
         self.counters.add(lookup_asks=1)
         bs = self.layout.block_size
         limit = min(max_resume_tokens(prompt_tokens, bs), len(hashes) * bs)
         candidates = range(limit, min_tokens, -bs)
-        if not candidates:
+        # Tail boundaries past every block boundary in range, up to one token short of the prompt.
+        tail_limit = min(resume_limit(prompt_tokens), len(prompt.tokens)) \
+            if prompt is not None and self.layout.has_state else 0
+        index_ks = range(min_tokens // bs, (tail_limit - 1) // bs + 1 if tail_limit > min_tokens else 0)
+        if not candidates and not index_ks:
             return self._result(0, limit, Miss.LOCAL_HIT if limit else Miss.SHORT_PROMPT)
-        hexes = [h.hex() for h in hashes[: limit // bs]]
+        seed = prompt.extra.seed(self.key.hash_key if self.key is not None else b"") if prompt else b""
+        parents = [hashes[k - 1] if k else seed for k in index_ks]
+        hexes = [h.hex() for h in hashes[: max(limit, tail_limit) // bs]]
         rprefix = self.keys.record_prefix()
         # Records from the shortest boundary on (the tail of a chain ages first).
         record_keys = [rprefix + hexes[b // bs - 1] for b in reversed(candidates)]
-        probes = self._probes(hexes[0])  # past boundary 0: the first block
+        probes = self._probes(hexes[0]) if hexes else []  # past boundary 0: the first block
         # Every object of every candidate, when they are few (a superset of what the second
         # round trip would check: its probes included).
-        every = self._wanted(candidates)
-        checked = self.store.remote and sum(len(idx) for *_, idx in every) <= SPECULATIVE_KEYS
+        every = self._wanted(candidates) if candidates else []
+        checked = self.store.remote and bool(every) and sum(len(idx) for *_, idx in every) <= SPECULATIVE_KEYS
         speculative = [k for k in dict.fromkeys(prefix + hexes[i] for _, _, prefix, idx in every for i in idx)
                        if k not in probes] if checked else []
+        index_keys = [self.keys.tail_index(p) for p in parents]
         first = [self.keys.layout(), *record_keys, *probes]
-        exists = yield ([*first, *speculative], [True] * (1 + len(record_keys)) + [False] * (
-            len(probes) + len(speculative)))
-        known = dict(zip([*probes, *speculative], exists[len(first) - len(probes):], strict=True)) \
-            if checked else {}
+        exists = yield ("touch", [*first, *speculative, *index_keys],
+                        [True] * (1 + len(record_keys)) + [False] * (len(probes) + len(speculative))
+                        + [True] * len(index_keys))
+        ahead = exists[len(first) - len(probes) : len(first) + len(speculative)]
+        known = dict(zip([*probes, *speculative], ahead, strict=True)) if checked else {}
+        indexed = [(k, p) for k, p, e in zip(index_ks, parents, exists[len(first) + len(speculative) :],
+                                             strict=True) if e]
         exists = exists[: len(first)]
         published = [b for b, e in zip(reversed(candidates), exists[1 : 1 + len(candidates)], strict=True)
                      if e][::-1]
-        if published and not exists[0]:
+        if (published or indexed) and not exists[0]:
             self.stored_layout.keep(present=False)  # evicted or removed: write it again (rare)
-        if not published:
-            return self._result(0, limit, self._past_hit(probes, exists[len(exists) - len(probes):]))
-        top = published[0] // bs
-        # Per (group, rank): the block (or state) indices to check.
-        wanted = self._wanted(published)
+        missed = self._past_hit(probes, exists[len(exists) - len(probes) :])
+        tails: list[tuple[int, bytes]] = []  # (tokens, tail hash), the deepest first
+        if indexed and prompt is not None:
+            blobs = yield ("get", [self.keys.tail_index(p) for _, p in indexed], [])
+            tails = self._tails(indexed, blobs, prompt, min_tokens, tail_limit)
+        if not published and not tails:
+            return self._result(0, limit, missed)
+        top = published[0] // bs if published else 0
+        # Per (group, rank): the block (or state) indices to check; the full blocks of every tail too.
+        low = min([*published, *(t for t, _ in tails)])
+        wanted = self._wanted(published, max([top, *(t // bs for t, _ in tails)]), low)
         keys = [prefix + hexes[i] for _, _, prefix, idx in wanted for i in idx]
         # Sent in chain order (each index's blocks, then the state at its end), blocks touched.
         chain = np.concatenate([2 * np.asarray(idx, dtype=np.int64) + self.layout.groups[gi].is_state
                                 for gi, _, _, idx in wanted]) if wanted else np.zeros(0, np.int64)
         order = np.argsort(chain, kind="stable")
         ranked = chain[order]
-        probes = self._probes(hexes[top]) if top * bs < limit else []  # past the top published
-        asked = [keys[j] for j in order.tolist()] + probes
-        touched = ((ranked % 2 == 0) | (ranked == 2 * top - 1)).tolist() + [False] * len(probes)
+        tail_keys = [k for t, h in tails for k in self._tail_keys(t, h)]
+        probes = self._probes(hexes[top]) if published and top * bs < limit else []  # past the top published
+        asked = [keys[j] for j in order.tolist()] + tail_keys + probes
+        touched = ((ranked % 2 == 0) | (ranked == 2 * top - 1)).tolist() + [True] * len(tail_keys) \
+            + [False] * len(probes)
         if checked and all(k in known for k in asked):
             sent = [known[k] for k in asked]
             later.append(([k for k, t in zip(asked, touched, strict=True) if t], [True] * sum(touched)))
         else:
-            sent = yield (asked, touched)
+            sent = yield ("touch", asked, touched)
         unsorted = np.empty(len(keys), dtype=bool)
         unsorted[order] = sent[: len(keys)]
         flags = unsorted.tolist()
-        probed = sent[len(keys) :]
+        tail_flags = sent[len(keys) : len(keys) + len(tail_keys)]
+        probed = sent[len(keys) + len(tail_keys) :]
         answers: list[tuple[int, int, Sequence[int], Sequence[bool]]] = []
         pos = 0
         for gi, rank, _, idx in wanted:
             answers.append((gi, rank, idx, flags[pos : pos + len(idx)]))
             pos += len(idx)
         coverage = Coverage.from_flags(self.layout, answers)
-        hit = choose_hit(published, prompt_tokens, bs, coverage.resumable)
+        hit = choose_hit(published, prompt_tokens, bs, coverage.resumable) if published else 0
+        name = hashes[hit // bs - 1] if hit else b""
+        pos, per_tail = 0, len(tail_keys) // len(tails) if tails else 0
+        for t, h in tails:  # the deepest first: the first that resumes is the best
+            if t > hit and all(tail_flags[pos : pos + per_tail]) and coverage.full_blocks_present(t):
+                hit, name = t, h
+                break
+            pos += per_tail
         self.counters.add(found_tokens=hit)
-        if hit == limit:
-            return self._result(hit, limit, None)
-        if hit < published[0]:  # the longest published boundary cannot resume any more
-            return self._result(hit, limit, Miss.EVICTED)
-        return self._result(hit, limit, self._past_hit(probes, probed))
+        if hit >= limit:
+            return self._result(hit, limit, None, name)
+        if published and hit < published[0]:  # the longest published boundary cannot resume any more
+            return self._result(hit, limit, Miss.EVICTED, name)
+        return self._result(hit, limit, self._past_hit(probes, probed) if published else missed, name)
 
-    def _wanted(self, boundaries: Sequence[int]) -> list[tuple[int, int, str, range | list[int]]]:
-        """Per (group, rank): its key prefix and the block (or state) indices that restoring
-        any of ``boundaries`` (tokens, longest first) needs."""
+    def _tails(self, indexed: Sequence[tuple[int, bytes]], blobs: Sequence[bytes | None],
+               prompt: PromptTokens, min_tokens: int, tail_limit: int) -> list[tuple[int, bytes]]:
+        """The tail boundaries the indexes read list that are this prompt's (the tail hash its
+        tokens give at that length), the ``TAIL_CANDIDATES`` deepest. An index that does not
+        verify lists none."""
         bs = self.layout.block_size
-        top, low = boundaries[0] // bs, boundaries[-1] // bs
+        found: set[tuple[int, bytes]] = set()
+        for (k, parent), blob in zip(indexed, blobs, strict=True):
+            if blob is None:
+                continue
+            try:
+                index = TailIndex.decode(blob, self.keys.fingerprint, parent, bs, self.key)
+            except IntegrityError as e:
+                self.counters.tally("rejected", f"tail index {e.reason}", 1)
+                continue
+            for past, name in index.tails:
+                t = k * bs + past
+                if min_tokens < t <= tail_limit and prompt.tail(parent, k * bs, t) == name:
+                    found.add((t, name))
+        return sorted(found, reverse=True)[:TAIL_CANDIDATES]
+
+    def _tail_keys(self, tokens: int, name: bytes) -> list[str]:
+        """What a tail boundary needs beyond its full blocks: its record, and per rank its partly
+        filled block in every attention group and its state in every state group."""
+        keys = [self.keys.record(name)]
+        for rank in range(self.layout.world_size):
+            for gi, group in enumerate(self.layout.groups):
+                if group.is_state:
+                    keys.append(self.keys.state(gi, rank, name))
+                elif needed_blocks(group, tokens, self.layout.block_size):
+                    keys.append(self.keys.block(gi, rank, name))
+        return keys
+
+    def _wanted(self, boundaries: Sequence[int], top: int | None = None,
+                low: int | None = None) -> list[tuple[int, int, str, range | list[int]]]:
+        """Per (group, rank): its key prefix and the block (or state) indices that restoring
+        any of ``boundaries`` (block-aligned tokens, longest first) needs; KV blocks up to block
+        ``top`` and from where resuming at ``low`` tokens needs them, where given (the full
+        blocks of tail boundaries)."""
+        bs = self.layout.block_size
+        top = boundaries[0] // bs if top is None else top
+        low = boundaries[-1] if low is None else low
         wanted: list[tuple[int, int, str, range | list[int]]] = []
         for rank in range(self.layout.world_size):
             for gi, group in enumerate(self.layout.groups):
                 if group.is_state:  # (a range of boundaries gives a range: counted for free)
-                    states = range(top - 1, low - 2, -1) if isinstance(boundaries, range) and \
-                        boundaries.step == -bs else [b // bs - 1 for b in boundaries]
+                    if isinstance(boundaries, range) and boundaries.step == -bs:
+                        first_state, last_state = boundaries[0] // bs - 1, boundaries[-1] // bs - 1
+                        states: range | list[int] = range(first_state, last_state - 1, -1)
+                    else:
+                        states = [b // bs - 1 for b in boundaries]
                     wanted.append((gi, rank, self.keys.state_prefix(gi, rank), states))
                 else:
-                    first = needed_blocks(group, low * bs, bs).start
+                    first = needed_blocks(group, low, bs).start
                     wanted.append((gi, rank, self.keys.block_prefix(gi, rank), range(first, top)))
         return wanted
 
@@ -297,7 +388,7 @@ class HitFinder:
         """The KV block past the hit is stored but no state at its end: a state is missing."""
         return Miss.NO_STATE if probes and found[0] and not found[1] else Miss.NO_RECORD
 
-    def _result(self, hit: int, longest: int, miss: Miss | None) -> LookupResult:
+    def _result(self, hit: int, longest: int, miss: Miss | None, name: bytes = b"") -> LookupResult:
         if miss is not None:
             self.counters.tally("misses", miss.value, 1)
-        return LookupResult(hit, longest, miss)
+        return LookupResult(hit, longest, miss, name)

@@ -2,7 +2,8 @@
 bytes must carry.
 
 An object is the bytes of one KV block or one state, of one cache group on one rank. Its key
-names its content (the chain hash of the block, or of the boundary for a state) within a
+names its content (the chain hash of the block, or of the boundary for a state; for a tail
+boundary, its tail hash names both its state and its partly filled last block) within a
 namespace and a layout fingerprint, so the same key is the same bytes whoever computed them;
 its expected header is what a reader checks before it uses them (invariant 3).
 """
@@ -27,8 +28,8 @@ class ObjectRef:
     group: int
     rank: int
     key_hash: bytes
-    tokens: int  # block end (BLOCK) or boundary (STATE)
-    block_index: int  # index of the KV block, or of the boundary's last block for a state
+    tokens: int  # block end (BLOCK; a tail boundary for its partly filled block) or boundary (STATE)
+    block_index: int  # index of the KV block, or of the block a state's boundary ends in
 
 
 def chain_order(ref: ObjectRef) -> tuple[int, bool]:
@@ -49,22 +50,22 @@ class ObjectNames:
     def needed(
         self, hashes: Sequence[bytes], tokens: int, ranks: Iterable[int] | None = None, since: int = 0
     ) -> list[ObjectRef]:
-        """Every object (all groups, the given ranks) needed to resume at ``tokens``; KV blocks
-        only from boundary ``since`` on (those before it are covered elsewhere: a parent record,
-        or the engine's own cache)."""
+        """Every object (all groups, the given ranks) needed to resume at ``tokens``, named by
+        ``hashes`` (the prefix's: ``keys.prefix_hashes``); KV blocks only from boundary ``since``
+        on (those before it are covered elsewhere: a parent record, or the engine's own cache)."""
         bs = self.layout.block_size
-        n = tokens // bs
-        if tokens % bs or not 0 < n <= len(hashes):
-            raise ValueError(f"boundary {tokens} is not a block boundary within {len(hashes)} blocks")
+        n = -(-tokens // bs)
+        if tokens <= 0 or n > len(hashes) or (tokens % bs and not self.layout.has_state):
+            raise ValueError(f"boundary {tokens} is not a boundary within {len(hashes)} blocks")
         first = since // bs if 0 < since < tokens else 0
         refs: list[ObjectRef] = []
         for rank in range(self.layout.world_size) if ranks is None else ranks:
             for gi, group in enumerate(self.layout.groups):
                 if group.is_state:
-                    refs.append(self._state_ref(gi, rank, hashes, n - 1))
+                    refs.append(self.state_ref(gi, rank, hashes[n - 1], n - 1, tokens))
                 else:
                     need = needed_blocks(group, tokens, bs)
-                    refs.extend(self._block_ref(gi, rank, hashes, i)
+                    refs.extend(self._block_ref(gi, rank, hashes, i, tokens)
                                 for i in range(max(first, need.start), need.stop))
         return refs
 
@@ -77,33 +78,39 @@ class ObjectNames:
         per_plan: list[list[str]] = []
         for plan in plans:
             keys: list[str] = []
-            n = plan.tokens // self.layout.block_size
+            n = -(-plan.tokens // self.layout.block_size)
             for gi, i, block_id in plan.blocks:
-                ref = self._block_ref(gi, rank, hashes, i)
+                ref = self._block_ref(gi, rank, hashes, i, plan.tokens)
                 wanted.setdefault(ref.key, (ref, block_id))
                 keys.append(ref.key)
             for gi, block_id in plan.states:
-                ref = self._state_ref(gi, rank, hashes, n - 1)
+                ref = self.state_ref(gi, rank, hashes[n - 1], n - 1, plan.tokens)
                 wanted[ref.key] = (ref, block_id)
                 keys.append(ref.key)
             per_plan.append(keys)
         return list(wanted.values()), per_plan
 
-    def _block_ref(self, group: int, rank: int, hashes: Sequence[bytes], i: int) -> ObjectRef:
-        return self.block_ref(group, rank, hashes[i], i)
+    def _block_ref(self, group: int, rank: int, hashes: Sequence[bytes], i: int, boundary: int) -> ObjectRef:
+        """Block ``i`` of the prefix ``hashes`` names, which resumes at ``boundary``: the block a
+        tail boundary ends in is its partly filled one."""
+        bs = self.layout.block_size
+        return self.block_ref(group, rank, hashes[i], i, boundary if i == boundary // bs else None)
 
-    def _state_ref(self, group: int, rank: int, hashes: Sequence[bytes], i: int) -> ObjectRef:
-        return self.state_ref(group, rank, hashes[i], i)
-
-    def block_ref(self, group: int, rank: int, block_hash: bytes, i: int) -> ObjectRef:
-        """KV block ``i`` (named by its chain hash) of an attention group on ``rank``."""
+    def block_ref(self, group: int, rank: int, block_hash: bytes, i: int,
+                  tail_end: int | None = None) -> ObjectRef:
+        """KV block ``i`` (named by its chain hash) of an attention group on ``rank``; with
+        ``tail_end``, the block filled up to that tail boundary (named by its tail hash)."""
+        end = tail_end if tail_end is not None else (i + 1) * self.layout.block_size
         return ObjectRef(self.keys.block(group, rank, block_hash), ObjectKind.BLOCK, group, rank,
-                         block_hash, (i + 1) * self.layout.block_size, i)
+                         block_hash, end, i)
 
-    def state_ref(self, group: int, rank: int, boundary_hash: bytes, i: int) -> ObjectRef:
-        """The state of a state group on ``rank`` at the end of block ``i``."""
+    def state_ref(self, group: int, rank: int, boundary_hash: bytes, i: int,
+                  tokens: int | None = None) -> ObjectRef:
+        """The state of a state group on ``rank`` at the end of block ``i``, or at ``tokens``
+        inside it (a tail boundary)."""
+        end = tokens if tokens is not None else (i + 1) * self.layout.block_size
         return ObjectRef(self.keys.state(group, rank, boundary_hash), ObjectKind.STATE, group, rank,
-                         boundary_hash, (i + 1) * self.layout.block_size, i)
+                         boundary_hash, end, i)
 
     def expected_header(self, ref: ObjectRef) -> ObjectHeader:
         """The header an object must carry to be used for ``ref``."""

@@ -5,7 +5,8 @@ is acknowledged (``RankAck``, the answer of a rank's save: ``saving``) or seen i
 A record lists its segment of the hash chain and points at the earlier record it extends, so
 record bytes and publish work grow with what a step computed, not with the prompt. Records are
 put if absent, never overwritten; the layout object is touched after them, so it is never
-older than a record that needs it.
+older than a record that needs it. A tail boundary's record is listed in the tail index of the
+block boundary before it (``tails``), once it is stored: a tail is found only once published.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from prefixvault.boundary import Refusal
-from prefixvault.codec import ObjectKind
+from prefixvault.codec import IntegrityError, ObjectKind
 from prefixvault.counters import Counters
 from prefixvault.keys import KeySpace
 from prefixvault.layout import CacheLayout
@@ -24,6 +25,7 @@ from prefixvault.objects import ObjectNames
 from prefixvault.records import BoundaryRecord
 from prefixvault.stored_layout import StoredLayout
 from prefixvault.stores.base import Store
+from prefixvault.tails import TailIndex
 from prefixvault.tenancy import NamespaceKey
 
 
@@ -55,7 +57,8 @@ class Publisher:
     stored_layout: StoredLayout
 
     def publish_many(
-        self, publishes: Sequence[tuple[Sequence[bytes], Iterable[RankAck], int]]
+        self, publishes: Sequence[tuple[Sequence[bytes], Iterable[RankAck], int]],
+        seeds: Sequence[bytes | None] | None = None,
     ) -> list[dict[int, Refusal | None]]:
         """Publish several prefixes at once, (hashes, acks, parent) each, in the round trips of
         one: one existence check for all of them, then one conditional put of all their records
@@ -67,7 +70,12 @@ class Publisher:
         A rank without an ok ack for a boundary is checked in the store, so ranks that cannot
         exchange acknowledgements each publish after their own puts: the last to finish sees
         every object. If a ``parent`` record is gone, the blocks before it are checked in the
-        store instead. Per prefix and boundary: None if its record exists now, else why not."""
+        store instead. Per prefix and boundary: None if its record exists now, else why not.
+
+        ``hashes`` name each prefix (``keys.prefix_hashes``: a tail boundary's last hash is its
+        tail hash; one prefix publishes at most one tail boundary, its longest). ``seeds``: each
+        prefix's chain seed, which names the tail index of a tail in the first block (a tail
+        there without one is refused, ``not_aligned``). A ``parent`` is block-aligned."""
         bs = self.layout.block_size
         world = set(range(self.layout.world_size))
         outs: list[dict[int, Refusal | None]] = []
@@ -76,9 +84,11 @@ class Publisher:
         for hashes, acks, parent in publishes:
             acked: dict[int, set[int]] = {}
             failed: set[int] = set()
+            if parent % bs:
+                raise ValueError(f"parent {parent} is not block-aligned")
             for a in acks:
-                n = a.tokens // bs
-                if a.tokens % bs or not 0 < n <= len(hashes) or a.boundary_hash != hashes[n - 1]:
+                n = -(-a.tokens // bs)
+                if not 0 < n <= len(hashes) or a.boundary_hash != hashes[n - 1]:
                     raise ValueError(f"ack for boundary {a.tokens} does not match the prefix given")
                 acked.setdefault(a.tokens, set())
                 if a.ok:
@@ -101,7 +111,8 @@ class Publisher:
         unique = list(dict.fromkeys(keys))
         present = dict(zip(unique, self.store.exists_many(unique), strict=True)) if unique else {}
         records: dict[str, bytes] = {}  # put in this order: a parent before the records naming it
-        for (hashes, todo, parent, checks), out in zip(plans, outs, strict=True):
+        tails: list[tuple[bytes, int, bytes]] = []  # (index parent, tokens past it, tail hash)
+        for i, ((hashes, todo, parent, checks), out) in enumerate(zip(plans, outs, strict=True)):
             if not todo:
                 continue
             parent_key = self.keys.record(hashes[parent // bs - 1]) if parent else ""
@@ -123,25 +134,61 @@ class Publisher:
                     out[b] = Refusal.MISSING_RANK
                     self.counters.tally("refused", Refusal.MISSING_RANK, 1)
                     continue
+                index = (hashes[b // bs - 1] if b >= bs else seeds[i] if seeds is not None else None) \
+                    if b % bs else None
+                if b % bs and index is None:
+                    out[b] = Refusal.NOT_ALIGNED
+                    self.counters.tally("refused", Refusal.NOT_ALIGNED, 1)
+                    continue
                 key, blob = self._record(hashes, b, parent)
                 if key in records:  # another prefix of this batch publishes the same boundary
                     self.counters.add(records_existing=1)
                 else:
                     records[key] = blob
                 out[b] = None
-                parent = b
+                if index is not None:
+                    tails.append((index, b % bs, hashes[-(-b // bs) - 1]))
+                else:
+                    parent = b  # (a tail boundary is never a parent)
         if records:
             stored = self.store.put_if_absent_many(list(records.items()))
             self.counters.add(records_published=sum(stored))
             self.counters.add(records_existing=len(stored) - sum(stored))
             self.stored_layout.keep()  # after the records: never older than a record that needs it
+        if tails:
+            self._index_tails(tails)
         return outs
+
+    def _index_tails(self, tails: Sequence[tuple[bytes, int, bytes]]) -> None:
+        """List each published tail in its block boundary's index (one read and one write for
+        all of them): read, merge, replace. An index that does not verify is replaced."""
+        by_key: dict[str, tuple[bytes, list[tuple[int, bytes]]]] = {}
+        for parent, past, name in tails:
+            by_key.setdefault(self.keys.tail_index(parent), (parent, []))[1].append((past, name))
+        keys = list(by_key)
+        updated: list[tuple[str, list[bytes]]] = []
+        for k, blob in zip(keys, self.store.get_many(keys), strict=True):
+            parent, added = by_key[k]
+            index = TailIndex(parent, ())
+            if blob is not None:
+                try:
+                    index = TailIndex.decode(blob, self.keys.fingerprint, parent, self.layout.block_size,
+                                             self.key)
+                except IntegrityError as e:
+                    self.counters.tally("rejected", f"tail index {e.reason}", 1)
+            new = index
+            for past, name in added:
+                new = new.with_tail(past, name)
+            if new != index:
+                updated.append((k, [new.encode(self.keys.fingerprint, self.key)]))
+        if updated:
+            self.store.put_many(updated)
 
     def _record(self, hashes: Sequence[bytes], tokens: int, parent: int) -> tuple[str, bytes]:
         """The key and stored bytes of the record of boundary ``tokens`` extending ``parent``."""
         bs = self.layout.block_size
-        n = tokens // bs
-        record = BoundaryRecord(tokens, tuple(hashes[parent // bs : n]), self.layout.world_size,
+        n = -(-tokens // bs)
+        record = BoundaryRecord(tokens, tuple(hashes[parent // bs : n]), self.layout.world_size, bs,
                                 producer_id(), parent=parent,
                                 parent_hash=hashes[parent // bs - 1] if parent else b"")
         return self.keys.record(hashes[n - 1]), record.encode(self.keys.fingerprint, self.key)

@@ -64,14 +64,15 @@ class Quarantine:
         bs, ranks = self.layout.block_size, range(self.layout.world_size)
         states = [(gi, r) for gi, g in enumerate(self.layout.groups) if g.is_state for r in ranks]
         if record is not None:
-            refs.extend(self.names.state_ref(gi, r, boundary, record.tokens // bs - 1) for gi, r in states)
+            t = record.tokens
+            refs.extend(self.names.state_ref(gi, r, boundary, (t - 1) // bs, t) for gi, r in states)
         else:  # the boundary's token count is unknown: its states say it
             keys = [self.keys.state(gi, r, boundary) for gi, r in states]
             for (gi, r), found in zip(states, self.store.get_many(keys), strict=True):
                 with contextlib.suppress(IntegrityError):
                     h = decode(found, key=self.key)[0] if found is not None else None
-                    if h is not None and h.tokens > 0 and h.tokens % bs == 0:
-                        refs.append(self.names.state_ref(gi, r, boundary, h.tokens // bs - 1))
+                    if h is not None and h.tokens > 0:
+                        refs.append(self.names.state_ref(gi, r, boundary, (h.tokens - 1) // bs, h.tokens))
         for ref, got in zip(refs, self.store.get_many([r.key for r in refs]), strict=True):
             if got is None:
                 continue

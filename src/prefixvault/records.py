@@ -4,11 +4,15 @@ A record exists only if its boundary is resumable, so it is written last, after 
 object it needs was acknowledged by every rank, and never overwritten (put-if-absent).
 
 A record lists only its own segment of the hash chain: the block hashes after its *parent*
-(an earlier boundary of the same prefix whose record existed when this one was written) up
-to its own boundary. Its bytes therefore grow with the distance to its parent, not with the
-prompt, and an audit that follows parents finds every block hash of the prefix without
-knowing the tokens. ``parent == 0`` means the record lists the chain from the first block
-(version 1 records, which listed every hash, decode as such).
+(an earlier block-aligned boundary of the same prefix whose record existed when this one was
+written) up to its own boundary, one per block it touches. Its bytes therefore grow with the
+distance to its parent, not with the prompt, and an audit that follows parents finds every
+block hash of the prefix without knowing the tokens. ``parent == 0`` means the record lists
+the chain from the first block. The record of a tail boundary (one that ends inside a block)
+lists, last, its tail hash, which names the boundary and its partly filled block; a tail
+boundary is never a parent (its partly filled block is no longer prefix's).
+
+Version 3 records carry the block size (a tail boundary's segment cannot tell it).
 """
 
 from __future__ import annotations
@@ -21,17 +25,18 @@ from prefixvault.codec import IntegrityError, ObjectHeader, ObjectKind, decode, 
 from prefixvault.stores.base import Buffer
 from prefixvault.tenancy import NamespaceKey
 
-RECORD_VERSION = 2
+RECORD_VERSION = 3
 
 
 @dataclass(frozen=True)
 class BoundaryRecord:
     tokens: int
-    hashes: tuple[bytes, ...]  # h_first .. h_{n-1}: the blocks after the parent; the last names the boundary
+    hashes: tuple[bytes, ...]  # h_first ..: the blocks after the parent; the last names the boundary
     world_size: int
+    block_size: int
     producer: str = ""
     created: float = 0.0
-    parent: int = 0  # boundary (tokens) this record extends; 0: none, ``hashes`` start at block 0
+    parent: int = 0  # block-aligned boundary (tokens) this record extends; 0: none, from block 0
     parent_hash: bytes = b""  # the parent's boundary hash (names its record)
 
     @property
@@ -39,14 +44,14 @@ class BoundaryRecord:
         return self.hashes[-1]
 
     @property
-    def block_size(self) -> int:
-        """The block size implied by the segment (tokens it spans / hashes it lists)."""
-        return (self.tokens - self.parent) // len(self.hashes)
-
-    @property
     def first_block(self) -> int:
         """Index in the prefix's chain of the first hash listed."""
         return self.parent // self.block_size
+
+    @property
+    def tail(self) -> bool:
+        """Whether the boundary ends inside a block (the last hash is its tail hash)."""
+        return self.tokens % self.block_size != 0
 
     def header(self, fingerprint: bytes, length: int) -> ObjectHeader:
         return ObjectHeader(
@@ -59,6 +64,7 @@ class BoundaryRecord:
             "tokens": self.tokens,
             "hashes": [h.hex() for h in self.hashes],
             "world_size": self.world_size,
+            "block_size": self.block_size,
             "producer": self.producer,
             "created": self.created or time.time(),
         }
@@ -85,6 +91,7 @@ class BoundaryRecord:
                 tokens=int(body["tokens"]),
                 hashes=tuple(bytes.fromhex(h) for h in body["hashes"]),
                 world_size=int(body["world_size"]),
+                block_size=int(body["block_size"]),
                 producer=str(body.get("producer", "")),
                 created=float(body.get("created", 0.0)),
                 parent=int(body.get("parent", 0)),
@@ -96,8 +103,9 @@ class BoundaryRecord:
             raise IntegrityError("format", "record lists no block hashes")
         if rec.boundary_hash != header.key_hash or rec.tokens != header.tokens:
             raise IntegrityError("identity", "record body does not match its header")
-        span = rec.tokens - rec.parent
-        if span <= 0 or rec.parent < 0 or span % len(rec.hashes) or rec.parent % (span // len(rec.hashes)):
+        bs = rec.block_size
+        if (bs <= 0 or rec.parent < 0 or rec.tokens <= rec.parent or rec.parent % bs
+                or len(rec.hashes) != -(-rec.tokens // bs) - rec.parent // bs):
             raise IntegrityError("format", "record's segment does not fit its boundary and parent")
         if bool(rec.parent) != bool(rec.parent_hash):
             raise IntegrityError("format", "record names a parent without its hash, or the reverse")

@@ -61,7 +61,7 @@ class Saver:
             acks = []
             for plan, keys in zip(plans, per_plan, strict=True):
                 good = all(k in ok_keys for k in keys)
-                n = plan.tokens // self.layout.block_size
+                n = -(-plan.tokens // self.layout.block_size)  # (a tail boundary: its tail hash, last)
                 acks.append(RankAck(rank, plan.tokens, hashes[n - 1], good,
                                     None if good else Refusal.STORE_ERROR))
             out.append(acks)

@@ -30,7 +30,7 @@ from prefixvault.counters import Counters
 from prefixvault.denylist import DENY_TTL_S, DenyList
 from prefixvault.denysync import DenySync
 from prefixvault.hotset import HotSet
-from prefixvault.keys import ExtraKeys, KeySpace, chain_hashes
+from prefixvault.keys import ExtraKeys, KeySpace, PromptTokens, chain_hashes, prefix_hashes
 from prefixvault.layout import CacheLayout
 from prefixvault.loading import READS_SEEN, Loaded, Loader
 from prefixvault.lookup import RECORD_RETRIES, SPECULATIVE_KEYS, HitFinder, LookupResult, Miss, Touch
@@ -119,18 +119,32 @@ class Vault:
     def hashes(
         self, token_ids: Sequence[int], extra: ExtraKeys | None = None, start: Sequence[bytes] = ()
     ) -> list[bytes]:
+        """Chain hashes of the full blocks of ``token_ids``."""
         return chain_hashes(token_ids, self.layout.block_size, extra, start, self._hash_key)
+
+    def prefix_hashes(
+        self, token_ids: Sequence[int], extra: ExtraKeys | None = None, start: Sequence[bytes] = ()
+    ) -> list[bytes]:
+        """The hashes naming the prefix ``token_ids`` and its objects: its full blocks' chain
+        hashes, then its tail hash where it ends inside a block (``keys.prefix_hashes``)."""
+        return prefix_hashes(token_ids, self.layout.block_size, extra, start, self._hash_key)
+
+    def seed(self, extra: ExtraKeys | None = None) -> bytes:
+        """The chain's seed for ``extra``: what names the tails past block 0."""
+        return (extra or ExtraKeys()).seed(self._hash_key)
 
     def needed(self, hashes: Sequence[bytes], tokens: int, ranks: Iterable[int] | None = None,
                since: int = 0) -> list[ObjectRef]:
         """Every object needed to resume at ``tokens`` (KV blocks from ``since`` on)."""
         return self._names.needed(hashes, tokens, ranks, since)
 
-    def block_ref(self, group: int, rank: int, block_hash: bytes, i: int) -> ObjectRef:
-        return self._names.block_ref(group, rank, block_hash, i)
+    def block_ref(self, group: int, rank: int, block_hash: bytes, i: int,
+                  tail_end: int | None = None) -> ObjectRef:
+        return self._names.block_ref(group, rank, block_hash, i, tail_end)
 
-    def state_ref(self, group: int, rank: int, boundary_hash: bytes, i: int) -> ObjectRef:
-        return self._names.state_ref(group, rank, boundary_hash, i)
+    def state_ref(self, group: int, rank: int, boundary_hash: bytes, i: int,
+                  tokens: int | None = None) -> ObjectRef:
+        return self._names.state_ref(group, rank, boundary_hash, i, tokens)
 
     def expected_header(self, ref: ObjectRef) -> ObjectHeader:
         return self._names.expected_header(ref)
@@ -157,7 +171,7 @@ class Vault:
         return self._saver.save_many(rank, saves, read, read_into)
 
     def publish(
-        self, hashes: Sequence[bytes], acks: Iterable[RankAck], parent: int = 0
+        self, hashes: Sequence[bytes], acks: Iterable[RankAck], parent: int = 0, seed: bytes | None = None
     ) -> dict[int, Refusal | None]:
         """Write the records of the acknowledged boundaries that every rank has stored.
 
@@ -165,14 +179,16 @@ class Vault:
         gathers them); a rank without an ok ack is checked in the store. ``parent`` is an
         earlier boundary of the same prefix whose record covers the KV blocks the saves skipped
         (``plan_saves(since=parent)``). Returns, per boundary, None if its record exists now,
-        else why not."""
-        return self.publish_many([(hashes, acks, parent)])[0]
+        else why not. ``seed``: the chain's seed, for a tail boundary in the first block."""
+        return self.publish_many([(hashes, acks, parent)], [seed])[0]
 
     def publish_many(
-        self, publishes: Sequence[tuple[Sequence[bytes], Iterable[RankAck], int]]
+        self, publishes: Sequence[tuple[Sequence[bytes], Iterable[RankAck], int]],
+        seeds: Sequence[bytes | None] | None = None,
     ) -> list[dict[int, Refusal | None]]:
-        """``publish`` for several prefixes, (hashes, acks, parent) each, in the round trips of one."""
-        return self._publisher.publish_many(publishes)
+        """``publish`` for several prefixes, (hashes, acks, parent) each, in the round trips of
+        one (``seeds``: each prefix's chain seed, for a tail boundary in its first block)."""
+        return self._publisher.publish_many(publishes, seeds)
 
     def refuse(self, reason: Refusal, count: int = 1) -> None:
         """Count boundaries the boundary rule refused (for metrics)."""
@@ -187,12 +203,15 @@ class Vault:
 
     # -- lookup (``lookup``) ---------------------------------------------------------------------
 
-    def lookup(self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int = 0) -> int:
-        """Tokens of the longest published, still complete boundary beyond ``min_tokens``; 0 if none."""
-        return self.lookup_explained(hashes, prompt_tokens, min_tokens).hit
+    def lookup(self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int = 0,
+               prompt: PromptTokens | None = None) -> int:
+        """Tokens of the longest published, still complete boundary beyond ``min_tokens``; 0 if
+        none. With ``prompt`` (its tokens and extra keys), tail boundaries are looked up too."""
+        return self.lookup_explained(hashes, prompt_tokens, min_tokens, prompt).hit
 
     def lookup_explained(
-        self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int = 0
+        self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int = 0,
+        prompt: PromptTokens | None = None,
     ) -> LookupResult:
         """The hit, and why it is shorter than the longest prefix when it is (counted by reason).
 
@@ -201,10 +220,11 @@ class Vault:
         state, each round trip also asks for the KV block and the state just past the longest
         published boundary, so that a miss says whether the prefix's KV was stored further
         while no exact state was kept there."""
-        return self.lookup_many([(hashes, prompt_tokens, min_tokens)])[0]
+        return self.lookup_many([(hashes, prompt_tokens, min_tokens)], prompts=[prompt])[0]
 
     def lookup_many(self, asks: Sequence[tuple[Sequence[bytes], int, int]],
-                    touch_later: list[Touch] | None = None) -> list[LookupResult]:
+                    touch_later: list[Touch] | None = None,
+                    prompts: Sequence[PromptTokens | None] | None = None) -> list[LookupResult]:
         """``lookup_explained`` for several prompts, (hashes, prompt tokens, min tokens) each,
         in the round trips of one: each round trip touches the keys of every lookup still
         going, so lookups that arrive together over a slow store cost two round trips, not two
@@ -214,7 +234,8 @@ class Vault:
         further call: made before this returns, or, with ``touch_later``, appended to it for
         the caller to make after it has used the answers (``touch``)."""
         later: list[Touch] = []
-        results = self._hits.answer(asks, later)
+        full = [(h, n, m, prompts[i] if prompts is not None else None) for i, (h, n, m) in enumerate(asks)]
+        results = self._hits.answer(full, later)
         if touch_later is not None:
             touch_later += later
         else:

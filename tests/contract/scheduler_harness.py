@@ -51,10 +51,11 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import DraftTokenIds, KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 
-from prefixvault.boundary import max_resume_tokens
+from prefixvault.boundary import max_resume_tokens, resume_limit
 from prefixvault.codec import ObjectKind
 from prefixvault.vllm.mailbox import Mailboxes
-from prefixvault.vllm.metadata import LoadMode, PrefixVaultMetadata, SavesSettled, save_id
+from prefixvault.vllm.metadata import LoadMode, PrefixVaultMetadata, SavesSettled
+from prefixvault.vllm.request import extra_keys
 
 VERSION = tuple(int(x) for x in vllm.__version__.split(".")[:2])
 MAX_MODEL_LEN = 1 << 15
@@ -83,10 +84,18 @@ class Geometry:
     mamba_type: str  # MambaAttentionBackendEnum member name
     checkpoint_blocks: int
     state_groups: int = 1
+    # vLLM's hash unit (``--prefix-match-unit``) where finer than the block: its own cache then
+    # hits at that unit, and its prompt checkpoint falls on it (0: the block)
+    hash_unit: int = 0
 
     @property
     def id(self) -> str:
-        return f"{self.name}-bs{self.block_size}-ckpt{self.checkpoint_blocks}"
+        unit = f"-u{self.hash_unit}" if self.hash_unit else ""
+        return f"{self.name}-bs{self.block_size}-ckpt{self.checkpoint_blocks}{unit}"
+
+    @property
+    def hash_block(self) -> int:
+        return self.hash_unit or self.block_size
 
 
 GEOMETRIES = (
@@ -97,6 +106,9 @@ GEOMETRIES = (
     Geometry("falcon-h1-mamba2", 1568, "MAMBA2", 1),
     Geometry("zamba2-mamba2", 48, "MAMBA2", 1),
     Geometry("lfm2-shortconv", 16, "SHORT_CONV", 0),
+    # vLLM's fine-grained hybrid matching: its own cache hits on 16-token units
+    Geometry("qwen3-next-gdn", 544, "GDN_ATTN", 0, state_groups=2, hash_unit=16),
+    Geometry("granite-4.0-h-mamba2", 528, "MAMBA2", 1, hash_unit=16),
 )
 
 HEAD_SIZE = 8  # one KV head of 8 (fp16): a block is 2 * 8 * 2 = 32 bytes per token
@@ -182,7 +194,8 @@ def build_scheduler(model_dir: Path, geo: Geometry, store: str, *, budget: int, 
     sched = SchedulerConfig(max_num_seqs=min(max_num_seqs, budget), max_num_batched_tokens=budget,
                             max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
                             is_encoder_decoder=False)
-    cache = CacheConfig(block_size=geo.block_size, enable_prefix_caching=True, mamba_cache_mode="align")
+    cache = CacheConfig(block_size=geo.block_size, enable_prefix_caching=True, mamba_cache_mode="align",
+                        prefix_match_unit=geo.hash_unit or None)
     ktc = KVTransferConfig(kv_connector="PrefixVaultConnector", kv_connector_module_path="prefixvault.vllm",
                            kv_role="kv_both",
                            kv_connector_extra_config=connector_extra(store, **(extra or {})))
@@ -193,19 +206,29 @@ def build_scheduler(model_dir: Path, geo: Geometry, store: str, *, budget: int, 
                             kv_transfer_config=ktc, device_config=DeviceConfig("cpu"),
                             speculative_config=spec)
     config.cache_config.num_gpu_blocks = num_blocks
+    from vllm.v1.core.kv_cache_utils import resolve_cache_hit_alignment_tokens, resolve_kv_cache_block_sizes
     from vllm.v1.structured_output import StructuredOutputManager
 
-    return Scheduler(vllm_config=config, kv_cache_config=kv_cache_config(geo, num_blocks, spec_tokens),
-                     structured_output_manager=StructuredOutputManager(config),
-                     block_size=geo.block_size, log_stats=False)
+    # as the engine core resolves them before it builds the scheduler
+    kvc = kv_cache_config(geo, num_blocks, spec_tokens)
+    block_size, hash_block_size = resolve_kv_cache_block_sizes(kvc, config)
+    kvc.hash_block_size = hash_block_size
+    kvc.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(kvc, config, block_size,
+                                                                        hash_block_size)
+    assert hash_block_size == geo.hash_block, (hash_block_size, geo)
+    return Scheduler(vllm_config=config, kv_cache_config=kvc,
+                     structured_output_manager=StructuredOutputManager(config), block_size=block_size,
+                     hash_block_size=hash_block_size, log_stats=False)
 
 
 _hash_ready = False
 
 
-def make_request(req_id: str, prompt: Sequence[int], block_size: int, max_tokens: int = 3,
+def make_request(req_id: str, prompt: Sequence[int], geo: Geometry | int, max_tokens: int = 3,
                  cache_salt: str | None = None, **params: Any) -> Request:
-    """A request as vLLM's engine core makes one: block hashes for vLLM's own prefix cache."""
+    """A request as vLLM's engine core makes one: block hashes for vLLM's own prefix cache, one
+    per hash unit of ``geo`` (or per ``geo`` tokens)."""
+    unit = geo.hash_block if isinstance(geo, Geometry) else geo
     global _hash_ready
     from vllm.utils.hashing import sha256
 
@@ -215,7 +238,7 @@ def make_request(req_id: str, prompt: Sequence[int], block_size: int, max_tokens
     sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, **params)
     return Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
                    pooling_params=None, cache_salt=cache_salt,
-                   block_hasher=get_request_block_hasher(block_size, sha256))
+                   block_hasher=get_request_block_hasher(unit, sha256))
 
 
 def skips_external_by_vllm(request: Request) -> bool:
@@ -252,11 +275,15 @@ class Published:
 
     def longest(self, salt: str | None, tokens: Sequence[int], limit: int, block_size: int,
                 version: int | None = None) -> int:
-        """The longest published boundary of ``tokens`` at most ``limit`` (0 if none)."""
-        for b in range(limit // block_size * block_size, 0, -block_size):
-            if self.has(salt, tokens[:b], version):
-                return b
-        return 0
+        """The longest published boundary of ``tokens`` at most ``limit`` (0 if none), at any
+        token count: a tail boundary too."""
+        best, prompt = 0, tuple(tokens)
+        for (s, published), v in self.keys.items():
+            n = len(published)
+            fits = s == salt and best < n <= limit and (version is None or v <= version)
+            if fits and prompt[:n] == published:
+                best = n
+        return best
 
 
 # -- one step as the connector saw it -------------------------------------------------------------
@@ -397,7 +424,9 @@ class Engine:
         if n is None:
             return  # undetermined: vLLM asks again next step
         tokens = list(request.all_token_ids)
-        limit = max_resume_tokens(request.num_tokens, self.bs)
+        # with state, a tail boundary up to one token short of the prompt; else a block boundary
+        limit = (resume_limit(request.num_tokens) if self.state_groups
+                 else max_resume_tokens(request.num_tokens, self.bs))
         salt = request.cache_salt
         total = ask.computed + n if n > 0 else 0
         lo = self.published.longest(salt, tokens, limit, self.bs, self.first_ask[rid])
@@ -406,7 +435,7 @@ class Engine:
         p.check(n >= 0, where)
         if n > 0:
             self.hits += 1
-            p.check(total % self.bs == 0, f"{where}: hit not block aligned")
+            p.check(total % self.bs == 0 or bool(self.state_groups), f"{where}: hit not block aligned")
             p.check(total <= limit, f"{where}: hit leaves no prompt token to compute")
             p.check(self.published.has(salt, tokens[:total]), f"{where}: hit at an unpublished boundary")
             p.check(total <= hi, f"{where}: hit past the longest published boundary")
@@ -462,9 +491,17 @@ class Engine:
             for plan in spec.plans:
                 b = plan.tokens
                 w = f"{where}: boundary {b}"
-                p.check(b % bs == 0 and chunk.start < b <= chunk.end, f"{w} not in the chunk")
+                tail = b % bs != 0
+                p.check(chunk.start < b <= chunk.end and (not tail or bool(self.state_groups)),
+                        f"{w} not in the chunk")
                 p.check(b <= chunk.prompt_len, f"{w} past the prompt (capture_outputs is off)")
-                p.check(len(spec.hashes) >= b // bs, f"{w}: {len(spec.hashes)} hashes")
+                p.check(len(spec.hashes) >= -(-b // bs), f"{w}: {len(spec.hashes)} hashes")
+                if tail:  # a save of its own, named by the prefix's own hashes (its tail hash last)
+                    req = self.requests[spec.req_id]
+                    named = self.vault.prefix_hashes(list(req.all_token_ids)[:b], extra_keys(req))
+                    p.check(spec.tail == b and len(spec.plans) == 1 and spec.hashes == named,
+                            f"{w}: a tail boundary not in a save of its own, or named otherwise")
+                    p.check(parent % bs == 0, f"{w}: parent {parent} is not block-aligned")
                 inside = b != chunk.end
                 if self.state_groups:
                     if inside:
@@ -476,13 +513,13 @@ class Engine:
                     for g, block in plan.states:
                         offered = (g, block, b) in chunk.offers
                         table = chunk.tables[g] if g < len(chunk.tables) else []
-                        at_end = b // bs - 1 < len(table) and table[b // bs - 1] == block
+                        at_end = (b - 1) // bs < len(table) and table[(b - 1) // bs] == block
                         p.check(block != 0, f"{w}: group {g} state is the null block")
                         p.check(offered or (not inside and at_end),
                                 f"{w}: group {g} state block {block} neither offered nor the chunk end's")
                 for g in self.attn_groups:
                     idx = sorted(i for gg, i, _ in plan.blocks if gg == g)
-                    p.check(idx == list(range(parent // bs, b // bs)),
+                    p.check(idx == list(range(parent // bs, -(-b // bs))),
                             f"{w}: group {g} blocks {idx[:3]}..{idx[-3:]} from parent {parent}")
                 for g, i, block in plan.blocks:
                     table = chunk.tables[g] if g < len(chunk.tables) else []
@@ -495,12 +532,12 @@ class Engine:
     def _work(self, meta: PrefixVaultMetadata) -> tuple[set[str], SavesSettled | None]:
         """Store and publish the step's saves as ``WorkerSide`` does (one batch), and finish
         its loads (their records must exist: a load of an unpublished boundary is a bug)."""
-        vault, bs = self.vault, self.bs
+        vault = self.vault
         for load in meta.loads:
             self.loads[load.req_id] += 1
             self.local_loaded[load.req_id] = load.local_tokens
             req = self.requests.get(load.req_id)
-            self.problems.check(req is not None and load.tokens % bs == 0 and load.tokens > 0
+            self.problems.check(req is not None and load.tokens > 0
                                 and self.published.has(req.cache_salt, list(req.all_token_ids)[:load.tokens]),
                                 f"load of {load.req_id} at {load.tokens}: not a published boundary")
             self._check_load_blocks(load)
@@ -516,12 +553,13 @@ class Engine:
             return bytes(vault.layout.groups[ref.group].nbytes(ref.rank))
 
         acks = vault.save_many(0, [(s.hashes, s.plans) for s in saves], read)
-        outcomes = vault.publish_many([(s.hashes, a, s.parent) for s, a in zip(saves, acks, strict=True)])
+        outcomes = vault.publish_many([(s.hashes, a, s.parent) for s, a in zip(saves, acks, strict=True)],
+                                      seeds=[s.seed or None for s in saves])
         settled = SavesSettled()
         for spec, results in zip(saves, outcomes, strict=True):
             req = self.requests[spec.req_id]
             tokens = list(req.all_token_ids)
-            sid = save_id(meta.step, spec.req_id)
+            sid = spec.sid(meta.step)
             settled.ranks[sid] += 1
             for b, why in results.items():
                 self.problems.check(why is None,
@@ -559,13 +597,14 @@ class Engine:
         p.check(own is not None and own.start == load.tokens,
                 f"{where}: its request is not scheduled from the boundary ({own and own.start})")
         want = set()
-        for c in chunks.values():
+        for rid, c in chunks.items():
             if not c.start:
                 continue
             src, dst = (c.start - 1) // bs, (c.end - 1) // bs
             for g in self.state_groups:
                 fills = load.block_ids[g][(load.tokens - 1) // bs]
-                if src != dst and src < len(c.tables[g]) and c.tables[g][src] == fills:
+                own = rid == load.req_id  # (its running block, the boundary's own where src == dst)
+                if (src != dst or own) and src < len(c.tables[g]) and c.tables[g][src] == fills:
                     want.add((g, c.tables[g][dst]))
         p.check(set(load.state_copies) == want and len(want) == len(load.state_copies),
                 f"{where}: state copies {sorted(load.state_copies)}, vLLM's pre-copies {sorted(want)}")

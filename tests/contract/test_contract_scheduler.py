@@ -64,15 +64,15 @@ def test_concurrent_requests_sharing_prefixes(engines: Engines, geo: Geometry, b
     shared, family = _family(geo, seed=bs)
     mode = {"restore_in_step": in_step}
     a = engines(geo, budget=_budget(geo, budget), extra=mode)
-    arrivals = {0: [make_request(f"a{i}", p, bs) for i, p in enumerate(family)],
-                3: [make_request("a-late", shared + prompts(7, bs + 3)[0], bs),
-                    make_request("a-late-same", family[1], bs)]}
+    arrivals = {0: [make_request(f"a{i}", p, geo) for i, p in enumerate(family)],
+                3: [make_request("a-late", shared + prompts(7, bs + 3)[0], geo),
+                    make_request("a-late-same", family[1], geo)]}
     a.run(arrivals)
     b = engines(geo, a.store, budget=_budget(geo, budget), extra=mode)
-    b.run({0: [make_request("b-same", family[2], bs),
-               make_request("b-longer", family[2] + prompts(9, bs // 3 + 2)[0], bs),
-               make_request("b-new-tail", shared + prompts(11, 2 * bs)[0], bs),
-               make_request("b-salted", family[2], bs, cache_salt="another tenant")]})
+    b.run({0: [make_request("b-same", family[2], geo),
+               make_request("b-longer", family[2] + prompts(9, bs // 3 + 2)[0], geo),
+               make_request("b-new-tail", shared + prompts(11, 2 * bs)[0], geo),
+               make_request("b-salted", family[2], geo, cache_salt="another tenant")]})
     assert a.steps and b.steps
     assert b.hits > 0, "the second engine restored nothing: the scenario proves no lookup"
     assert any(x.answer[0] == 0 for x in b.asks if x.req_id == "b-salted"), "a salted prompt hit"
@@ -88,12 +88,12 @@ def test_a_prefix_restored_once_is_a_local_hit_for_the_requests_after_it(engines
     bs = geo.block_size
     shared = prompts(bs + 1, 2 * bs)[0]
     a = engines(geo, budget=2 * bs)
-    a.run({0: [make_request("a", shared + prompts(bs + 2, bs // 2 + 1)[0], bs)]})  # publishes 2 bs
+    a.run({0: [make_request("a", shared + prompts(bs + 2, bs // 2 + 1)[0], geo)]})  # publishes 2 bs
     b = engines(geo, a.store, budget=2 * bs)
     # tails past a block: the shared boundary is neither request's replay boundary
-    b.run({0: [make_request("first", shared + prompts(bs + 3, bs + 5)[0], bs)]})
+    b.run({0: [make_request("first", shared + prompts(bs + 3, bs + 5)[0], geo)]})
     assert b.loads["first"] == 1 and b.hits, "the scenario restored nothing"
-    b.run({0: [make_request("next", shared + prompts(bs + 4, bs + 7)[0], bs)]})
+    b.run({0: [make_request("next", shared + prompts(bs + 4, bs + 7)[0], geo)]})
     asks = [x for x in b.asks if x.req_id == "next"]
     assert asks and asks[0].computed == 2 * bs, f"vLLM's own cache had {asks[0].computed if asks else None}"
     assert b.loads["next"] == 0
@@ -114,11 +114,11 @@ def test_a_restore_past_a_prefix_the_engine_holds_reads_only_what_lies_past_it(e
     # state layers reserve a checkpoint block (never published from inside a chunk on CPU)
     one, two = (shared + t for t in prompts(bs + 9, 2 * bs + 5, 2 * bs + 7))
     a = engines(geo, budget=2 * bs)
-    a.run({0: [make_request("a1", one, bs)], 4: [make_request("a2", two, bs)]})  # 4 bs each, 2 bs
+    a.run({0: [make_request("a1", one, geo)], 4: [make_request("a2", two, geo)]})  # 4 bs each, 2 bs
     b = engines(geo, a.store, budget=2 * bs)
-    b.run({0: [make_request("first", one, bs)]})
+    b.run({0: [make_request("first", one, geo)]})
     assert b.loads["first"] == 1 and b.local_loaded["first"] == 0, "the first restored nothing"
-    b.run({0: [make_request("second", two, bs)]})
+    b.run({0: [make_request("second", two, geo)]})
     asks = [x for x in b.asks if x.req_id == "second" and x.answer[0] is not None]
     assert asks and asks[0].computed == 2 * bs, f"vLLM offered {asks[0].computed if asks else None}"
     assert asks[0].answer == (2 * bs, False), asks[0]  # synchronous: a worker in this process
@@ -127,13 +127,13 @@ def test_a_restore_past_a_prefix_the_engine_holds_reads_only_what_lies_past_it(e
     # divergent hit (the prefix) would answer 0 and vLLM would compute it from the hit every
     # group agrees on (nothing): it is asked again with divergent hits not offered, and
     # restores the prefix's boundary, one step later.
-    b.run({0: [make_request("third", shared + prompts(bs + 10, 2 * bs + 9)[0], bs)]})
+    b.run({0: [make_request("third", shared + prompts(bs + 10, 2 * bs + 9)[0], geo)]})
     asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "third"]
     assert asks[0] == (2 * bs, (None, False)) and asks[-1] == (0, (2 * bs, False)), asks
     assert b.loads["third"] == 1 and b.local_loaded["third"] == 0
     # vLLM keeps the state the third restored: a fourth is a hit in its own cache there, every
     # group agreeing, and is answered at once (nothing to ask again for).
-    b.run({0: [make_request("fourth", shared + prompts(bs + 11, 2 * bs + 3)[0], bs)]})
+    b.run({0: [make_request("fourth", shared + prompts(bs + 11, 2 * bs + 3)[0], geo)]})
     asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "fourth"]
     assert asks == [(2 * bs, (0, False))], asks
 
@@ -151,11 +151,11 @@ def test_a_divergent_hit_on_kv_the_engine_computed_is_not_completed(engines: Eng
     shared = prompts(bs + 12, 2 * bs)[0]
     one, two = (shared + t for t in prompts(bs + 13, 2 * bs + 5, 2 * bs + 7))
     b = engines(geo, budget=2 * bs)
-    b.run({0: [make_request("computed", one, bs)]})
+    b.run({0: [make_request("computed", one, geo)]})
     assert b.loads["computed"] == 0
     a = engines(geo, b.store, budget=2 * bs)
-    a.run({0: [make_request("published", two, bs)]})
-    b.run({0: [make_request("second", two, bs)]})
+    a.run({0: [make_request("published", two, geo)]})
+    b.run({0: [make_request("second", two, geo)]})
     asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "second" and x.answer[0] != 0]
     assert asks[0] == (2 * bs, (None, False)), asks
     assert asks[-1][0] == 0 and (asks[-1][1][0] or 0) >= 4 * bs, asks
@@ -176,10 +176,10 @@ def test_a_fast_store_restores_in_one_step(engines: Engines, geo: Geometry, in_p
     bs = geo.block_size
     shared = prompts(bs + 5, 2 * bs)[0]
     a = engines(geo, budget=2 * bs)
-    a.run({0: [make_request("a", shared + prompts(bs + 6, bs // 2 + 1)[0], bs)]})  # publishes 2 bs
+    a.run({0: [make_request("a", shared + prompts(bs + 6, bs // 2 + 1)[0], geo)]})  # publishes 2 bs
     b = engines(geo, a.store, budget=2 * bs, extra={"restore_in_step": True},
                 in_process_worker=in_process_worker)
-    b.run({0: [make_request("r", shared + prompts(bs + 7, bs + 5)[0], bs)]})
+    b.run({0: [make_request("r", shared + prompts(bs + 7, bs + 5)[0], geo)]})
     asks = [x.answer for x in b.asks if x.req_id == "r"]
     assert asks[0] == (2 * bs, not in_process_worker), asks
     planned = [s.number for s in b.steps if any(load.req_id == "r" for load in s.meta.loads)]
@@ -204,15 +204,17 @@ def test_bytes_that_cannot_be_handed_over_make_the_load_asynchronous(
     bs = geo.block_size
     shared = prompts(bs + 5, 2 * bs)[0]
     a = engines(geo, budget=2 * bs)
-    a.run({0: [make_request("a", shared + prompts(bs + 6, bs // 2 + 1)[0], bs)]})
+    a.run({0: [make_request("a", shared + prompts(bs + 6, bs // 2 + 1)[0], geo)]})
     monkeypatch.setattr(MemoryMailbox, "put", full)
     b = engines(geo, a.store, budget=2 * bs, extra={"restore_in_step": True})
-    b.run({0: [make_request("r", shared + prompts(bs + 7, bs + 5)[0], bs)]})
+    b.run({0: [make_request("r", shared + prompts(bs + 7, bs + 5)[0], geo)]})
     assert next(x.answer for x in b.asks if x.req_id == "r") == (2 * bs, True)
     assert min(s.number for s in b.steps if "r" in s.chunks) == 2 and b.loads_in_step == 0
 
 
-@_geo(list(GEOMETRIES))
+# (with a hash unit, "first" restores the tail at vLLM's checkpoint, and vLLM gives a request
+# scheduled in the same step no hit on a state it keeps inside a block: the scenario is moot)
+@_geo([g for g in GEOMETRIES if not g.hash_unit])
 def test_a_request_starting_from_a_synchronous_loads_state_in_its_step_gets_it(engines: Engines,
                                                                               geo: Geometry) -> None:
     """vLLM caches a synchronous load's blocks as it allocates them, and align mode's pre-copy
@@ -225,9 +227,9 @@ def test_a_request_starting_from_a_synchronous_loads_state_in_its_step_gets_it(e
     bs = geo.block_size
     prompt = prompts(bs + 14, 2 * bs + bs // 2 + 1)[0]
     a = engines(geo, budget=2 * bs)
-    a.run({0: [make_request("a", prompt, bs)]})  # publishes 2 bs (a chunk ends there)
+    a.run({0: [make_request("a", prompt, geo)]})  # publishes 2 bs (a chunk ends there)
     b = engines(geo, a.store, budget=4 * bs)
-    b.run({0: [make_request("first", prompt, bs), make_request("second", prompt, bs)]})
+    b.run({0: [make_request("first", prompt, geo), make_request("second", prompt, geo)]})
     assert b.loads["first"] == 1 and b.loads_in_step == 1 and b.loads["second"] == 0, b.loads
     step, start = min((x.number, x.chunks["second"].start) for x in b.steps if "second" in x.chunks)
     assert start == 2 * bs, "the second was not a hit on the first's blocks"
@@ -249,14 +251,14 @@ def test_preemption(engines: Engines, geo: Geometry) -> None:
     tried = []
     for blocks in TIGHT_POOLS:  # every run is checked step by step, preempting or not
         e = engines(geo, budget=_budget(geo, "unaligned"), num_blocks=blocks)
-        e.run({0: [make_request(f"p{i}", p, bs, max_tokens=bs // 2 + 2) for i, p in enumerate(family)]})
+        e.run({0: [make_request(f"p{i}", p, geo, max_tokens=bs // 2 + 2) for i, p in enumerate(family)]})
         tried.append((blocks, e.preemptions))
         if e.preemptions:
             break
     else:
         pytest.fail(f"vLLM preempted no request with any pool tried (blocks, preemptions): {tried}")
     again = engines(geo, e.store, budget=_budget(geo, "multiple"))
-    again.run({0: [make_request("p-again", family[3], bs)]})
+    again.run({0: [make_request("p-again", family[3], geo)]})
     assert again.hits > 0
 
 
@@ -282,9 +284,9 @@ def test_requests_that_skip_the_external_cache(engines: Engines, geo: Geometry, 
     params = dict(SKIP_CASES)[case]
     prompt = _family(geo, seed=5 * bs)[1][2]
     a = engines(geo, budget=_budget(geo, "multiple"))
-    a.run({0: [make_request("writer", prompt, bs)]})
+    a.run({0: [make_request("writer", prompt, geo)]})
     b = engines(geo, a.store, budget=_budget(geo, "multiple"))
-    skipping = make_request("skipping", prompt, bs, **params)
+    skipping = make_request("skipping", prompt, geo, **params)
     b.run({0: [skipping]})
     asked = [x for x in b.asks if x.req_id == "skipping"]
     assert asked, "vLLM never asked the connector about the skipping request"
@@ -292,7 +294,7 @@ def test_requests_that_skip_the_external_cache(engines: Engines, geo: Geometry, 
         assert case == "prompt-logprobs-reading-allowed" and VERSION < (0, 34), (case, VERSION)
         assert b.hits > 0, "a request allowed to read the external cache did not hit"
     control = engines(geo, a.store, budget=_budget(geo, "multiple"))
-    control.run({0: [make_request("control", prompt, bs)]})
+    control.run({0: [make_request("control", prompt, geo)]})
     assert control.hits > 0, "the control request did not hit: nothing shows the skipping one could have"
 
 
@@ -304,10 +306,10 @@ def test_speculative_decoding(engines: Engines, geo: Geometry) -> None:
     bs = geo.block_size
     family = _family(geo, seed=7 * bs)[1]
     a = engines(geo, budget=_budget(geo, "unaligned"), spec_tokens=2)
-    a.run({0: [make_request(f"s{i}", p, bs, max_tokens=12) for i, p in enumerate(family)]})
+    a.run({0: [make_request(f"s{i}", p, geo, max_tokens=12) for i, p in enumerate(family)]})
     assert a.drafted > 0, "no draft token was scheduled"
     b = engines(geo, a.store, budget=_budget(geo, "unaligned"), spec_tokens=2)
-    b.run({0: [make_request("s-again", family[2] + prompts(13, 5)[0], bs, max_tokens=6)]})
+    b.run({0: [make_request("s-again", family[2] + prompts(13, 5)[0], geo, max_tokens=6)]})
     assert b.hits > 0
 
 
@@ -315,21 +317,25 @@ def _checkpoint_run(engines: Engines, geo: Geometry, exporting: bool
                     ) -> tuple[Engine, set[int], dict[str, int]]:
     """A prompt of 3.3 blocks under a budget of 2.5 blocks: chunks [0, 2 blocks) and [2 blocks,
     prompt end), the last running through vLLM's prompt checkpoint at 3 blocks where the state
-    layers reserve a checkpoint block. Returns the engine, the boundaries of the prompt it
+    layers reserve a checkpoint block. Returns the engine, the block boundaries of the prompt it
     published, and what fresh engines (empty prefix caches) then restore for the same prompt
-    and for one sharing its first 3 blocks."""
+    and for one sharing its first 3 blocks: each, the longest boundary published for it (at
+    any length: a tail boundary too)."""
     bs = geo.block_size
     prompt = prompts(17 * bs, bs * 33 // 10)[0]
     branch = prompt[: 3 * bs] + prompts(19, bs // 2 + 1)[0]
     budget = bs * 5 // 2
     a = engines(geo, budget=budget, exporting=exporting)
-    a.run({0: [make_request("ckpt", prompt, bs)]})
+    a.run({0: [make_request("ckpt", prompt, geo)]})
     published = {b for b in range(bs, len(prompt), bs) if a.published.has(None, prompt[:b])}
     restored = {}
     for name, tokens in (("ckpt-same", prompt), ("ckpt-branch", branch)):
         b = engines(geo, a.store, budget=budget, exporting=exporting)
-        b.run({0: [make_request(name, tokens, bs)]})
+        b.run({0: [make_request(name, tokens, geo)]})
         restored[name] = max((x.computed + x.answer[0] for x in b.asks if x.answer[0]), default=0)
+        then = a.published.longest(None, tokens, len(tokens) - 1, bs, b.first_ask[name])
+        assert restored[name] == then, (name, restored, then)
+    assert a.published.has(None, prompt), "the prompt's exact end was not published"
     return a, published, restored
 
 
@@ -349,7 +355,8 @@ def test_checkpoint_offers_inside_a_chunk_are_refused_on_cpu(engines: Engines, g
     else:
         assert a.checkpoints_valid == 0
         assert published == {2 * bs, 3 * bs}, published  # vLLM ends a chunk at the checkpoint
-    assert restored == {"ckpt-same": max(published), "ckpt-branch": max(published)}, restored
+    if not geo.hash_unit:  # (a hash unit adds the chunk end at vLLM's checkpoint on it: a tail)
+        assert restored == {"ckpt-same": max(published), "ckpt-branch": max(published)}, restored
 
 
 @_geo(CHECKPOINTING)
@@ -369,5 +376,9 @@ def test_checkpoint_offers_are_published_where_the_platform_exports_them(
     a, published, restored = _checkpoint_run(engines, geo, exporting=True)
     assert a.checkpoints_valid > 0 and a.offers_inside > 0
     assert a.inside_published > 0, "vLLM's valid in-chunk checkpoint was not published"
-    assert published == {2 * bs, 3 * bs}, published
-    assert restored == {"ckpt-same": 3 * bs, "ckpt-branch": 3 * bs}, restored
+    if not geo.hash_unit:  # (on its hash unit, vLLM's checkpoint is a tail boundary past 3 blocks)
+        assert published == {2 * bs, 3 * bs}, published
+        assert restored == {"ckpt-same": 3 * bs, "ckpt-branch": 3 * bs}, restored
+    else:
+        assert published == {2 * bs}, published
+        assert restored["ckpt-same"] > 3 * bs and restored["ckpt-same"] % bs, restored

@@ -41,7 +41,7 @@ class UnsafeSavePlans(SavePlans):
                 plans.append(SavePlan(b, blocks, states))
             if plans:
                 st.saved = max(p.tokens for p in plans)
-                saves.append(SaveSpec(req_id, self._chain(st, st.saved), plans))
+                saves.append(SaveSpec(req_id, self.ctx.chain(st, st.saved), plans))
         return saves
 
 

@@ -33,17 +33,21 @@ def schedule(prompt_tokens: int, max_batched: int, block_size: int) -> list[int]
 
 
 def captured(prompt_tokens: int, max_batched: int, block_size: int, policy: str = "steps") -> list[int]:
-    """Boundaries whose exact state a producer keeps under a capture policy."""
+    """Boundaries whose exact state a producer keeps under a capture policy: every step end
+    (the prompt's exact end included, a tail boundary where it is inside a block) for
+    ``steps``; the prompt checkpoint for ``checkpoints``; the sequence ends for ``marconi`` and
+    ``reuse`` (the checkpoint, where the same prompt resumes, and the exact end, where a longer
+    one does)."""
     if policy == "checkpoints":
         return [checkpoint(prompt_tokens, block_size)]
-    if policy in ("marconi", "reuse"):  # a producer's sequence end: the prompt's last block boundary
-        return [prompt_tokens // block_size * block_size]
-    return [e for e in schedule(prompt_tokens, max_batched, block_size) if e % block_size == 0]
+    if policy in ("marconi", "reuse"):
+        return sorted({checkpoint(prompt_tokens, block_size), prompt_tokens} - {0})
+    return schedule(prompt_tokens, max_batched, block_size)
 
 
 def expected_hit(available: Iterable[int], consumer_tokens: int, common_prefix: int, block_size: int) -> int:
     """The longest available boundary inside the shared prefix that leaves a token to compute."""
-    limit = min(common_prefix // block_size * block_size, checkpoint(consumer_tokens, block_size))
+    limit = min(common_prefix, consumer_tokens - 1)
     return max((b for b in available if 0 < b <= limit), default=0)
 
 

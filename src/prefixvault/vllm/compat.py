@@ -194,16 +194,15 @@ class InternalCheckpoints:
     alignment: int
     drop_eagle_block: bool
     # Where vLLM places the prompt's checkpoint (its ``cache_hit_alignment_tokens``: the hash
-    # block with partial hits, else the block); only one that is also a block boundary of ours
-    # can be published.
+    # unit with partial hits, else the block): inside a block it is a tail boundary of ours.
     granularity: int = 0
 
     def position(self, start: int, end: int, prefill_end: int) -> int | None:
         if end < prefill_end:  # only the chunk that reaches the prompt's end exports one
             return None
         pos = checkpoint_position(prefill_end, self.granularity or self.block_size, self.drop_eagle_block)
-        if pos % self.block_size or not checkpoint_valid(start, end, pos, self.hash_block_size,
-                                                         self.block_size, self.alignment):
+        if pos <= 0 or not checkpoint_valid(start, end, pos, self.hash_block_size, self.block_size,
+                                            self.alignment):
             return None
         return pos
 
@@ -224,12 +223,23 @@ def internal_checkpoints(vllm_config: Any, kv_cache_config: Any, device_type: st
                                 for s in specs):
         return None
     block_size = int(specs[0].block_size)
-    cache = vllm_config.cache_config
-    hash_bs = int(getattr(cache, "hash_block_size", None) or block_size)
-    granularity = int(getattr(cache, "cache_hit_alignment_tokens", None) or block_size)
+    hash_bs, granularity = hash_unit(vllm_config, kv_cache_config, block_size)
     spec_cfg = getattr(vllm_config, "speculative_config", None)
     drop = bool(spec_cfg is not None and getattr(spec_cfg, "use_eagle_block_drop", lambda: False)())
     return InternalCheckpoints(hash_bs, block_size, int(alignment), drop, granularity)
+
+
+def hash_unit(vllm_config: Any, kv_cache_config: Any, block_size: int) -> tuple[int, int]:
+    """vLLM's hash unit (``hash_block_size``: what its block hashes cover, ``--prefix-match-unit``
+    where given) and where its hits and prompt checkpoints fall (``cache_hit_alignment_tokens``:
+    that unit where partial hits are on, else the block). The engine core resolves both into the
+    ``KVCacheConfig`` it hands the scheduler (0.32-0.34); ``cache_config`` has them only where a
+    worker runs in the same process. Either missing: the block."""
+    cache = vllm_config.cache_config
+    unit = getattr(kv_cache_config, "hash_block_size", None) or getattr(cache, "hash_block_size", None)
+    align = (getattr(kv_cache_config, "cache_hit_alignment_tokens", None)
+             or getattr(cache, "cache_hit_alignment_tokens", None))
+    return int(unit or block_size), int(align or block_size)
 
 
 def relies_on_internal_checkpoints(kv_cache_config: Any) -> list[int]:

@@ -169,7 +169,9 @@ class InStepHandover:
             for g in self.state_groups:
                 table = load.block_ids[g] if g < len(load.block_ids) else []
                 hit, running = (load.tokens - 1) // bs, (load.tokens + n - 1) // bs
-                if n and running < len(table) and table[running] and running != hit:
+                # (a tail boundary's first chunk may end in its own block: then that block is
+                # the running one, named as such)
+                if n and running < len(table) and table[running]:
                     load.state_copies.append((g, table[running]))
                 if hit < len(table) and table[hit]:
                     fills[(g, table[hit])] = load
@@ -257,7 +259,7 @@ class InStepWrites:
         for ref, block in zip(refs, blocks, strict=True):
             state = ref.kind is ObjectKind.STATE
             extra = [b for g, b in spec.state_copies if g == ref.group] if state else []
-            for b in [block, *extra]:
+            for b in dict.fromkeys([block, *extra]):  # (the running block may be the boundary's own)
                 all_refs.append(ref)
                 all_blocks.append(b)
                 data.append(payloads[ref])

@@ -15,7 +15,7 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 from prefixvault.guard import Guard
-from prefixvault.keys import ExtraKeys
+from prefixvault.keys import ExtraKeys, PromptTokens
 from prefixvault.lane import Failure, Lane
 from prefixvault.vault import LookupResult, Miss, ObjectRef, Vault
 from prefixvault.vllm.in_step import ReadAhead, ReadAheadBudget
@@ -102,6 +102,7 @@ class Lookups:
         """Hash each queued prompt, then look them up together. A prompt naming a boundary in
         ``saving`` (a save in flight) answers None instead."""
         asks: list[tuple[list[bytes], int, int]] = []
+        prompts: list[PromptTokens | None] = []
         waiting: list[tuple[LookupJob, list[bytes]]] = []
         for job in batch:
             if not job.future.set_running_or_notify_cancel():
@@ -116,11 +117,13 @@ class Lookups:
                 job.future.set_result((hashes, None, None))
                 continue
             asks.append((hashes, job.num_tokens, job.min_tokens))
+            prompts.append(PromptTokens(job.prompt, job.extra))  # (its tail boundaries too)
             waiting.append((job, hashes))
         if not asks:
             return
         touches: list[tuple[list[str], list[bool]]] = []
-        found = self.vault.lookup_many(asks, touch_later=touches)  # raises: the lane fails the batch
+        # (raises: the lane fails the batch)
+        found = self.vault.lookup_many(asks, touch_later=touches, prompts=prompts)
         ahead = []
         for (job, hashes), result in zip(waiting, found, strict=True):
             if job.read_from is not None and result.hit > job.min_tokens:
@@ -150,7 +153,8 @@ class Lookups:
                 continue
             since = job.read_from if result.hit > job.read_from else job.min_tokens
             try:
-                refs = self.vault.needed(hashes[: result.hit // bs], result.hit, ranks=[0], since=since)
+                named = [*hashes[: result.hit // bs], *([result.boundary_hash] if result.hit % bs else [])]
+                refs = self.vault.needed(named, result.hit, ranks=[0], since=since)
             except Exception as e:  # ours: no read ahead for it
                 self.guard.failed("lookup", e)
                 continue

@@ -57,6 +57,16 @@ class SaveSpec:
     # Held (``output_boundaries: last``): the workers copy only the states now and keep them,
     # replacing the request's earlier hold; its KV blocks are read when the request finishes.
     hold: bool = False
+    # The tail boundary it publishes (its one plan), 0 for block-aligned boundaries: then
+    # ``hashes`` end with its tail hash, and ``seed`` (the chain's seed) names the tail index
+    # of a tail inside the first block.
+    tail: int = 0
+    seed: bytes = b""
+
+    def sid(self, step: int) -> str:
+        """Names this save of ``step``, the same on the scheduler and every rank (a request may
+        save its block-aligned boundaries and a tail boundary in one step)."""
+        return save_id(step, self.req_id) + (f"+{self.tail}" if self.tail else "")
 
 
 @dataclass

@@ -35,6 +35,7 @@ class StepView:
     has_state: bool  # the model has state groups (a boundary needs an exact state)
     offered: tuple[StateCapture, ...] = ()  # states vLLM's layers offered this step
     at_end: tuple[StateCapture, ...] = ()  # the states this step leaves at its end, if any
+    saved_tail: int = 0  # highest tail boundary (inside a block) already handed to the workers
 
 
 @dataclass(frozen=True)
@@ -63,20 +64,24 @@ def plan_step(view: StepView, admits: Admits, kinds: Kinds) -> StepPlan:
         step_kind = Kind.STEP_END if end <= prompt_len else Kind.OUTPUT
         if hold:  # stored only if it is the last: the sequence end
             step_kind |= Kind.SEQUENCE_END
-        if view.at_end and end % bs == 0 and admits(kinds(end) | step_kind, end, view.last_capture):
+        # a step end inside a block is a tail boundary: taken inside the prompt only
+        at_boundary = end % bs == 0 or end <= prompt_len
+        if view.at_end and at_boundary and admits(kinds(end) | step_kind, end, view.last_capture):
             captures += view.at_end
             last = end
         candidates = {c.tokens for c in captures}
     else:
         captures, candidates = [], set(range((start // bs + 1) * bs, end + 1, bs))
-    candidates = {t for t in candidates if t > view.saved and t % bs == 0 and t <= limit}
+    # Tail boundaries (inside a block) only where a state exists, and inside the prompt.
+    candidates = {t for t in candidates if t > view.saved and t <= limit
+                  and (t % bs == 0 or (view.has_state and view.saved_tail < t <= prompt_len))}
     if hold:
         candidates &= {end}
     # With output boundaries held, the prompt's last block boundary is a sequence end only if
     # no output boundary follows: a boundary the policy admits for that alone (marconi, reuse)
     # is held too, and an output boundary replaces it.
     held_end = 0
-    seq_end = prompt_len // bs * bs
+    seq_end = prompt_len  # (a model with state resumes at the prompt's exact end)
     if view.hold_last and not hold and view.has_state and seq_end in candidates:
         why = Kind.CHECKPOINT if any(c.tokens == seq_end for c in view.offered) else Kind(0)
         if view.at_end and end == seq_end:

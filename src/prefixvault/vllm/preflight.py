@@ -57,6 +57,8 @@ def preflight(vllm_config: Any, shape: CacheShape, settings: ConnectorSettings, 
             out.append(f"capture interval:{settings.capture_interval} is longer than max_model_len "
                        f"{max_len}: only the engine's own checkpoints are saved (about one per "
                        "prompt); use a shorter interval or capture 'steps'")
+    if settings.capture_outputs and shape.has_state:
+        out += outputs_silenced(vllm_config)
     if role == "kv_producer":
         out.append("kv_role is kv_producer: this engine saves but never restores; use kv_both "
                    "(or kv_consumer) on engines that should hit")
@@ -75,6 +77,21 @@ def preflight(vllm_config: Any, shape: CacheShape, settings: ConnectorSettings, 
     elif bs >= LARGE_BLOCK:
         out.append(f"block size {bs}: only prompts longer than {bs} tokens can hit, and every hit "
                    "is rounded down to a multiple of it; a smaller --block-size hits more often")
+    return out
+
+
+def outputs_silenced(vllm_config: Any) -> list[str]:
+    """The settings under which ``capture_outputs`` publishes no output boundary (prompt
+    boundaries, each prompt's exact end included, are published all the same)."""
+    out = []
+    if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) is True:
+        out.append("capture_outputs publishes no output boundary under async scheduling (the token "
+                   "a decode step consumes is not known when the step is planned); serve with "
+                   "--no-async-scheduling for them. Each prompt's exact end is still published")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        out.append("capture_outputs publishes no output boundary from a step with draft tokens (a "
+                   "rejected draft leaves a state past what the request keeps): with speculative "
+                   "decoding, only prompt boundaries are published")
     return out
 
 

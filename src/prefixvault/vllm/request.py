@@ -264,7 +264,8 @@ class TrackedRequest:
     tokens: list[int] = field(default_factory=list)
     hashes: list[bytes] = field(default_factory=list)  # chain hashes over ``tokens``, as far as computed
     restore: Restore = field(default_factory=Restore)
-    saved: int = 0  # highest boundary already handed to the workers to save
+    saved: int = 0  # highest block-aligned boundary already handed to the workers to save
+    saved_tail: int = 0  # highest tail boundary (inside a block) handed to them, once each
     last_capture: int = 0  # its last boundary the admission policy admitted
     # Its last output boundary, held by the workers until it finishes (output_boundaries: last)
     hold: SaveSpec | None = None
@@ -291,8 +292,13 @@ class TrackedRequest:
 
     def chain(self, upto_tokens: int, block_size: int,
               hasher: Callable[[list[int], ExtraKeys, list[bytes]], list[bytes]]) -> list[bytes]:
-        """Its chain hashes up to ``upto_tokens`` (computed on first need, from those known)."""
+        """The hashes naming its prefix of ``upto_tokens`` (``Vault.prefix_hashes``: its full
+        blocks' chain hashes, computed on first need and kept, then its tail hash if it ends
+        inside a block)."""
         n = upto_tokens // block_size
-        if len(self.hashes) < n:
-            self.hashes = hasher(self.tokens[: n * block_size], self.extra, self.hashes)
+        if len(self.hashes) < n or upto_tokens % block_size:
+            named = hasher(self.tokens[:upto_tokens], self.extra, self.hashes[:n])
+            if len(self.hashes) < n:
+                self.hashes = named[:n]
+            return named
         return self.hashes[:n]

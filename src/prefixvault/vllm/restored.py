@@ -104,6 +104,11 @@ class DivergentHits:
         agreed = min(hits)
         if agreed >= offered:
             return Offer.AGREED, offered
+        # With vLLM's fine-grained matching (a hash unit finer than the block) its own hit may
+        # end inside a block, past the offer: vLLM offers it rounded down to a block boundary,
+        # and every group holds it. Agreed, then (an answer not past it vLLM drops).
+        if min(per_group_hits(self._cache_manager, request, int(request.num_tokens) - 1)[1]) >= offered:
+            return Offer.AGREED, offered
         n = offered // self.block_size
         restored = all(len(blocks[g]) >= n and self._restored.all_loaded(g, blocks[g][:n])
                        for g in self.attn_groups)

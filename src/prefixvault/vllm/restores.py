@@ -132,7 +132,7 @@ class Restores:
             # preempted. Saves are planned from the first block again, so what went missing is
             # written again rather than trusted to the record it was loaded from.
             r.restart()
-            tr.saved = 0
+            tr.saved = tr.saved_tail = 0
         if r.loads >= MAX_LOADS_PER_REQUEST:
             r.give_up()  # its loads keep failing: compute it
         if isinstance(r.phase, Computed):
@@ -151,7 +151,7 @@ class Restores:
             token = self._hand_over(tr, phase.hit, computed)
             if token:
                 r.hand_over(token, computed)
-                if self.has_state:
+                if self.has_state and phase.hit % self.block_size == 0:
                     # vLLM caches a synchronous load's blocks as it allocates them, before
                     # ``update_state_after_alloc``: the state it lands in is kept only if named now
                     keep_restored_state(request, phase.hit)
@@ -271,7 +271,9 @@ class Restores:
         local = tokens - num_external_tokens
         block_ids = blocks.get_block_ids()
         hashes = self.ctx.chain(tr, tokens)
-        if self.has_state:  # a restore is done once per engine: vLLM keeps the state it lands in
+        if self.has_state and tokens % self.block_size == 0:
+            # a restore is done once per engine: vLLM keeps the state it lands in (at a block
+            # boundary: vLLM keeps no state for a junction inside a block)
             keep_restored_state(request, tokens)
         self.divergent.loading(block_ids, local, tokens)
         mode, token = LoadMode.ASYNC, 0
@@ -285,7 +287,7 @@ class Restores:
         self._pending.append(LoadSpec(tr.req_id, hashes, tokens, local, tuple(list(b) for b in block_ids),
                                       mode=mode, token=token))
         r.load()
-        tr.saved = max(tr.saved, tokens)
+        tr.saved = max(tr.saved, tokens // self.block_size * self.block_size)  # (a parent is block-aligned)
         self.counters.add(hit_tokens=num_external_tokens)
         log.info("prefixvault: request %s restores %d tokens from the store (%d local)%s", tr.req_id,
                  num_external_tokens, local, ", in this step" if mode is not LoadMode.ASYNC else "")
@@ -314,7 +316,7 @@ class Restores:
             self._pending.append(LoadSpec(req_id, [], num_external_tokens, 0, ()))
         if tr is not None:  # asked again, it is computed: no loop of failing loads
             tr.restore.give_up()
-            tr.saved = 0
+            tr.saved = tr.saved_tail = 0
 
     def finished(self, tr: TrackedRequest) -> None:
         """The request finished (or was aborted): nothing of its restore is kept."""

@@ -23,7 +23,14 @@ from functools import partial
 from typing import Any
 
 from prefixvault.admission import Kind
-from prefixvault.boundary import StateCapture, StepChunk, max_resume_tokens, plan_saves, step_end_captures
+from prefixvault.boundary import (
+    SavePlan,
+    StateCapture,
+    StepChunk,
+    max_resume_tokens,
+    plan_saves,
+    step_end_captures,
+)
 from prefixvault.vllm.compat import InternalCheckpoints, step_starts
 from prefixvault.vllm.config import OutputBoundaries
 from prefixvault.vllm.metadata import Release, SaveSpec, SavesSettled, save_id
@@ -133,7 +140,7 @@ class SavePlans:
         offered = [StateCapture(g, t, b, step) for g, b, t in offers.get(tr.req_id, []) if t <= end]
         at_end = step_end_captures(self.layout, chunk, known, {g: tables[g] for g in self.state_groups}, step)
         view = StepView(bs, prompt_len, start, chunk, known, tr.saved, tr.last_capture, self.hold_last,
-                        bool(self.state_groups), tuple(offered), tuple(at_end))
+                        bool(self.state_groups), tuple(offered), tuple(at_end), tr.saved_tail)
         planned = plan_step(view, self.admission.admits, self.kinds(tr, prompt_len))
         tr.last_capture = planned.last_capture
         captures, end = list(planned.captures), planned.end
@@ -157,7 +164,10 @@ class SavePlans:
     def _plan(self, tr: TrackedRequest, step: int, end: int, tables: Any, captures: list[StateCapture],
               chunk: StepChunk, candidates: set[int], hold: bool) -> list[SaveSpec]:
         """Plan the saves of ``candidates`` since the request's last save: a save now, or its
-        hold (``hold``: published, if at all, when the request finishes, ``release_hold``)."""
+        hold (``hold``: published, if at all, when the request finishes, ``release_hold``).
+        Block-aligned boundaries go in one save; each tail boundary in one of its own (its
+        hashes end with its tail hash), extending the last block-aligned one (a tail is never a
+        parent: ``tr.saved`` counts block-aligned boundaries only)."""
         bs = self.block_size
         decision = plan_saves(self.layout, end, {g: tables[g] for g in self.attn_groups}, captures,
                               step, candidates, chunk, since=tr.saved)
@@ -165,36 +175,56 @@ class SavePlans:
             self.counters.tally("refused", why)
         if not decision.publishable:
             return []
-        top = max(p.tokens for p in decision.publishable)
         if hold:
-            tr.hold = SaveSpec(tr.req_id, self.ctx.chain(tr, top), list(decision.publishable), tr.saved,
-                               hold=True)
+            tr.hold = self._spec(tr, list(decision.publishable), tr.saved, hold=True)
+            tr.saved_tail = max(tr.saved_tail, tr.hold.tail)
             return [tr.hold]
-        self.counters.add(plans=len(decision.publishable))
-        spec = SaveSpec(tr.req_id, self.ctx.chain(tr, top), list(decision.publishable), tr.saved)
-        tr.saved = max(tr.saved, top)
-        boundaries = [spec.hashes[p.tokens // bs - 1] for p in spec.plans]
-        if self.state_groups:
-            kinds = self.kinds(tr, len(tr.prompt))
-            for p, h in zip(spec.plans, boundaries, strict=True):
-                self.admission.admitted(h, kinds(p.tokens))
-        self.in_flight.add(save_id(step, tr.req_id), boundaries, time.monotonic(), tr.req_id, spec.parent)
-        return [spec]
+        aligned = [p for p in decision.publishable if p.tokens % bs == 0]
+        saved, specs = tr.saved, []
+        if aligned:
+            specs.append(self._spec(tr, aligned, saved))
+            tr.saved = max(tr.saved, max(p.tokens for p in aligned))
+        for plan in decision.publishable:
+            if plan.tokens % bs:
+                parent = max([saved, *(p.tokens for p in aligned if p.tokens < plan.tokens)])
+                blocks = tuple(b for b in plan.blocks if b[1] >= parent // bs)  # (the parent's are stored)
+                own = SavePlan(plan.tokens, blocks, plan.states)
+                specs.append(self._spec(tr, [own], parent))
+                tr.saved_tail = max(tr.saved_tail, plan.tokens)
+        kinds = self.kinds(tr, len(tr.prompt))
+        for spec in specs:
+            self.counters.add(plans=len(spec.plans))
+            boundaries = [self.ctx.chain(tr, p.tokens)[-1] for p in spec.plans]
+            if self.state_groups:
+                for p, h in zip(spec.plans, boundaries, strict=True):
+                    self.admission.admitted(h, kinds(p.tokens))
+            self.in_flight.add(spec.sid(step), boundaries, time.monotonic(), tr.req_id, spec.parent)
+        return specs
+
+    def _spec(self, tr: TrackedRequest, plans: list[SavePlan], parent: int, hold: bool = False) -> SaveSpec:
+        """A save of ``plans`` (of one kind: block-aligned boundaries, or one tail boundary)."""
+        top = max(p.tokens for p in plans)
+        tail = top if top % self.block_size else 0
+        seed = self.ctx.vault.seed(tr.extra) if tail else b""
+        return SaveSpec(tr.req_id, self.ctx.chain(tr, top), plans, parent, hold=hold, tail=tail, seed=seed)
 
     def kinds(self, tr: TrackedRequest, prompt_len: int) -> Callable[[int], Kind]:
         """What a boundary of this request is: vLLM's prompt checkpoint (the last block
-        boundary that leaves a token to compute), the sequence end as far as the connector
-        knows (the prompt's last block boundary: the last one before the request finishes is
-        not known in time), or the junction vLLM found with an earlier request's tokens."""
+        boundary that leaves a token to compute: where the same prompt sent again resumes), a
+        sequence end as far as the connector knows (that checkpoint, and, for a model with
+        state, the prompt's exact end, where a longer prompt that extends it resumes; the last
+        one before the request finishes is not known in time), or the junction vLLM found with
+        an earlier request's tokens."""
         bs = self.block_size
-        checkpoint, last = max_resume_tokens(prompt_len, bs), prompt_len // bs * bs
+        checkpoint = max_resume_tokens(prompt_len, bs)
+        ends = {checkpoint, prompt_len} if self.state_groups else {prompt_len // bs * bs}
         junction = int(getattr(tr.source, "shared_prefix_boundary", 0) or 0)
 
         def kinds(tokens: int) -> Kind:
             k = Kind(0)
             if tokens == checkpoint:
                 k |= Kind.PROMPT_END
-            if tokens == last:
+            if tokens in ends:
                 k |= Kind.SEQUENCE_END
             if tokens == junction:
                 k |= Kind.JUNCTION

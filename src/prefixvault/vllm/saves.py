@@ -254,7 +254,8 @@ class Saves:
             self._ctx.counters.add(saved_boundaries=sum(a.ok for a in acks))
         try:
             outcomes = self._ctx.vault.publish_many([(spec.hashes, acks, spec.parent)
-                                                 for spec, acks in zip(specs, all_acks, strict=True)])
+                                                     for spec, acks in zip(specs, all_acks, strict=True)],
+                                                    seeds=[spec.seed or None for spec in specs])
         except Exception as e:  # a store problem costs future hits, never a request
             if raise_store_errors:
                 raise

@@ -204,7 +204,8 @@ class SchedulerSide:
             return  # only greedy requests can be checked against a cold run
         self.counters.add(samples=1)
         try:
-            record = self.vault.keys.record(tr.chain(loaded, self.layout.block_size, self.vault.hashes)[-1])
+            named = tr.chain(loaded, self.layout.block_size, self.vault.prefix_hashes)
+            record = self.vault.keys.record(named[-1])
             sample = VerifySample(tr.prompt, loaded, record, output, time.time(), producer_id())
         except Exception as e:  # a sample is best effort, never an error in the engine
             self.counters.add(sample_errors=1)

@@ -49,5 +49,5 @@ class SchedulerContext:
     in_flight: SavesInFlight
 
     def chain(self, tr: TrackedRequest, upto: int) -> list[bytes]:
-        """A request's chain hashes up to ``upto`` tokens (computed on first need)."""
-        return tr.chain(upto, self.layout.block_size, self.vault.hashes)
+        """The hashes naming a request's prefix of ``upto`` tokens (``TrackedRequest.chain``)."""
+        return tr.chain(upto, self.layout.block_size, self.vault.prefix_hashes)

@@ -33,7 +33,7 @@ from prefixvault.vllm.holds import Holds
 from prefixvault.vllm.in_step import InStepWrites
 from prefixvault.vllm.loads import LoadFailure, Loads
 from prefixvault.vllm.mailbox import Mailbox
-from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec, save_id
+from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec
 from prefixvault.vllm.saves import Saves
 from prefixvault.vllm.worker_context import WorkerContext, WorkerCounters
 
@@ -122,7 +122,7 @@ class WorkerSide:
             self.holds.fail_releases(releases, step)  # held requests reported sent, their saves settled
             for spec in saves:
                 if not spec.hold:  # a hold is settled when its request is released
-                    self.saves.settle(save_id(step, spec.req_id), False)
+                    self.saves.settle(spec.sid(step), False)
             return
         if releases:
             self.holds.release(releases, step)
@@ -130,9 +130,9 @@ class WorkerSide:
             return
         for spec in saves:
             if spec.hold:
-                self.holds.hold(spec, save_id(step, spec.req_id))
+                self.holds.hold(spec, spec.sid(step))
             else:
-                self.saves.save(spec, save_id(step, spec.req_id))
+                self.saves.save(spec, spec.sid(step))
 
     def load(self, specs: Sequence[LoadSpec], step: int = 0) -> None:
         """Write the synchronous loads of ``step`` now (vLLM calls this before the step's
