@@ -169,23 +169,21 @@ def test_last_stores_the_hold_of_a_request_stopped_by_a_stop_string() -> None:
 
 
 def test_marconi_holds_the_prompt_end_until_it_knows_it_is_the_sequence_end() -> None:
-    """marconi stores a request's sequence ends only: the prompt's last block boundary (where
-    the same prompt sent again resumes) at once; with output boundaries held, the prompt's exact
-    end is held, and an output boundary replaces it."""
+    """marconi stores a request's sequence end only: with output boundaries held, the prompt's
+    exact end is held, and an output boundary replaces it."""
     for outputs_to in (7, 9):  # no output boundary before finishing; one at 8
         s, req = side(True, OutputBoundaries.LAST, CapturePolicy.MARCONI)
-        last_block, = step(s, 0, 4)
-        assert not last_block.hold and [p.tokens for p in last_block.plans] == [4]
+        assert step(s, 0, 4) == []  # the prompt's last block boundary: a step end, not stored
         prompt_end, = step(s, 4, 2)
         assert prompt_end.hold and [p.tokens for p in prompt_end.plans] == [6] and prompt_end.tail == 6
         held = decode_to(s, req, outputs_to)
         if outputs_to > 8:
-            assert [p.tokens for spec in held for p in spec.plans] == [8] and held[0].parent == 4
-            assert [(g, i) for g, i, _ in held[0].plans[0].blocks] == [(0, 1)]
+            assert [p.tokens for spec in held for p in spec.plans] == [8] and held[0].parent == 0
+            assert [(g, i) for g, i, _ in held[0].plans[0].blocks] == [(0, 0), (0, 1)]
         else:
             assert held == []
         assert finish(s, req, "FINISHED_STOPPED") == (True, [("r", True)])
-        assert s.counters.plans == 2  # the last block boundary, and one sequence end
+        assert s.counters.plans == 1  # one sequence end, nothing else
 
 
 def test_other_policies_save_the_prompt_end_at_once_with_held_outputs() -> None:

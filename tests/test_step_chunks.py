@@ -267,15 +267,14 @@ def _planned_by(policy: str, junction: int, load: bool = True) -> list[int]:
 def test_the_capture_policy_picks_among_the_engine_reports() -> None:
     """``steps`` keeps every step end (the prompt's exact end, 18, a tail boundary, too);
     ``checkpoints`` what the engine offers; ``marconi`` and ``reuse`` the junction vLLM found and
-    the sequence ends: the prompt's last block boundary (where the same prompt sent again
-    resumes) and its exact end (where a longer prompt resumes), no step end between."""
+    the sequence end, the prompt's exact end (where a longer prompt resumes), no step end between."""
     assert _planned_by("steps", 8) == [4, 8, 12, 16, 18]
     assert _planned_by("interval:8", 8) == [8, 16]
     assert _planned_by("checkpoints", 8) == [8, 16]
-    assert _planned_by("marconi", 8) == [8, 16, 18]
-    assert _planned_by("reuse", 8) == [8, 16, 18]
-    assert _planned_by("reuse", 0) == [16, 18]
-    assert _planned_by("reuse", 0, load=False) == [16, 18]  # a producer cannot learn: as marconi
+    assert _planned_by("marconi", 8) == [8, 18]
+    assert _planned_by("reuse", 8) == [8, 18]
+    assert _planned_by("reuse", 0) == [18]
+    assert _planned_by("reuse", 0, load=False) == [18]  # a producer cannot learn: as marconi
 
 
 def test_reuse_stops_storing_prompt_ends_while_nothing_is_shared() -> None:
@@ -289,7 +288,7 @@ def test_reuse_stops_storing_prompt_ends_while_nothing_is_shared() -> None:
                               num_tokens=6, lora_request=None, cache_salt=None, mm_features=None)
         assert ask(side, req, 0) == (0, False)
         tables[rid] = {0: [11, 12], 1: [21, 22]}
-        meta = side.build_connector_meta(_output({rid: (0, 4)}, {rid: [(1, 21, 4)]}, tables, {rid}))
+        meta = side.build_connector_meta(_output({rid: (0, 6)}, {}, tables, {rid}))  # to its end
         saved.append(bool(meta.saves))
     # Until the window of recent requests is full there is no evidence either way; once it is
     # and none shared a prefix, prompt ends are not stored (a probe only every 64).
@@ -309,7 +308,7 @@ def test_reuse_counts_a_local_prefix_cache_hit_as_sharing() -> None:
         assert ask(side, req, 4) == (0, False)  # vLLM has the first block locally
         assert ask(side, req, 4) == (0, False)  # asked again: counted once
         tables[rid] = {0: [11, 12, 13], 1: [21, 22, 23]}
-        meta = side.build_connector_meta(_output({rid: (4, 8)}, {rid: [(1, 22, 8)]}, tables, {rid}))
+        meta = side.build_connector_meta(_output({rid: (4, 10)}, {}, tables, {rid}))  # to its end
         saved.append(bool(meta.saves))
     assert side.admission.sharing() == 1.0
     # Past the window where unshared traffic stops (the test above); it stops later only

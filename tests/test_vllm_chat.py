@@ -14,8 +14,8 @@ cold server's. (A prompt that ends inside a block is restored to its exact end a
 boundary: tests/test_vllm_turns.py checks that against a cold run whose steps end there.)
 
 The pair runs the ``reuse`` capture policy (``prefixvault.admission``): of each turn it stores
-the sequence ends (its prompt's exact end, and the last block boundary before it, where the
-same prompt sent again resumes) and none of the step ends before them. The second server asks
+the sequence end (its prompt's exact end) and none of the step ends before it, the same hits as
+``steps`` with one state per turn instead of one per block. The second server asks
 for ``capture_outputs``, which the connector refuses for ShortConv models (one warning line at
 start, ``preflight.outputs_refused``): it publishes prompt boundaries only, like the first.
 """
@@ -142,9 +142,7 @@ def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path
     refused = "capture_outputs is off for this model"
     assert refused in (tmp_path / "server1.log").read_text()
     assert refused not in (tmp_path / "server0.log").read_text()
-    # The servers stopped (their saves drained): two states per turn, at its prompt's end and
-    # one block before it.
+    # The servers stopped (their saves drained): one state per turn, at its prompt's end.
     with open_store(store) as s:
         boundaries = {k.rsplit("/", 1)[1] for k, _ in s.scan() if "/s/" in k}
-    ends = {e for r in report for e in (r["prompt"], r["prompt"] - bs) if e > 0}
-    assert len(boundaries) == len(ends), (boundaries, ends)  # turns may share one
+    assert len(boundaries) == len({r["prompt"] for r in report}), boundaries

@@ -8,7 +8,9 @@ arrive staggered (at most 8 in flight, random waits, seeded), so prefill chunks 
 wherever the shared token budget falls. Per scenario (model, token budget, arrival seed):
 
 - ``ref``: a reference producer, one request at a time, one block per step: every state it
-  publishes is a chunk-end state computed alone.
+  publishes is a chunk-end state computed alone; and where blocks hold more than 128 tokens,
+  one more at 128 tokens per step, for the states of chunks that end inside a block (tail
+  boundaries: ``unaligned`` ends chunks on multiples of 128).
 - ``unaligned``: a producer whose chunks are left as vLLM misaligns them (test connector):
   vLLM offers states strictly inside chunks; the boundary rule must refuse every one.
 - ``producer``: the real connector, which also puts vLLM's chunk alignment back.
@@ -128,6 +130,8 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     unaligned = run("kv_producer", load, max_tokens=2, extra_config={"namespace": "unaligned"},
                     connector="UnalignedConnector", connector_module="unaligned_connector")
     run("kv_producer", alone, max_tokens=1, batched=bs, extra_config={"namespace": "ref"})
+    if bs > 128:  # (states already stored, at block boundaries, are kept: the one-block ones)
+        run("kv_producer", alone, max_tokens=1, batched=128, extra_config={"namespace": "ref"})
     return Runs(
         sc, prompts, store, bs, unaligned, producer,
         cold1=run("cold", alone, salts=salts),

@@ -86,8 +86,13 @@ def test_schedule_follows_align_mode() -> None:
     assert scenario.schedule(1764, 512, 256) == [512, 1024, 1536, 1764]
     assert scenario.schedule(1310, 512, 256) == [512, 1024, 1280, 1310]
     assert scenario.captured(1764, 512, 256) == [512, 1024, 1536, 1764]  # the prompt's exact end too
-    assert scenario.captured(1764, 512, 256, "marconi") == [1536, 1764]
+    assert scenario.captured(1764, 512, 256, "marconi") == [1764]
     assert scenario.captured(1764, 512, 256, "checkpoints") == [1536]
     assert scenario.expected_hit([512, 1024, 1536], 1310, 1292, 256) == 1024
     assert scenario.expected_hit([512, 1024, 1536], 1536, 1536, 256) == 1024  # leaves a token
     assert scenario.expected_hit([512, 1024, 1536, 1764], 1900, 1800, 256) == 1764  # a longer prompt
+
+
+def test_a_budget_smaller_than_a_block_ends_steps_inside_blocks() -> None:
+    assert scenario.schedule(1008, 240, 256) == [240, 256, 496, 512, 752, 768, 1008]
+    assert scenario.schedule(100, 256, 256) == [100]

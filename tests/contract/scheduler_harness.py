@@ -186,10 +186,18 @@ def connector_extra(store: str, **extra: Any) -> dict[str, Any]:
 
 
 def build_scheduler(model_dir: Path, geo: Geometry, store: str, *, budget: int, num_blocks: int = 4000,
-                    max_num_seqs: int = 16, spec_tokens: int = 0, extra: dict[str, Any] | None = None
-                    ) -> Scheduler:
+                    max_num_seqs: int = 16, spec_tokens: int = 0, extra: dict[str, Any] | None = None,
+                    async_scheduling: bool = False) -> Scheduler:
     """vLLM's ``Scheduler`` with prefix caching in align mode and PrefixVaultConnector
-    (kv_both) on ``store``; vLLM's scheduler constructs the connector itself."""
+    (kv_both) on ``store``; vLLM's scheduler constructs the connector itself.
+
+    ``async_scheduling``: vLLM's ``AsyncScheduler``, with ``SchedulerConfig.async_scheduling``
+    on as CUDA's default resolves it (vLLM's CPU platform turns it off, and the connector and
+    0.34's scheduler read it). Else the plain ``Scheduler``, the flag off
+    (``--no-async-scheduling``). A step driven by ``Engine.step`` lands its output before the
+    next is scheduled: each step's placeholders are resolved by then; the engine core's batch
+    queue, which schedules a step before the previous one's output lands, is ``Engine.launch``
+    and ``Engine.land`` driven two deep."""
     mc = model_config(model_dir)
     sched = SchedulerConfig(max_num_seqs=min(max_num_seqs, budget), max_num_batched_tokens=budget,
                             max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
@@ -216,9 +224,15 @@ def build_scheduler(model_dir: Path, geo: Geometry, store: str, *, budget: int, 
     kvc.cache_hit_alignment_tokens = resolve_cache_hit_alignment_tokens(kvc, config, block_size,
                                                                         hash_block_size)
     assert hash_block_size == geo.hash_block, (hash_block_size, geo)
-    return Scheduler(vllm_config=config, kv_cache_config=kvc,
-                     structured_output_manager=StructuredOutputManager(config), block_size=block_size,
-                     hash_block_size=hash_block_size, log_stats=False)
+    cls = Scheduler
+    if async_scheduling:
+        from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+
+        config.scheduler_config.async_scheduling = True  # before the connector is built: it reads it
+        cls = AsyncScheduler
+    return cls(vllm_config=config, kv_cache_config=kvc,
+               structured_output_manager=StructuredOutputManager(config), block_size=block_size,
+               hash_block_size=hash_block_size, log_stats=False)
 
 
 _hash_ready = False
@@ -306,6 +320,15 @@ class Step:
     chunks: dict[str, Chunk]
     meta: PrefixVaultMetadata
     preempted: set[str]
+
+
+@dataclass
+class Launched:
+    """A step scheduled and run, its output not yet handed to the scheduler."""
+
+    step: Step
+    out: Any  # vLLM's SchedulerOutput
+    output: ModelRunnerOutput
 
 
 @dataclass
@@ -630,6 +653,13 @@ class Engine:
 
     def step(self) -> Step:
         """One engine step: schedule, the workers' part, the model's part, update."""
+        launched = self.launch()
+        self.land(launched)
+        return launched.step
+
+    def launch(self) -> Launched:
+        """Schedule a step and run it (the workers' part, the model's part): its output, not
+        yet handed to the scheduler (``land``)."""
         sched = self.scheduler
         out = sched.schedule()
         meta = out.kv_connector_metadata
@@ -653,16 +683,24 @@ class Engine:
                 sampled.append([*accepted, SAMPLED_TOKEN])
             else:
                 sampled.append([])
-        kv_out = None
+        kv_out = self._connector_output(recving, settled)
+        return Launched(step, out, model_runner_output(req_ids, sampled, kv_out))
+
+    def _connector_output(self, recving: set[str], settled: SavesSettled | None) -> KVConnectorOutput | None:
+        """What the workers report of a step: loads finished, saves settled."""
         if recving or settled is not None:
-            kv_out = KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=settled)
-        sched.update_from_output(out, model_runner_output(req_ids, sampled, kv_out))
+            return KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=settled)
+        return None
+
+    def land(self, launched: Launched) -> None:
+        """Hand a launched step's output to the scheduler (and the drafter's proposals)."""
+        sched = self.scheduler
+        sched.update_from_output(launched.out, launched.output)
         if sched.num_spec_tokens:
             self._propose_drafts()
         p = self.problems
-        p.check(self.connector.guard.total == 0, f"step {step.number}: connector errors "
+        p.check(self.connector.guard.total == 0, f"step {launched.step.number}: connector errors "
                 f"{dict(self.connector.guard.errors)}")
-        return step
 
     def _propose_drafts(self) -> None:
         """The drafter: ``num_spec_tokens`` draft tokens for every running request (vLLM

@@ -382,3 +382,16 @@ def test_checkpoint_offers_are_published_where_the_platform_exports_them(
     else:
         assert published == {2 * bs}, published
         assert restored["ckpt-same"] > 3 * bs and restored["ckpt-same"] % bs, restored
+
+
+@_geo([g for g in GEOMETRIES if g.block_size >= 256])
+def test_a_prompt_ending_inside_the_first_block_is_restored_to_its_end(engines: Engines,
+                                                                     geo: Geometry) -> None:
+    """A short first turn (shorter than one block) publishes its exact end, a tail boundary in
+    the first block (named from the chain's seed); the next turn restores it."""
+    first, more = prompts(1, 100, 30)
+    a = engines(geo, budget=2 * geo.block_size)
+    a.run({0: [make_request("a", first, geo)]})
+    b = engines(geo, a.store, budget=2 * geo.block_size)
+    b.run({0: [make_request("b", first + more, geo)]})
+    assert [x.answer for x in b.asks if x.answer[0] is not None] == [(100, False)], b.asks

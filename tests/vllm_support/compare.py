@@ -17,7 +17,7 @@ import numpy as np
 
 from prefixvault.codec import HEADER_SIZE
 from prefixvault.inventory import load_layouts
-from prefixvault.keys import chain_hashes
+from prefixvault.keys import ExtraKeys, chain_hashes, tail_hash
 from prefixvault.layout import CacheLayout, TensorSpec
 from prefixvault.stores import Store
 
@@ -81,10 +81,18 @@ def compare_namespaces(store: Store, namespace: str, reference: str) -> list[Obj
 
 def published_state_boundaries(store: Store, namespace: str, prompts: Sequence[Sequence[int]],
                                block_size: int) -> dict[str, set[tuple[int, int]]]:
-    """Each state object of ``namespace``, by key, with the (prompt index, boundary) it names."""
+    """Each state object of ``namespace``, by key, with the (prompt index, boundary) it names: a
+    block boundary (its chain hash) or a tail boundary inside a block (its tail hash)."""
     where: dict[str, set[tuple[int, int]]] = {}
     for i, prompt in enumerate(prompts):
-        for j, h in enumerate(chain_hashes(prompt, block_size)):
+        chain = chain_hashes(prompt, block_size)
+        for j, h in enumerate(chain):
             where.setdefault(h.hex(), set()).add((i, (j + 1) * block_size))
+        seed = ExtraKeys().seed()
+        for t in range(1, len(prompt) + 1):
+            if t % block_size:
+                k = t // block_size
+                name = tail_hash(chain[k - 1] if k else seed, prompt[k * block_size : t])
+                where.setdefault(name.hex(), set()).add((i, t))
     return {key: where.get(key.rsplit("/", 1)[1], set())
             for key, _ in store.scan(f"{namespace}/") if key.split("/")[2] == "s"}

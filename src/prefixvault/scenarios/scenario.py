@@ -18,12 +18,15 @@ def checkpoint(prompt_tokens: int, block_size: int) -> int:
 
 
 def schedule(prompt_tokens: int, max_batched: int, block_size: int) -> list[int]:
-    """Token counts at which the prompt's prefill steps end (one request running alone)."""
+    """Token counts at which the prompt's prefill steps end (one request running alone): a step
+    that is not the last ends on the last block boundary it reaches, or at its budget where a
+    budget smaller than a block reaches none (a step end inside a block); the step that reaches
+    the prompt checkpoint is split there."""
     c = checkpoint(prompt_tokens, block_size)
     ends, pos = [], 0
     while pos < prompt_tokens:
         end = min(pos + max_batched, prompt_tokens)
-        if end < prompt_tokens:
+        if end < prompt_tokens and end // block_size * block_size > pos:
             end = end // block_size * block_size
         if pos < c < end:
             end = c
@@ -35,13 +38,12 @@ def schedule(prompt_tokens: int, max_batched: int, block_size: int) -> list[int]
 def captured(prompt_tokens: int, max_batched: int, block_size: int, policy: str = "steps") -> list[int]:
     """Boundaries whose exact state a producer keeps under a capture policy: every step end
     (the prompt's exact end included, a tail boundary where it is inside a block) for
-    ``steps``; the prompt checkpoint for ``checkpoints``; the sequence ends for ``marconi`` and
-    ``reuse`` (the checkpoint, where the same prompt resumes, and the exact end, where a longer
-    one does)."""
+    ``steps``; the prompt checkpoint for ``checkpoints``; the sequence end, the prompt's exact
+    end (where a longer prompt resumes), for ``marconi`` and ``reuse``."""
     if policy == "checkpoints":
         return [checkpoint(prompt_tokens, block_size)]
     if policy in ("marconi", "reuse"):
-        return sorted({checkpoint(prompt_tokens, block_size), prompt_tokens} - {0})
+        return [prompt_tokens]
     return schedule(prompt_tokens, max_batched, block_size)
 
 

@@ -240,7 +240,7 @@ class Restores:
             self.ctx.admission.arrived(bool(found.hit or phase.local
                                         or getattr(tr.source, "shared_prefix_boundary", 0)))
         if found.hit:
-            self.ctx.admission.restored(hashes[found.hit // self.block_size - 1])
+            self.ctx.admission.restored(found.boundary_hash)  # (its chain hash, or its tail hash)
         if found.miss is not None and log.isEnabledFor(logging.DEBUG):
             log.debug("prefixvault: request %s restores %d of %d block-aligned prompt tokens: %s",
                       tr.req_id, found.hit, found.longest, found.miss.value)

@@ -210,21 +210,21 @@ class SavePlans:
 
     def kinds(self, tr: TrackedRequest, prompt_len: int) -> Callable[[int], Kind]:
         """What a boundary of this request is: vLLM's prompt checkpoint (the last block
-        boundary that leaves a token to compute: where the same prompt sent again resumes), a
-        sequence end as far as the connector knows (that checkpoint, and, for a model with
-        state, the prompt's exact end, where a longer prompt that extends it resumes; the last
-        one before the request finishes is not known in time), or the junction vLLM found with
-        an earlier request's tokens."""
+        boundary that leaves a token to compute: where the same prompt sent again resumes), its
+        sequence end as far as the connector knows (where a longer prompt that extends it
+        resumes: the prompt's exact end for a model with state, else its last block boundary;
+        the last one before the request finishes is not known in time), or the junction vLLM
+        found with an earlier request's tokens."""
         bs = self.block_size
         checkpoint = max_resume_tokens(prompt_len, bs)
-        ends = {checkpoint, prompt_len} if self.state_groups else {prompt_len // bs * bs}
+        last = prompt_len if self.state_groups else prompt_len // bs * bs
         junction = int(getattr(tr.source, "shared_prefix_boundary", 0) or 0)
 
         def kinds(tokens: int) -> Kind:
             k = Kind(0)
             if tokens == checkpoint:
                 k |= Kind.PROMPT_END
-            if tokens in ends:
+            if tokens == last:
                 k |= Kind.SEQUENCE_END
             if tokens == junction:
                 k |= Kind.JUNCTION
@@ -269,7 +269,7 @@ class SavePlans:
         if not all(kept(g, i, b) for p in spec.plans for g, i, b in p.blocks):
             self.drop_hold(tr, HoldDrop.BLOCKS_MOVED)
             return False
-        boundaries = [spec.hashes[p.tokens // self.block_size - 1] for p in spec.plans]
+        boundaries = [spec.hashes[-(-p.tokens // self.block_size) - 1] for p in spec.plans]  # (a tail's too)
         for h in boundaries:
             self.admission.admitted(h, Kind.SEQUENCE_END)
         self.counters.add(plans=len(spec.plans))
