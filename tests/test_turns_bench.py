@@ -1,0 +1,44 @@
+"""``bench/turns.py`` on one small geometry under the installed vLLM: where the chat template
+drops the previous answer, a turn restored through the store computes nothing the previous
+turn computed, under both schedulers; no prefixvault cell recomputes more than vLLM's own
+cache; and with ``capture_outputs`` (sync scheduling) a kept answer is restored to its last
+output boundary."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+ARGS = ["--block-sizes", "528", "--units", "block", "--checkpoints", "0", "--turns", "3", "--first", "1200",
+        "--answer", "100", "--message", "200", "--quiet"]
+
+
+def test_a_turn_recomputes_none_of_the_previous_prompt() -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "VLLM_TARGET_DEVICE": "cpu"}
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "turns.py"), *ARGS], env=env, check=True,
+                         capture_output=True, text=True, timeout=300).stdout
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    (run,) = result["runs"]
+    cells = run["cells"]
+    assert len(cells) == 2 * 2 * 3  # schedulers x templates x columns
+    for scheduler in ("sync", "async"):
+        base = f"{scheduler}/bs528-unitblock-ckpt0"
+        for column in ("prefixvault", "capture"):
+            dropped = cells[f"{base}-dropped/{column}"]
+            assert dropped["total"] == 0, dropped
+            assert all(t["restored"] == t["previous"] for t in dropped["turns"][1:]), dropped["turns"]
+            for template in ("kept", "dropped"):
+                cell, own = cells[f"{base}-{template}/{column}"], cells[f"{base}-{template}/vllm"]
+                assert cell["total"] <= own["total"], (template, column, cell, own)
+        # the previous prompt's exact end: the answer but its last token is computed again
+        assert cells[f"{base}-kept/prefixvault"]["total"] == cells[f"{base}-kept/prefixvault"]["goal_total"]
+    capture = cells["sync/bs528-unitblock-ckpt0-kept/capture"]
+    assert capture["output_boundaries"] > 0 and capture["total"] == capture["goal_total"], capture
+    assert cells["async/bs528-unitblock-ckpt0-kept/capture"]["overlapped"] > 0  # the batch queue ran two deep
+    # (async scheduling: the connector publishes no output boundary, as its preflight says)
+    assert set(result["flagged"]) <= {f"{run['version']}/async/bs528-unitblock-ckpt0-kept/capture"}
