@@ -4,7 +4,9 @@ The default profile (what ``make demo`` runs) at a step size of the user's, with
 control, and a user's checkpoint (pure Mamba2, whose prefill steps must be one block on CPU)
 with no option. Both hybrids of the other kinds run the same protocol, with the same engine
 arguments (``scenarios.models.engine_kwargs``), on engines in tests/test_vllm_seed.py, and the
-ShortConv one as OpenAI servers in tests/test_vllm_chat.py."""
+ShortConv one as OpenAI servers in tests/test_vllm_chat.py. ``--turns`` checks a conversation
+turn by turn, each turn against a cold run whose steps end where the previous prompt did, with
+both templates (the previous answer kept in the next prompt, or dropped)."""
 
 from __future__ import annotations
 
@@ -58,19 +60,44 @@ def test_repro_on_a_users_checkpoint_runs_at_one_block_per_step(tmp_path: Path) 
     assert out["consumer"].get("get_failed", 0) == 0
 
 
-@pytest.mark.slow
-def test_repro_turns_reports_every_turn(tmp_path: Path) -> None:
-    """``--turns 3``: each turn's prompt is the last one, its answer and a message; every turn
-    matches cold and restores the longest boundary the producer published for it, which lies
-    past the previous turn's prompt (inside its answer)."""
+def _turns(tmp_path: Path, *args: str) -> list[dict[str, object]]:
+    """``--turns 3`` on the default profile (turn 1: 944 tokens; block size 256): every turn n >= 2
+    restores exactly the previous prompt, the boundary a lookup finds in the store, and equals
+    its reference bit for bit, a cold run whose steps end there."""
     res = _repro("--turns", "3", "--producer-repeats", "300", "--consumer-repeats", "300",
-                 "--max-tokens", "300", "--workdir", str(tmp_path), "--json")
+                 "--workdir", str(tmp_path), "--json", *args)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
-    turns = out["turns"]
-    assert out["ok"] and len(turns) == 3 and all(t["identical"] for t in turns)
+    turns: list[dict[str, object]] = out["turns"]
+    assert out["ok"] and len(turns) == 3 and out["block_size"] == 256, out["problems"]
+    assert turns[0]["prompt_tokens"] == 944 and turns[0]["hit"] == 0
     for prev, turn in itertools.pairwise(turns):
-        assert turn["hit"] == turn["longest"] > prev["prompt_tokens"], turns
+        end = prev["prompt_tokens"]
+        assert turn["previous_prompt_tokens"] == end and turn["hit"] == turn["longest"] == end, turns
+        assert turn["exact"] and turn["identical"], turns
+        assert turn["reference"] == (f"a cold run whose steps end at {end} tokens "
+                                     f"(max_num_batched_tokens {turn['max_num_batched_tokens']})")
+    return turns
+
+
+@pytest.mark.slow
+def test_repro_turns_drop_restores_each_previous_prompt_to_its_exact_end(tmp_path: Path) -> None:
+    """``--template drop`` (a template that drops the answers): turn n's prompt is turn n-1's and
+    a message (944, 1008, 1072 tokens), so each turn restores a prefix that ends inside a block
+    (a tail boundary), at a budget of the previous prompt's length modulo the block size."""
+    turns = _turns(tmp_path, "--template", "drop")
+    assert [t["prompt_tokens"] for t in turns] == [944, 1008, 1072]
+    assert [t["max_num_batched_tokens"] for t in turns[1:]] == [176, 240]
+
+
+@pytest.mark.slow
+def test_repro_turns_reports_every_turn(tmp_path: Path) -> None:
+    """``--template keep`` (the default): each turn's prompt is the last one, its answer (16 tokens,
+    the ones the turn's producer generated for it) and a message; turn 3 resumes at 1024, a block
+    boundary, at one block per step."""
+    turns = _turns(tmp_path)
+    assert [t["prompt_tokens"] for t in turns] == [944, 1024, 1104]
+    assert [t["max_num_batched_tokens"] for t in turns[1:]] == [176, 256]
 
 
 @pytest.mark.parametrize(
@@ -78,7 +105,10 @@ def test_repro_turns_reports_every_turn(tmp_path: Path) -> None:
     [(["--profile", "mamba1"], "has no Mamba1 kernels"), (["--profile", "jamba"], "has no Mamba1 kernels"),
      (["--profile", "rwkv"], "unknown profile"),
      (["--tp", "0"], "positive"),
-     (["--turns", "0"], "--turns in 1..20")],
+     (["--turns", "0"], "--turns in 1..20"),
+     (["--turns", "2", "--template", "chat"], "unknown template 'chat'"),
+     (["--template", "drop"], "add --turns"),
+     (["--turns", "2", "--max-num-batched-tokens", "240"], "drop --max-num-batched-tokens")],
 )
 def test_repro_bad_input_is_one_clear_line(args: list[str], needle: str) -> None:
     res = _repro(*args)

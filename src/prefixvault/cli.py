@@ -314,8 +314,11 @@ def repro(
     capture: Annotated[str, typer.Option(
         help="Capture policy: steps, checkpoints, interval:N, marconi, reuse")] = "steps",
     turns: Annotated[int, typer.Option(
-        help="A conversation of N turns: each adds the previous output "
-             "(--max-tokens long, EOS ignored) and a message")] = 1,
+        help="A conversation of N turns, each restored to the previous prompt's end and compared with "
+             "a cold run whose steps end there")] = 1,
+    template: Annotated[str, typer.Option(
+        help="With --turns: keep (the next prompt adds the previous answer, --max-tokens long, EOS "
+             "ignored, then a message) or drop (a message only)")] = "keep",
     capture_outputs: Annotated[bool, typer.Option(
         "--capture-outputs", help="Publish boundaries over generated tokens too (not bit-exact)")] = False,
     control: Annotated[bool, typer.Option(
@@ -337,6 +340,13 @@ def repro(
         raise _fail("repeats must be >= 0, --max-tokens and --tp positive, --turns in 1..20")
     if control and turns > 1:
         raise _fail("--control runs with one turn: drop --turns")
+    if template not in ("keep", "drop"):
+        raise _fail(f"unknown template {template[:100]!r}; choose keep or drop")
+    if template != "keep" and turns == 1:
+        raise _fail("--template shapes a conversation: add --turns N (N >= 2)")
+    if max_num_batched_tokens and turns > 1:
+        raise _fail("--turns sets each turn's max_num_batched_tokens (the previous prompt's length modulo "
+                    "the block size): drop --max-num-batched-tokens")
     if tp > 64 or producer_repeats > 100_000 or consumer_repeats > 100_000 or max_tokens > 100_000 \
             or max_num_batched_tokens < 0 or max_num_batched_tokens > 1 << 20:
         raise _fail("--tp must be at most 64, repeats and --max-tokens at most 100000, "
@@ -369,6 +379,7 @@ def repro(
         capture=capture,
         workdir=workdir,
         turns=turns,
+        template=template,
         capture_outputs=capture_outputs,
         control=control,
     )

@@ -18,6 +18,9 @@ Where vLLM CPU cannot run a layout at the step size asked (Mamba2 layers need on
 step), repro runs it at one block per step and says why. ``--control`` adds a negative control:
 a consumer that restores a deliberately wrong state (``vllm/negative_control.py``) must diverge, or the
 model cannot judge a wrong state.
+
+``--turns N`` checks a conversation instead: each turn n >= 2 must restore exactly where the
+previous turn's prompt ended and equal a cold run whose steps end there (``_conversation``).
 """
 
 from __future__ import annotations
@@ -73,7 +76,9 @@ class ReproConfig:
     capture: str = "steps"
     workdir: str = ""
     varied: bool = False
-    turns: int = 1  # > 1: a conversation; turn n's prompt = turn n-1's prompt + its output + a message
+    turns: int = 1  # > 1: a conversation, each turn n >= 2 checked against a reference of its own
+    template: str = "keep"  # keep: turn n's prompt = turn n-1's prompt + its answer + a message;
+    #                         drop: turn n-1's prompt + a message
     capture_outputs: bool = False
     control: bool = False  # also run a consumer that restores a wrong state: it must diverge
 
@@ -104,6 +109,7 @@ class ReproResult:
     cold_equal: bool = True  # whether the consumer also equals cold (not the claim where the
     # reference is the engine's own prefix cache)
     control: ControlResult | None = None
+    template: str = ""  # with --turns: keep or drop (the previous answer in the next prompt or not)
 
 
 @dataclass
@@ -119,14 +125,18 @@ class ControlResult:
 
 @dataclass
 class TurnResult:
-    """One turn of a conversation (``--turns``): what the consumer restored against the
-    longest it could have, and whether it matched cold."""
+    """One turn of a conversation (``--turns``): what its consumer restored against the longest
+    boundary published for its prompt, and how it compares with its reference."""
 
     prompt_tokens: int
     hit: int
-    longest: int  # the longest boundary the producer's previous turns published for this prompt
-    identical: bool
+    longest: int  # the boundary a lookup of this prompt finds (tail boundaries too); -1: turn 1
+    identical: bool | None  # ids and top-k logprobs equal to the reference's; None: no reference ran
     max_abs_logprob_diff: float
+    previous_prompt_tokens: int = 0  # where the previous turn's prompt ended
+    max_num_batched_tokens: int = 0  # of every engine of this turn
+    reference: str = ""  # what the consumer was compared with, and what is claimed
+    exact: bool = False  # whether bit-identity with the reference is claimed (and checked)
 
 
 #: Architectures whose vLLM CPU Mamba2 kernels need every prefill step to be one block (a
@@ -162,6 +172,13 @@ def _on_cpu() -> bool:
     from vllm.platforms import current_platform
 
     return str(current_platform.device_type) == "cpu"
+
+
+def _one_block_per_step(cfg: ReproConfig, model: str) -> bool:
+    """Whether every prefill step must be one block: Mamba2 layers on vLLM CPU."""
+    mamba2 = any(a.startswith(MAMBA2_ARCHITECTURES) for a in _architectures(model)) \
+        or cfg.profile in ("mamba2", "mamba2-hybrid")
+    return mamba2 and _on_cpu()
 
 
 def request_pair(cfg: ReproConfig, model: str) -> tuple[list[int], list[int]]:
@@ -202,27 +219,38 @@ def run_repro(cfg: ReproConfig, progress: Any = None) -> ReproResult:
 
     def engine_run(role: str, prompt: list[int], more: Sequence[list[int]] = (), *,
                    sequence: Sequence[list[int]] = (), max_tokens: int = 0, what: str = "",
-                   dense: bool = False, control: bool = False) -> tuple[Completion, dict[str, Any]]:
+                   dense: bool = False, control: bool = False, turns: bool = False, budget: int = 0,
+                   config: dict[str, Any] | None = None, label: str = "",
+                   ) -> tuple[Completion, dict[str, Any]]:
         """One engine in its own process: ``more`` continues a conversation, ``sequence`` adds
         requests served one after the other; ``dense`` keeps a state at every step end (the
-        engine's own prefix cache as a reference), ``control`` restores wrong states."""
+        engine's own prefix cache as a reference), ``control`` restores wrong states. ``turns``
+        serves the prompts as a conversation's turns (one alone too), ``budget`` sets
+        ``max_num_batched_tokens``, ``config`` overrides the connector's settings (the namespace),
+        ``label`` names the run in progress."""
+        args = dict(engine, **({"prefix_cache_retention_interval": None} if dense else {}))
+        if budget:
+            args["max_num_batched_tokens"] = budget
+            if "max_num_seqs" in args:  # vLLM wants max_num_batched_tokens >= max_num_seqs
+                args["max_num_seqs"] = min(int(args["max_num_seqs"]), budget)
+        conversation = turns or bool(more)
         spec = EngineSpec(
             model=model,
-            engine=dict(engine, **({"prefix_cache_retention_interval": None} if dense else {})),
+            engine=args,
             prompts=[prompt, *more, *sequence],
             role=role,
             store=store,
-            extra_config=extra,
+            extra_config=dict(extra, **(config or {})),
             max_tokens=max_tokens or cfg.max_tokens,
             logprobs=cfg.logprobs,
-            conversation=bool(more),
+            conversation=conversation,
             # A turn's answer is --max-tokens long, whatever the model says: whether a boundary
             # falls inside it must not hang on where a (random test) model happens to stop.
-            ignore_eos=bool(more),
+            ignore_eos=conversation,
         )
         if control:
             spec.connector, spec.connector_module = CONTROL_CONNECTOR
-        label = ("negative control" if control else "own prefix cache" if dense else role)
+        label = label or ("negative control" if control else "own prefix cache" if dense else role)
         what = what or (f"{1 + len(more)} turns" if more else
                         f"{len(prompt)} prompt tokens" + (f", then {len(sequence[0])}" if sequence else ""))
         say(f"{label} engine: starting (tens of seconds) and running {what}")
@@ -234,7 +262,7 @@ def run_repro(cfg: ReproConfig, progress: Any = None) -> ReproResult:
         return completions(result)[0], result
 
     if cfg.turns > 1:
-        return _conversation(cfg, model, engine, store, namespace, producer, consumer, engine_run)
+        return _conversation(cfg, model, engine, store, namespace, producer, consumer, engine_run, say)
     _step_size(cfg, model, engine, consumer, notes, engine_run)
     cold, _ = engine_run("cold", consumer)
     _, produced = engine_run("kv_producer", producer)
@@ -325,9 +353,7 @@ def _step_size(cfg: ReproConfig, model: str, engine: dict[str, Any], consumer: l
             notes.append(f"every engine ran with max_num_batched_tokens = the block size ({profile_bs}), so "
                          "the cold run's steps end at every boundary the consumer can restore")
             return
-    mamba2 = any(a.startswith(MAMBA2_ARCHITECTURES) for a in _architectures(model)) \
-        or cfg.profile in ("mamba2", "mamba2-hybrid")
-    if asked and profile_bs and asked != profile_bs and mamba2 and _on_cpu():
+    if asked and profile_bs and asked != profile_bs and _one_block_per_step(cfg, model):
         engine["max_num_batched_tokens"] = profile_bs
         notes.append(f"ran at max_num_batched_tokens {profile_bs} (one block per step), not {asked}: vLLM "
                      "CPU's Mamba2 kernels fail on a step that spans a block boundary")
@@ -361,47 +387,145 @@ def _control(cfg: ReproConfig, engine_run: Any, consumer: list[int], ref: Comple
                          part.at if part.margin is not None else None)
 
 
-def _conversation(cfg: ReproConfig, model: str, engine: dict[str, Any], store: str, namespace: str,
-                  producer: list[int], consumer: list[int], engine_run: Any) -> ReproResult:
-    """``--turns N``: the producer prompt is turn 1; each later turn adds the consumer prompt's
-    last 64 tokens as its message. Cold, producer and consumer engines each run the whole
-    conversation; each turn's restored tokens are compared with the longest boundary the
-    producer's turns published for that turn's prompt (walked in the store, as ``explain``)."""
-    from prefixvault.explain import explain
+def _published(store: str, namespace: str, prompt: list[int]) -> int:
+    """The boundary a lookup of ``prompt`` finds in ``namespace``: the longest one published and
+    complete, tail boundaries included (``explain`` walks block boundaries only). It only reads."""
+    from prefixvault.inventory import load_layouts
+    from prefixvault.keys import PromptTokens
     from prefixvault.stores import open_store
+    from prefixvault.vault import Vault
 
-    message = consumer[-64:]
-    more = [message] * (cfg.turns - 1)
-    _, cold_run = engine_run("cold", producer, more)
-    _, produced = engine_run("kv_producer", producer, more)
-    _, consumed = engine_run("kv_consumer", producer, more)
-    cold_turns, restored_turns = completions(cold_run), completions(consumed)
-    prompts = [producer]
-    for out in restored_turns[:-1]:
-        prompts.append([*prompts[-1], *out.token_ids, *message])
+    best = 0
     with open_store(store, existing=True, readonly=True) as s:
-        longest = [explain(s, p, namespace).restorable for p in prompts]
-    turns: list[TurnResult] = []
+        for (ns, _), layout in sorted(load_layouts(s).items()):
+            if ns == namespace and layout is not None:
+                vault = Vault(s, layout, namespace)
+                best = max(best, vault.lookup(vault.hashes(prompt), len(prompt), prompt=PromptTokens(prompt)))
+    return best
+
+
+def _sum(metrics: Sequence[dict[str, float]]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for m in metrics:
+        for k, v in m.items():
+            out[k] = out.get(k, 0.0) + v
+    return out
+
+
+def _conversation(cfg: ReproConfig, model: str, engine: dict[str, Any], store: str, namespace: str,
+                  producer: list[int], consumer: list[int], engine_run: Any, say: Any) -> ReproResult:
+    """``--turns N``: the producer prompt is turn 1; each later turn adds the consumer prompt's
+    last 64 tokens as its message, after the previous answer (``keep``) or not (``drop``).
+
+    Each turn n >= 2 runs three engines of its own, all at a budget of ``b = L mod B`` (or
+    ``B``), L the previous prompt's length and B the block size: a producer of the previous
+    prompt (a fresh namespace), whose answer is the previous answer this turn's prompt keeps; a
+    consumer of this turn's prompt; and a reference, this turn's prompt on an empty namespace
+    (every engine compared carries the connector). (The answer is the producer's, not a cold
+    run's: another budget can part a greedy answer from it after a few tokens, and with
+    ``capture_outputs`` the boundaries the producer publishes over its answer must be the
+    prompt's.) The budget ends a prefill step at L in the producer and in the reference, so a
+    consumer that restores L must equal the reference bit for bit. The consumer must restore
+    the boundary a lookup finds in the store, and that is L. Where vLLM CPU can only run one
+    block per step (Mamba2) and L is not a block multiple, no cold run's steps end at L: the
+    turn is checked for depth only."""
+    n_turns, bs = cfg.turns, int(engine.get("block_size") or 0)
+    message = consumer[-64:]
     problems: list[str] = []
-    for n, (c, r, p, best) in enumerate(zip(cold_turns, restored_turns, prompts, longest, strict=True)):
-        same = identical(c, r)
-        turns.append(TurnResult(len(p), r.cached_tokens, best, same, max_logprob_diff(c, r)))
-        if not same:
-            problems.append(f"turn {n + 1} differs from cold")
-        if n and r.cached_tokens != best:
-            problems.append(f"turn {n + 1} restored {r.cached_tokens} of {best} published tokens")
-    last_c, last_r = cold_turns[-1], restored_turns[-1]
+    notes: list[str] = []
+    if not bs:
+        _, probe = engine_run("cold", consumer[:8], max_tokens=1, what="reading the engine's block size")
+        bs = int(probe["block_size"])
+    one_block = _one_block_per_step(cfg, model)
+    # Boundaries over a producer's answer: by default (``last``) the last one is stored in a step
+    # after the request's last, which an engine in this process takes only with a later request,
+    # and a turn's producer serves one; so each is published as its decode step ends.
+    outputs = {"output_boundaries": "every"} if cfg.capture_outputs else {}
+    prompts = [producer]
+    turns: list[TurnResult] = []
+    runs: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    last: tuple[Completion, Completion | None] | None = None
+    same_ids: list[bool] = []  # per turn whose bit-identity is claimed
+    for n in range(2, n_turns + 1):
+        before = prompts[-1]
+        prev = len(before)
+        budget = bs if one_block else prev % bs or bs
+        space = f"{namespace}-t{n}"
+        head, at_budget = f"turn {n} of {n_turns}", f"at max_num_batched_tokens {budget}"
+        first, produced = engine_run("kv_producer", before, turns=True, budget=budget,
+                                     config={"namespace": space, **outputs}, label=f"{head}: producer",
+                                     what=f"turn {n - 1}'s prompt ({prev} tokens) {at_budget}")
+        prompt = [*before, *(first.token_ids if cfg.template == "keep" else []), *message]
+        prompts.append(prompt)
+        ends = scenario.schedule(len(prompt), budget, bs)
+        if n == 2:
+            turns.append(TurnResult(prev, first.cached_tokens, -1, None, 0.0,
+                                    reference="nothing to restore: served cold (turn 2's producer)"))
+        restored, consumed = engine_run("kv_consumer", prompt, turns=True, budget=budget,
+                                        config={"namespace": space}, label=f"{head}: consumer",
+                                        what=f"turn {n}'s prompt ({len(prompt)} tokens) {at_budget}")
+        ref: Completion | None = None
+        if prev in ends:
+            ref, _ = engine_run("kv_consumer", prompt, turns=True, budget=budget,
+                                config={"namespace": f"{space}-empty"},
+                                label=f"{head}: reference", what=f"turn {n}'s prompt on an empty namespace "
+                                f"{at_budget}, its steps ending at {prev}")
+        runs.append((produced, consumed))
+        for r in (produced, consumed):
+            if int(r.get("block_size") or 0) != bs:
+                problems.append(f"turn {n}: an engine ran with block size {r.get('block_size')}, not {bs}")
+        hit, longest = restored.cached_tokens, _published(store, space, prompt)
+        turn = TurnResult(len(prompt), hit, longest, None, 0.0, prev, budget)
+        if hit != longest:
+            problems.append(f"turn {n} restored {hit} tokens, not the {longest} a lookup finds in the store")
+        if cfg.capture == "steps" and longest < prev:
+            problems.append(f"turn {n}: the longest boundary published for its prompt is {longest}, "
+                            f"short of the previous prompt's end ({prev})")
+        if hit > prev and not cfg.capture_outputs:
+            problems.append(f"turn {n} restored {hit} tokens, past the previous prompt's end ({prev})")
+        at = f"{hit} tokens (max_num_batched_tokens {budget})"
+        if ref is None:
+            turn.reference = f"none: no cold run's steps end at {prev} tokens here; checked for depth only"
+            notes.append(f"turn {n}: vLLM CPU's Mamba2 kernels need one block per step, so a cold run's "
+                         f"steps end at block boundaries only, and the previous prompt's end ({prev}) is "
+                         "not one: no run computes what the consumer did, and the turn is compared with none")
+        elif hit <= prev and hit in ends:
+            turn.reference, turn.exact = f"a cold run whose steps end at {at}", True
+        elif hit > prev:
+            turn.reference = (f"a cold run whose steps end at {prev} tokens (max_num_batched_tokens "
+                              f"{budget}); the consumer restored {hit - prev} tokens of the previous answer, "
+                              "whose states decode steps computed: equivalent, not bit-identical")
+        else:
+            turn.reference = f"a cold run whose steps do not end at {at}: equivalent, not bit-identical"
+        if ref is not None:
+            turn.identical = identical(ref, restored)
+            turn.max_abs_logprob_diff = max_logprob_diff(ref, restored)
+            if turn.exact:
+                same_ids.append(ref.token_ids == restored.token_ids)
+            if turn.exact and not turn.identical:
+                what = "generated token ids" if not same_ids[-1] else "logprobs"
+                problems.append(f"turn {n}: {what} differ from {turn.reference}")
+        turns.append(turn)
+        last = (restored, ref)
+        say(f"turn {n} of {n_turns}: restored {hit} of the previous prompt's {prev} tokens"
+            + (f"; {'identical to' if turn.identical else 'differs from'} its reference" if ref else ""))
+    if any(r["metrics"].get("put_failed", 0) or c["metrics"].get("get_failed", 0) for r, c in runs):
+        problems.append("store operations failed")
+    assert last is not None
+    restored, ref = last
+    claimed = [t for t in turns if t.exact]
+    final = turns[-1]
     return ReproResult(
         ok=not problems, model=model, store=store,
         prompt_tokens={"producer": len(producer), "consumer": len(prompts[-1])},
-        common_prefix_tokens=len(prompts[-2]) if len(prompts) > 1 else 0,
-        block_size=int(produced.get("block_size") or 0),
-        max_num_batched_tokens=int(produced.get("max_num_batched_tokens") or 0), producer_step_ends=[],
-        longest_resumable_boundary=longest[-1], external_hit_tokens=last_r.cached_tokens,
-        producer=produced["metrics"], consumer=consumed["metrics"], cold_text=last_c.text,
-        consumer_text=last_r.text, tokens_equal=last_c.token_ids == last_r.token_ids,
-        logprobs_equal=identical(last_c, last_r), max_abs_logprob_diff=max_logprob_diff(last_c, last_r),
-        problems=problems, turns=turns,
+        common_prefix_tokens=len(prompts[-2]), block_size=bs,
+        max_num_batched_tokens=final.max_num_batched_tokens, producer_step_ends=[],
+        longest_resumable_boundary=final.longest, external_hit_tokens=final.hit,
+        producer=_sum([r["metrics"] for r, _ in runs]), consumer=_sum([c["metrics"] for _, c in runs]),
+        cold_text=ref.text if ref else "", consumer_text=restored.text,
+        tokens_equal=all(same_ids), logprobs_equal=all(bool(t.identical) for t in claimed),
+        max_abs_logprob_diff=max((t.max_abs_logprob_diff for t in claimed), default=0.0),
+        problems=problems, turns=turns, reference=final.reference, notes=notes, template=cfg.template,
     )
 
 
@@ -409,6 +533,9 @@ def render(result: ReproResult, console: Any) -> None:
     """The report's figures, in the report's terms."""
     from rich.table import Table
 
+    if result.turns:
+        _render_conversation(result, console)
+        return
     p, c = result.producer, result.consumer
     t = Table(title="prefixvault repro: cold vs producer → store → consumer")
     t.add_column("figure")
@@ -457,14 +584,6 @@ def render(result: ReproResult, console: Any) -> None:
     for k, v in rows:
         t.add_row(k, v)
     console.print(t)
-    if result.turns:
-        tt = Table(title="turns: what the consumer restored against the longest the producer published")
-        for col in ("turn", "prompt tokens", "restored", "longest published", "== cold", "max |Δlogprob|"):
-            tt.add_column(col)
-        for n, turn in enumerate(result.turns, 1):
-            tt.add_row(str(n), str(turn.prompt_tokens), str(turn.hit), str(turn.longest) if n > 1 else "-",
-                       str(turn.identical), f"{turn.max_abs_logprob_diff:.6g}")
-        console.print(tt)
     for note in result.notes:
         console.print(f"note: {note}")
     if result.ok:
@@ -476,6 +595,72 @@ def render(result: ReproResult, console: Any) -> None:
         console.print("[red]DIVERGED[/]: " + "; ".join(result.problems))
     elif result.control is not None and not result.control.diverged:
         console.print("[yellow]INCONCLUSIVE[/]: " + "; ".join(result.problems))
+    else:
+        console.print("[red]FAILED[/]: " + "; ".join(result.problems))
+
+
+TEMPLATES = {
+    "keep": "turn n's prompt = turn n-1's prompt + its answer + a message",
+    "drop": "turn n's prompt = turn n-1's prompt + a message (the answer dropped)",
+}
+
+
+def _render_conversation(result: ReproResult, console: Any) -> None:
+    """``--turns``: every turn against the longest boundary published for its prompt and its
+    own reference."""
+    from rich.table import Table
+
+    p, c = result.producer, result.consumer
+    t = Table(title="prefixvault repro --turns: per turn, producer → store → consumer vs its reference")
+    t.add_column("figure")
+    t.add_column("value", overflow="fold")
+    for k, v in (
+        ("model", result.model),
+        ("store", result.store),
+        ("template", f"{result.template}: {TEMPLATES.get(result.template, '')}"),
+        ("block size", str(result.block_size)),
+        ("producers: Put keys / bytes / failed keys",
+         f"{p.get('put_keys', 0):.0f} / {p.get('put_bytes', 0):.0f} / {p.get('put_failed', 0):.0f}"),
+        ("producers: records published", f"{p.get('records_published', 0):.0f}"),
+        ("consumers: Get keys / bytes / failed keys",
+         f"{c.get('get_keys', 0):.0f} / {c.get('get_bytes', 0):.0f} / {c.get('get_failed', 0):.0f}"),
+    ):
+        t.add_row(k, v)
+    console.print(t)
+    tt = Table(title="turns: restored against the longest published boundary, and against the reference",
+               caption="previous: the previous turn's prompt; budget: max_num_batched_tokens; published: "
+                       "what a lookup of the prompt finds in the store; equal: token ids and top-k "
+                       "logprobs equal to the reference's, bit for bit; max |Δ|: of the logprobs")
+    for col in ("turn", "prompt", "previous", "budget", "restored", "published", "equal", "max |Δ|"):
+        tt.add_column(col)
+    for n, turn in enumerate(result.turns, 1):
+        ran = turn.identical is not None
+        tt.add_row(str(n), str(turn.prompt_tokens), str(turn.previous_prompt_tokens) if n > 1 else "-",
+                   str(turn.max_num_batched_tokens) if n > 1 else "-", str(turn.hit),
+                   str(turn.longest) if n > 1 else "-", str(turn.identical) if ran else "-",
+                   f"{turn.max_abs_logprob_diff:.6g}" if ran else "-")
+    console.print(tt)
+    for n, turn in enumerate(result.turns, 1):
+        if n > 1:
+            console.print(f"turn {n} compared with: {turn.reference}", highlight=False)
+    for note in result.notes:
+        console.print(f"note: {note}")
+    later = list(enumerate(result.turns, 1))[1:]
+    depth = "; ".join(f"turn {n}: {t.hit} (previous prompt: {t.previous_prompt_tokens})" for n, t in later)
+
+    def turns_of(ns: list[str]) -> str:
+        return f"turn{'s' if len(ns) > 1 else ''} {', '.join(ns)}"
+
+    exact = [str(n) for n, t in later if t.exact]
+    other = [str(n) for n, t in later if not t.exact]
+    if result.ok:
+        said = [f"{turns_of(exact)} equal{'s its reference' if len(exact) == 1 else ' their references'}, "
+                "bit for bit"] if exact else []
+        said += [f"no bit-identity claimed for {turns_of(other)} (see above)"] if other else []
+        console.print(f"[green]OK[/]: every turn restored the longest boundary published for its prompt "
+                      f"({depth}); " + "; ".join(said), highlight=False)
+    elif not (result.tokens_equal and result.logprobs_equal):
+        console.print("[red]DIVERGED[/]: " + "; ".join(result.problems))
     else:
         console.print("[red]FAILED[/]: " + "; ".join(result.problems))
 
