@@ -122,6 +122,26 @@ def test_a_batch_that_raises_fails_every_job_by_whose_error_it_was(
     assert ("Traceback" in caplog.text) is ours  # our bug is logged with its traceback, once
 
 
+class _Escaped(BaseException):
+    """Not an ``Exception``: what a store client's C extension or ``sys.exit`` can raise."""
+
+
+@pytest.mark.parametrize("error", [_Escaped("from a C extension"), SystemExit(3), GeneratorExit()])
+def test_a_base_exception_fails_its_batch_as_ours_and_the_lane_runs_on(error: BaseException) -> None:
+    owner = Owner(raise_for={1: error})
+    guard = Guard()
+    ln = lane(owner, guard=guard)
+    ln.put(1)
+    deadline = time.monotonic() + 5
+    while 1 not in owner.failed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert owner.failed == {1: Failure.INTERNAL_ERROR}
+    ln.put(2)  # the thread is still there: the next job runs, no deadline waited out
+    assert ln.close(5, drop_queued=False)
+    assert owner.ran == Counter({2: 1})
+    assert guard.errors["test"] == 1
+
+
 def test_close_drops_what_has_not_started_and_abandons_a_stuck_job_within_its_timeout() -> None:
     owner = Owner()
     ln = lane(owner)

@@ -15,7 +15,10 @@ lookup or load to finish: ``restore_in_step``). A lane is one daemon thread with
   by ``report``, the one rule every path of ours sorts errors by: a ``StoreError`` is the
   store's failure (a warning; quiet for an open breaker, which said so when it opened);
   anything else is a bug of ours, counted by the ``Guard`` and logged once per type with its
-  traceback: a bug never looks like a flaky store on a dashboard.
+  traceback: a bug never looks like a flaky store on a dashboard. That includes a
+  ``BaseException`` that is not an ``Exception`` (a store client's ``SystemExit``, a
+  ``GeneratorExit`` escaping a C extension): the lane's thread outlives every error, since a
+  dead lane would leave every later job waiting out its deadline.
 - ``close(timeout)`` drops the jobs not started (or lets them run, ``drop_queued=False``) and
   waits for the rest up to ``timeout``; it returns whether the thread is idle. If not, a job is
   still inside a store call, and the store must stay open under it.
@@ -186,7 +189,7 @@ class Lane(Generic[J]):
         if self._on_start is not None:
             try:
                 self._on_start()
-            except Exception as e:  # the jobs still run; their owner names devices explicitly
+            except BaseException as e:  # the jobs still run; their owner names devices explicitly
                 self.guard.failed(f"{self.name} lane start", e)
         while True:
             with self._cond:
@@ -209,7 +212,7 @@ class Lane(Generic[J]):
         self.counters.add(jobs=len(jobs), batches=1)
         try:
             self._run(jobs)
-        except Exception as e:
+        except BaseException as e:  # (not only ``Exception``: see the module)
             self._give_up(jobs, report(self.guard, self.name, e, f"{self.name} of {len(jobs)} jobs"), e)
 
     def _give_up(self, jobs: Sequence[J], reason: Failure, error: BaseException | None) -> None:
@@ -218,5 +221,5 @@ class Lane(Generic[J]):
         self.counters.tally("failed", reason, len(jobs))
         try:
             self._fail(list(jobs), reason, error)
-        except Exception as e:  # an owner's bug; its jobs are lost to it, never to the engine
+        except BaseException as e:  # an owner's bug; its jobs are lost to it, never to the engine
             self.guard.failed(f"{self.name} lane", e)
