@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from prefixvault.cli import app
-from prefixvault.inputs import MAX_INPUT_BYTES, InputError, load_json, read_bounded
+from prefixvault.inputs import MAX_INPUT_BYTES, MAX_TOKEN_IDS, InputError, load_json, read_bounded
 from prefixvault.vllm.config import ConnectorSettings
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -33,13 +35,66 @@ def _one_line(args: list[str], needle: str) -> None:
 
 
 def test_endless_files_are_refused_not_read_forever(store: str, tmp_path: Path) -> None:
-    with pytest.raises(InputError, match="larger than"):
+    big = tmp_path / "big"
+    with big.open("wb") as f:
+        f.truncate(2 << 20)
+    with pytest.raises(InputError, match="larger than 1 MiB"):
+        read_bounded(str(big), "--prompt-file", limit=1 << 20)
+    with pytest.raises(InputError, match="character device"):
         read_bounded("/dev/zero", "--prompt-file", limit=1 << 20)
-    _one_line(["explain", "--store", store, "--model", "m", "--prompt-file", "/dev/zero"], "larger than")
-    _one_line(["explain", "--store", store, "--model", "m", "--token-ids", "/dev/zero"], "larger than")
+    _one_line(["explain", "--store", store, "--model", "m", "--prompt-file", "/dev/zero"], "character device")
+    _one_line(["explain", "--store", store, "--model", "m", "--token-ids", "/dev/zero"], "character device")
     _one_line(["verify", "--cold", "http://127.0.0.1:9", "--restored", "http://127.0.0.1:9",
-               "--requests", "/dev/zero"], "larger than")
+               "--requests", "/dev/zero"], "character device")
+    _one_line(["explain", "--store", store, "--model", "m", "--token-ids", str(tmp_path)], "a directory")
     assert MAX_INPUT_BYTES >= 1 << 20
+
+
+def _within(seconds: float, fn: Callable[[], None]) -> None:
+    """``fn()`` returns within ``seconds`` (run aside, so that a hang fails the test instead)."""
+    errors: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            fn()
+        except BaseException as e:
+            errors.append(e)
+
+    t = threading.Thread(target=call, daemon=True)
+    t.start()
+    t.join(seconds)
+    assert not t.is_alive(), f"still waiting after {seconds} s"
+    if errors:
+        raise errors[0]
+
+
+def test_a_named_pipe_nobody_writes_to_is_refused_at_once(store: str, tmp_path: Path) -> None:
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    pipe = str(fifo)
+    ids = tmp_path / "ids.json"
+    ids.write_text("[1, 2]")
+    for args in (["explain", "--store", store, "--model", "m", "--prompt-file", pipe],
+                 ["explain", "--store", store, "--model", "m", "--token-ids", pipe],
+                 ["explain", "--store", store, "--model", "m", "--token-ids", str(ids), "--namespace", "t",
+                  "--secret-file", pipe],
+                 ["audit", "--store", store, "--namespace", "t", "--secret-file", pipe],
+                 ["verify", "--cold", "http://127.0.0.1:9", "--restored", "http://127.0.0.1:9",
+                  "--requests", pipe]):
+        _within(10, lambda args=args: _one_line(args, "named pipe"))  # type: ignore[misc]
+
+    def engine_start() -> None:
+        with pytest.raises(ValueError, match="named pipe"):
+            ConnectorSettings.from_extra({"namespace": "t", "namespace_secret_file": pipe})
+
+    _within(10, engine_start)
+
+
+def test_a_prompt_past_the_longest_context_is_refused(store: str, tmp_path: Path) -> None:
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps([1] * (MAX_TOKEN_IDS + 1)))
+    _one_line(["explain", "--store", store, "--model", "m", "--token-ids", str(ids)],
+              f"at most {MAX_TOKEN_IDS}")
 
 
 def test_deep_or_huge_json_is_one_line(store: str, tmp_path: Path) -> None:
@@ -66,9 +121,19 @@ def test_long_paths_and_names_are_one_line(store: str, tmp_path: Path) -> None:
     _one_line(["explain", "--store", store, "--model", "m" * 5000, "--token-ids", str(ids)], "longer than")
 
 
-def test_out_of_range_sizes_are_refused_before_any_work() -> None:
+def test_out_of_range_sizes_are_refused_before_any_work(monkeypatch: pytest.MonkeyPatch) -> None:
     _one_line(["repro", "--tp", str(10**30)], "--tp")
     _one_line(["repro", "--model", "x" * 5000], "longer than")
+    import prefixvault.repro
+
+    def built(*args: object, **kwargs: object) -> None:
+        raise AssertionError("repro built a model before checking its options")
+
+    monkeypatch.setattr(prefixvault.repro, "run_repro", built)
+    _one_line(["repro", "--capture", "sometimes"], "capture must be one of")
+    _one_line(["repro", "--store", "ftp://x"], "unknown store URI")
+    _one_line(["repro", "--store", "local://relative/path"], "three slashes")
+    _one_line(["repro", "--store", "memory://"], "separate processes")
 
 
 def test_the_demo_refuses_a_store_its_processes_cannot_share() -> None:
@@ -116,3 +181,43 @@ def test_connector_settings_name_the_bad_key(extra: dict[str, object], key: str)
     with pytest.raises(ValueError) as err:
         ConnectorSettings.from_extra(extra)
     assert key in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_servers_password_is_sent_as_a_header_and_never_shown(tmp_path: Path) -> None:
+    """A real loopback HTTP server behind basic auth: the credentials in the URL reach it as a
+    header, and no message of ``verify`` or ``watch`` prints the password."""
+    import base64
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from prefixvault.verify import VerifyError, served_models
+
+    seen: list[tuple[str, str]] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            seen.append((self.path, self.headers.get("Authorization", "")))
+            ok = self.headers.get("Authorization") == "Basic " + base64.b64encode(b"ops:s3cret").decode()
+            body = b'{"data": [{"id": "m"}]}' if ok and self.path == "/v1/models" else b"no"
+            self.send_response(200 if ok and self.path == "/v1/models" else 503)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    httpd = HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://ops:s3cret@127.0.0.1:{httpd.server_address[1]}"
+        assert served_models(url) == ["m"]
+        assert seen[0] == ("/v1/models", "Basic " + base64.b64encode(b"ops:s3cret").decode())
+        with pytest.raises(VerifyError) as e:
+            served_models(url.replace("ops:s3cret", "ops:wrong-s3cret"))
+        assert "s3cret" not in str(e.value) and "ops:***@" in str(e.value)
+        for args in (["verify", "--cold", url, "--restored", "http://ops:s3cret@127.0.0.1:9"],
+                     ["verify", "--cold", "http://ops:s3cret@127.0.0.1:bad", "--restored", url],
+                     ["watch", "--store", "memory://", "--cold", "http://ops:s3cret@127.0.0.1:9"]):
+            res = CliRunner().invoke(app, args)
+            assert res.exit_code != 0 and "s3cret" not in res.output, res.output
+    finally:
+        httpd.shutdown()

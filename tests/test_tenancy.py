@@ -87,7 +87,7 @@ def test_connector_config_names_the_secret_and_fails_at_start(
     s = ConnectorSettings.from_extra({"namespace": "tenantA", "namespace_secret_file": str(f)})
     assert s.namespace_key() == KEY
     assert SECRET.decode() not in repr(s)
-    with pytest.raises(ValueError, match=r"^prefixvault: namespace secret file .*nope"):
+    with pytest.raises(ValueError, match=r"^prefixvault: cannot read namespace secret file .*nope"):
         ConnectorSettings.from_extra({"namespace": "tenantA",
                                       "namespace_secret_file": str(tmp_path / "nope")})
     monkeypatch.setenv("PV_TEST_SECRET", "short")

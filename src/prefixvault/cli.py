@@ -275,7 +275,12 @@ def _prompt_tokens(model: str, prompt_file: str, token_ids: str) -> list[int]:
         tokenizer = AutoTokenizer.from_pretrained(model)
     except Exception as e:  # any failure to load a tokenizer is the user's to fix, in one line
         raise _fail(f"cannot load the tokenizer of {model[:200]!r}: {str(e).splitlines()[0][:300]}") from None
-    return list(tokenizer.encode(text))
+    from prefixvault.inputs import bounded_prompt
+
+    try:
+        return bounded_prompt(list(tokenizer.encode(text)), f"--prompt-file {prompt_file[:200]!r}")
+    except InputError as e:
+        raise _fail(str(e)) from None
 
 
 PROFILE_NAMES = tuple(PROFILES)
@@ -358,6 +363,7 @@ def repro(
             check_path(model, "--model")
         except InputError as e:
             raise _fail(str(e)) from None
+    _check_repro_connector(store, capture, capture_outputs)
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -400,6 +406,24 @@ def repro(
     if json_out:
         print(to_json(result))
     raise typer.Exit(0 if result.ok else 1)
+
+
+def _check_repro_connector(store: str, capture: str, capture_outputs: bool) -> None:
+    """The connector's settings as ``repro`` will give them, checked before any model is built or
+    engine started (a typo must not cost a cold run first)."""
+    from prefixvault.stores import check_uri
+    from prefixvault.vllm.config import ConnectorSettings
+
+    if store.startswith("memory:"):
+        raise _fail("memory:// lives in one process; repro's engines are separate processes: use a "
+                    "local:// (or redis://, mooncake://) store")
+    try:
+        if store:
+            check_uri(store)
+        ConnectorSettings.from_extra({"store": store or "local:///tmp", "namespace": "repro",
+                                      "capture": capture, "capture_outputs": capture_outputs})
+    except (StoreError, ValueError) as e:
+        raise _fail(str(e).removeprefix("prefixvault: ")) from None
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})

@@ -1,13 +1,18 @@
 """Files and values a user hands the command line, read within bounds.
 
 A command line is an interface anyone can aim anything at: ``/dev/zero`` as a prompt file, a
-JSON file nested a hundred thousand deep, a token id past 2^64, a 5,000-character path. Each is
-refused here with one line naming the argument, never a traceback and never a hang.
+named pipe nobody writes to, a JSON file nested a hundred thousand deep, a token id past 2^64,
+ten million token ids, a 5,000-character path. Each is refused here with one line naming the
+argument, never a traceback and never a hang: a file is read only if it is a regular file (a
+pipe, a device, a socket or a directory is refused before a byte is read, since reading one can
+wait forever), and never past its bound.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import stat
 from typing import Any
 
 #: Longest path or model name accepted (Linux's PATH_MAX).
@@ -18,6 +23,8 @@ MAX_INPUT_BYTES = 64 << 20
 MAX_JSON_DEPTH = 32
 #: Token ids are int32 in vLLM.
 MAX_TOKEN_ID = 2**31 - 1
+#: Most token ids accepted as one prompt: the longest context of current models (1M tokens).
+MAX_TOKEN_IDS = 1 << 20
 
 
 class InputError(ValueError):
@@ -32,16 +39,36 @@ def check_path(path: str, what: str) -> str:
     return path
 
 
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "a named pipe"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"),
+                       (stat.S_ISDIR, "a directory")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
 def read_bounded(path: str, what: str, limit: int = MAX_INPUT_BYTES) -> bytes:
-    """The file's bytes; an error past ``limit`` bytes (a device such as /dev/zero never ends)."""
+    """A regular file's bytes, at most ``limit`` of them. Opened without blocking (opening a
+    named pipe nobody writes to would wait forever) and refused unless it is a regular file."""
     check_path(path, what)
+    shown = repr(path[:200])
     try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as e:
-        raise InputError(f"cannot read {what} {path[:200]!r}: {e.strerror or e}") from None
+        raise InputError(f"cannot read {what} {shown}: {e.strerror or e}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        raise InputError(f"{what} {shown} is {_kind(mode)}: give a regular file")
+    with os.fdopen(fd, "rb") as f:
+        try:
+            data = f.read(limit + 1)
+        except OSError as e:
+            raise InputError(f"cannot read {what} {shown}: {e.strerror or e}") from None
     if len(data) > limit:
-        raise InputError(f"{what} {path[:200]!r} is larger than {limit >> 20} MiB")
+        size = f"{limit >> 20} MiB" if limit >= 1 << 20 else f"{limit} bytes"
+        raise InputError(f"{what} {shown} is larger than {size}")
     return data
 
 
@@ -83,7 +110,14 @@ def load_json(path: str, what: str, max_depth: int = MAX_JSON_DEPTH) -> Any:
 
 
 def token_ids(data: Any, what: str) -> list[int]:
-    """A JSON list of token ids, each in vLLM's range."""
+    """A JSON list of token ids, each in vLLM's range, at most ``MAX_TOKEN_IDS`` of them."""
     if not isinstance(data, list) or not all(type(t) is int and 0 <= t <= MAX_TOKEN_ID for t in data):
         raise InputError(f"{what} must hold a JSON list of token ids in 0..{MAX_TOKEN_ID}")
-    return data
+    return bounded_prompt(data, what)
+
+
+def bounded_prompt(tokens: list[int], what: str) -> list[int]:
+    """``tokens``, unless there are more than ``MAX_TOKEN_IDS`` of them."""
+    if len(tokens) > MAX_TOKEN_IDS:
+        raise InputError(f"{what} holds {len(tokens)} token ids: at most {MAX_TOKEN_IDS} are accepted")
+    return tokens

@@ -20,7 +20,8 @@ from __future__ import annotations
 import hashlib
 import os
 from dataclasses import dataclass, field
-from pathlib import Path
+
+from prefixvault.inputs import InputError, read_bounded
 
 #: Shortest secret accepted (bytes, after trailing whitespace is stripped).
 MIN_SECRET_BYTES = 16
@@ -75,14 +76,10 @@ def read_secret(file: str = "", env: str = "") -> bytes | None:
         secret = value.encode("utf-8", "surrogateescape").rstrip()
         source = f"environment variable {env[:100]!r}"
     elif file:
-        path = Path(file)
-        try:
-            with path.open("rb") as f:
-                raw = f.read(MAX_SECRET_FILE + 1)
-        except OSError as e:
-            raise SecretError(f"namespace secret file {file[:200]!r}: {e.strerror or e}") from None
-        if len(raw) > MAX_SECRET_FILE:
-            raise SecretError(f"namespace secret file {file[:200]!r} is larger than {MAX_SECRET_FILE} bytes")
+        try:  # a regular file only: an engine starting must never wait on a named pipe
+            raw = read_bounded(file, "namespace secret file", MAX_SECRET_FILE)
+        except InputError as e:
+            raise SecretError(str(e)) from None
         secret = raw.rstrip()
         source = f"file {file[:200]!r}"
     else:

@@ -5,19 +5,25 @@ It sends the same greedy requests with logprobs to a cold server and a restored 
 per-token logprobs exactly. It relies only on the OpenAI completions API, vLLM's
 ``return_tokens_as_token_ids`` and vLLM's generic ``vllm:external_prefix_cache_hits``
 metric, so it works with any KV connector.
+
+A server URL may carry credentials (``http://user:password@host:port``, a proxy in front of the
+server): they are sent as an HTTP basic ``Authorization`` header, never in the request line,
+and every message shows the URL with its password as ``***``.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import re
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from prefixvault.scenarios.models import consumer_prompt, producer_prompt
+from prefixvault.stores.base import redact
 
 
 class VerifyError(Exception):
@@ -30,7 +36,7 @@ MAX_REPEATS = 100_000
 
 def check_base_url(url: str, what: str = "server") -> str:
     """A server's base URL, ``http(s)://host[:port][/path]``, without a trailing slash."""
-    shown = url if len(url) <= 200 else url[:200] + "..."
+    shown = redact(url)
     try:
         parts = urlsplit(url)
         _ = parts.port  # raises on a port that is not a number in range
@@ -41,18 +47,30 @@ def check_base_url(url: str, what: str = "server") -> str:
     return url.rstrip("/")
 
 
+def _without_credentials(url: str) -> tuple[str, dict[str, str]]:
+    """``url`` without its user and password, and the header that carries them instead."""
+    parts = urlsplit(url)
+    if parts.username is None and parts.password is None:
+        return url, {}
+    host = parts.netloc.rpartition("@")[2]
+    user_pass = f"{unquote(parts.username or '')}:{unquote(parts.password or '')}"
+    token = base64.b64encode(user_pass.encode("utf-8")).decode("ascii")
+    return urlunsplit(parts._replace(netloc=host)), {"Authorization": f"Basic {token}"}
+
+
 def _http(url: str, body: dict[str, Any] | None = None, timeout: float = 300) -> bytes:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    bare, auth = _without_credentials(url)
+    req = urllib.request.Request(bare, data=data, headers={"Content-Type": "application/json", **auth})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return bytes(resp.read())
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:300]
-        raise VerifyError(f"{url} answered HTTP {e.code}: {detail}") from None
+        raise VerifyError(f"{redact(url)} answered HTTP {e.code}: {detail}") from None
     except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, ValueError) as e:
         reason = getattr(e, "reason", e)
-        raise VerifyError(f"cannot reach {url[:200]}: {reason}") from None
+        raise VerifyError(f"cannot reach {redact(url)}: {reason}") from None
 
 
 def served_models(base: str, timeout: float = 30) -> list[str]:
@@ -62,7 +80,7 @@ def served_models(base: str, timeout: float = 30) -> list[str]:
     except (KeyError, TypeError, ValueError):
         names = []
     if not names:
-        raise VerifyError(f"{base}/v1/models did not list a model")
+        raise VerifyError(f"{redact(base)}/v1/models did not list a model")
     return names
 
 
@@ -96,21 +114,22 @@ def complete(base: str, request: dict[str, Any], timeout: float) -> Reply:
     except VerifyError:
         raise
     except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        raise VerifyError(f"{base} returned a malformed completion ({type(e).__name__}: {e})") from None
+        shown = redact(base)
+        raise VerifyError(f"{shown} returned a malformed completion ({type(e).__name__}: {e})") from None
 
 
 def _reply(base: str, data: Any) -> Reply:
     try:
         choice = data["choices"][0]
     except (KeyError, IndexError):
-        raise VerifyError(f"{base} returned no completion") from None
+        raise VerifyError(f"{redact(base)} returned no completion") from None
     lp = choice.get("logprobs")
     if not lp or lp.get("token_logprobs") is None:
-        raise VerifyError(f"{base} returned no logprobs: verify needs a server that supports them")
+        raise VerifyError(f"{redact(base)} returned no logprobs: verify needs a server that supports them")
     ids = []
     for tok in lp["tokens"]:
         if not tok.startswith("token_id:"):
-            raise VerifyError(f"{base} does not return token ids (return_tokens_as_token_ids)")
+            raise VerifyError(f"{redact(base)} does not return token ids (return_tokens_as_token_ids)")
         ids.append(int(tok.split(":", 1)[1]))
     return Reply(
         choice.get("text", ""),
