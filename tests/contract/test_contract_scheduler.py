@@ -395,3 +395,20 @@ def test_a_prompt_ending_inside_the_first_block_is_restored_to_its_end(engines: 
     b = engines(geo, a.store, budget=2 * geo.block_size)
     b.run({0: [make_request("b", first + more, geo)]})
     assert [x.answer for x in b.asks if x.answer[0] is not None] == [(100, False)], b.asks
+
+
+@_geo([GEOMETRIES[0]])
+def test_hits_are_labelled_with_the_stores_medium(engines: Engines, geo: Geometry) -> None:
+    """vLLM 0.32-0.34 count cached prompt tokens by source (``vllm:prompt_tokens_cached_by_source``),
+    asking the connector after allocation; hits from a store in this process's memory are host
+    hits, not vLLM's "external, unspecified"."""
+    first = prompts(7, 2 * geo.block_size + 5)[0]
+    a = engines(geo, budget=2 * geo.block_size)
+    a.run({0: [make_request("a", first, geo)]})
+    b = engines(geo, a.store, budget=2 * geo.block_size)
+    request = make_request("b", first + prompts(8, 9)[0], geo)
+    b.run({0: [request]})
+    assert b.loads["b"] == 1
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    assert b.connector.get_external_cache_hit_sources(request, 512) == {CacheHitSource.HOST: 512}

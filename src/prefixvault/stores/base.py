@@ -9,9 +9,11 @@ at all, never a mix, even if a writer dies mid-put.
 from __future__ import annotations
 
 import abc
+import os
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import TypeAlias
 
 from prefixvault.errors import StoreError as StoreError
@@ -104,6 +106,39 @@ class StoreStats:
     state_budget: int | None = None
 
 
+class Medium(StrEnum):
+    """Where a store keeps its bytes: what a hit read from it costs, roughly."""
+
+    MEMORY = "memory"  # this machine's memory (a process, or tmpfs)
+    DISK = "disk"  # a file system on disk
+    NETWORK = "network"  # another machine's memory or disk (Redis, Mooncake)
+
+
+#: File systems whose files live in memory.
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")
+
+
+def medium_of_path(path: str) -> Medium:
+    """Whether a directory's files live in memory (tmpfs, as /dev/shm) or on disk: the file
+    system of the deepest mount point above it (``/proc/self/mounts``; disk if unknown)."""
+    real = os.path.realpath(path)
+    try:
+        with open("/proc/self/mounts", encoding="utf-8", errors="replace") as f:
+            mounts = f.read()
+    except OSError:
+        return Medium.DISK
+    deepest, kind = "", ""
+    for line in mounts.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        inside = real == point or real.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(deepest):
+            deepest, kind = point, fields[2]
+    return Medium.MEMORY if kind in MEMORY_FILE_SYSTEMS else Medium.DISK
+
+
 class Store(abc.ABC):
     """Batch key/value store with atomic per-object visibility.
 
@@ -115,6 +150,12 @@ class Store(abc.ABC):
     #: Whether each batch call crosses a network (Redis, Mooncake): a round trip then costs
     #: more than checking more keys in it, and the vault trades the one for the other.
     remote: bool = False
+
+    @property
+    def medium(self) -> Medium:
+        """Where its bytes sit, as an engine's metrics name a hit's source: across a network,
+        else in memory (a local store on tmpfs, such as /dev/shm, says ``DISK`` otherwise)."""
+        return Medium.NETWORK if self.remote else Medium.MEMORY
 
     @abc.abstractmethod
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:

@@ -30,7 +30,16 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from prefixvault.errors import BreakerOpen as BreakerOpen
-from prefixvault.stores.base import Buffer, Store, StoreError, StoreStats, StoreUnavailable, redact
+from prefixvault.stores.base import (
+    Buffer,
+    Medium,
+    Store,
+    StoreError,
+    StoreStats,
+    StoreUnavailable,
+    medium_of_path,
+    redact,
+)
 
 log = logging.getLogger("vllm.prefixvault")
 T = TypeVar("T")
@@ -157,6 +166,15 @@ class BreakerStore(Store):
         self.remote = store.remote if store is not None else urlsplit(uri).scheme not in ("local", "memory")
         if store is None:
             self.breaker.trip(str(first_error or "not opened"))
+
+    @property
+    def medium(self) -> Medium:
+        if self._store is not None:
+            return self._store.medium
+        parts = urlsplit(self._open_uri)  # (not opened yet: what its URI names)
+        if parts.scheme == "local":
+            return medium_of_path(parts.path) if parts.path else Medium.DISK
+        return Medium.MEMORY if parts.scheme == "memory" else Medium.NETWORK
 
     def _call(self, fn: Callable[[Store], T]) -> T:
         probe = self.breaker.allow()

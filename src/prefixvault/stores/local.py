@@ -62,12 +62,14 @@ from prefixvault.stores._index import (
 from prefixvault.stores._writers import WriterToken
 from prefixvault.stores.base import (
     Buffer,
+    Medium,
     Store,
     StoreError,
     StoreStats,
     StoreUnavailable,
     check_distinct,
     check_key,
+    medium_of_path,
 )
 from prefixvault.units import parse_size
 
@@ -170,6 +172,7 @@ class LocalStore(Store):
         ``StateBudget(0)``: no budget of their own, they share the capacity with the rest)."""
         self.path = Path(path).expanduser().absolute()
         self.uri = f"local://{self.path}"
+        self._medium = medium_of_path(str(self.path))
         self._readonly = readonly
         self._mode = 0o660 if shared else 0o600
         if existing or readonly:
@@ -680,6 +683,10 @@ class LocalStore(Store):
                 .fetchall()
             )
         return iter([(str(k), int(n)) for k, n in rows if _nameable(k)])
+
+    @property
+    def medium(self) -> Medium:
+        return self._medium
 
     def stats(self) -> StoreStats:
         with self._guard("stats"), self._lock:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from prefixvault.stores.base import Medium
+
 #: The vLLM releases the connector is proved against (CPU build: 0.32 only, the last one published).
 SUPPORTED = ((0, 32), (0, 33), (0, 34))
 SUPPORTED_TEXT = "0.32-0.34"
@@ -306,3 +308,15 @@ def state_specs(kv_cache_config: Any) -> list[Any]:
         if _is_mamba(first):
             out.append(first)
     return out
+
+
+def cache_hit_source(medium: Medium) -> Any:
+    """vLLM's label for hits read from a store on ``medium`` (``CacheHitSource``:
+    ``vllm:prompt_tokens_cached_by_source``): host memory, disk, or, for a store across a
+    network, vLLM's label for a remote store. None where vLLM has no such labels."""
+    try:
+        from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    except ImportError:
+        return None
+    return {Medium.MEMORY: CacheHitSource.HOST, Medium.DISK: CacheHitSource.DISK}.get(
+        medium, CacheHitSource.EXTERNAL_UNSPECIFIED)

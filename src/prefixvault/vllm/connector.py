@@ -32,6 +32,7 @@ from prefixvault.vault import Vault
 from prefixvault.vllm.alignment import ChunkAlignment
 from prefixvault.vllm.compat import (
     EXPORTING_PLATFORMS,
+    cache_hit_source,
     internal_checkpoints,
     relies_on_internal_checkpoints,
     resets_cpu_block_size,
@@ -116,6 +117,9 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         self.vault = Vault(store, self.layout, self.settings.namespace, key, hot_bytes=hot)
         in_step = restores_in_step(self.settings, store.remote, current_platform.device_type)
         if role == KVConnectorRole.SCHEDULER:
+            source = cache_hit_source(store.medium)
+            if source is not None:  # (what vLLM's own get_external_cache_hit_sources labels hits by)
+                self._cache_hit_source = source
             if ktc.kv_load_failure_policy != "recompute" and ktc.is_kv_consumer:
                 # A bad or missing object must cost a recompute, never a failed request.
                 ktc.kv_load_failure_policy = "recompute"
