@@ -5,15 +5,19 @@ vault, store and CPU tensors; no engine (the contract suite drives vLLM's schedu
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from test_vault import fill, layout
 
 from prefixvault.guard import Guard
 from prefixvault.keys import ExtraKeys
 from prefixvault.stores.memory import MemoryStore
+from prefixvault.tenancy import NamespaceKey
 from prefixvault.vault import Vault
 from prefixvault.vllm.in_step import ReadAheadBudget
 from prefixvault.vllm.lookups import Lookups
@@ -38,6 +42,12 @@ def _worker(vault: Vault, caches: dict[str, torch.Tensor]) -> WorkerSide:
     return worker
 
 
+def _objects(vault: Vault, hashes: list[bytes]) -> dict[str, memoryview]:
+    """What a scheduler hands over for the load of 40 tokens: each object as stored, by key."""
+    loaded = vault.load(vault.needed(hashes[:5], 40, ranks=[0]), borrow=False)
+    return {r.key: o for r, o in loaded.objects.items()}
+
+
 def _ask(min_tokens: int) -> dict[str, Any]:
     """A lookup of the first 41 tokens, past the engine's ``min_tokens``."""
     return dict(prompt=TOKENS[:41], extra=ExtraKeys(), known=[], num_tokens=41, min_tokens=min_tokens,
@@ -51,11 +61,14 @@ def test_a_lookup_reads_ahead_every_object_its_hits_load_needs() -> None:
     lookups = Lookups(vault, Guard(), budget=budget)
     hashes, found, ahead = lookups.submit(**_ask(16), read_from=16).result(5)
     assert found is not None and found.hit == 40 and ahead is not None
-    payloads = ahead.payloads
+    objects = ahead.objects
     needed = vault.needed(hashes[:5], 40, ranks=[0], since=16)
-    assert set(payloads) == set(needed)  # the KV past the engine's 16 tokens and the state at 40
-    assert all(bytes(payloads[r]) for r in needed)
-    assert budget.held == sum(len(p) for p in payloads.values())  # held until the scheduler lets go
+    assert set(objects) == set(needed)  # the KV past the engine's 16 tokens and the state at 40
+    assert all(len(vault.open_sealed(r, objects[r])) == vault.layout.groups[r.group].nbytes(0)
+               for r in needed)
+    assert budget.held == sum(len(o) for o in objects.values())  # held until the scheduler lets go
+    # each object in memory of its own: a hit held keeps no other hit's bytes alive
+    assert len({id(o.obj) for o in objects.values()}) == len(objects)
     ahead.release()
     ahead.release()  # (once: a second release gives nothing back)
     assert budget.held == 0
@@ -94,9 +107,8 @@ def test_a_synchronous_load_is_written_at_once_its_state_also_into_the_blocks_na
     caches = _caches()
     worker = _worker(vault, caches)
     hashes = vault.hashes(TOKENS[:41])
-    payloads = vault.load(vault.needed(hashes[:5], 40, ranks=[0]), borrow=False).payloads
     assert worker.mailbox is not None
-    token = worker.mailbox.put("r", payloads, step=3)
+    token = worker.mailbox.put("r", _objects(vault, hashes), step=3)
     spec = LoadSpec("r", hashes[:5], 40, 0, TABLE, mode=LoadMode.HANDED_OVER, token=token,
                     state_copies=[(2, 7), (2, 11), (2, 12)])
     worker.load([spec], step=3)
@@ -131,6 +143,71 @@ def test_a_synchronous_load_whose_bytes_were_not_handed_over_reads_them_in_the_s
     assert worker.take_unloaded() == set() and worker.counters.loads_in_step == 2
     assert worker.counters.loads_in_step_read == 2
     worker.close()
+
+
+@pytest.mark.parametrize("secret", [False, True], ids=["checksum", "mac"])
+def test_bytes_changed_after_they_were_handed_over_never_reach_the_cache(secret: bool) -> None:
+    """The worker verifies what it was handed by the rules of every read: a byte changed in the
+    mailbox (a file in shared memory another process of this user can write) is refused like a
+    byte changed in the store, and the object read from the store instead."""
+    key = NamespaceKey.derive(b"s" * 32, "ns") if secret else None
+    vault = Vault(MemoryStore(), layout(), "ns", key)
+    fill(vault, TOKENS, [16, 40])
+    caches = _caches()
+    worker = _worker(vault, caches)
+    hashes = vault.hashes(TOKENS[:41])
+    objects = {k: memoryview(bytearray(o)) for k, o in _objects(vault, hashes).items()}
+    state = next(k for k in objects if "/s/" in k)
+    objects[state][-1] ^= 0x01  # one bit of the state's payload
+    assert worker.mailbox is not None
+    token = worker.mailbox.put("r", objects, step=3)
+    worker.load([LoadSpec("r", hashes[:5], 40, 0, TABLE, mode=LoadMode.HANDED_OVER, token=token,
+                          state_copies=[(2, 7)])], step=3)
+    assert np.all(caches["s"][7].numpy() == 240.5)  # the store's bytes, not the changed ones
+    assert worker.take_unloaded() == set() and worker.counters.loads_in_step == 1
+    assert worker.counters.loads_in_step_read == 1
+    assert vault.counters.rejected == {"mac" if secret else "payload checksum": 1}
+    worker.close()
+
+
+class _StuckStore(MemoryStore):
+    """A store whose reads wait until ``release`` is set (as behind another process's lock);
+    a stand-in: a real store cannot be made to stall on cue without one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release = threading.Event()
+        self.stuck = False
+
+    def get_into(self, keys: Any, buffers: Any) -> Any:
+        if self.stuck:
+            self.release.wait(30)
+        return super().get_into(keys, buffers)
+
+
+def test_the_engines_thread_waits_for_the_store_no_longer_than_the_loads_deadline() -> None:
+    store = _StuckStore()
+    vault = Vault(store, layout())
+    fill(vault, TOKENS, [16, 40])
+    caches = _caches()
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], load_in_step=True, load_timeout=0.3)
+    worker.register_kv_caches(caches)
+    hashes = vault.hashes(TOKENS[:41])
+    store.stuck = True
+    t0 = time.monotonic()
+    worker.load([LoadSpec("r", hashes[:5], 40, 0, TABLE, mode=LoadMode.READ_IN_STEP, state_copies=[(2, 7)])],
+                step=1)
+    waited = time.monotonic() - t0
+    assert 0.3 <= waited < 2, waited
+    assert worker.counters.failure_reasons == {"timeout": 1} and worker.take_unloaded()
+    # the read still inside the store refuses the next at once, never queues it behind
+    t0 = time.monotonic()
+    worker.load([LoadSpec("q", hashes[:5], 40, 0, TABLE, mode=LoadMode.READ_IN_STEP, state_copies=[(2, 8)])],
+                step=2)
+    assert time.monotonic() - t0 < 0.2 and worker.counters.failure_reasons == {"timeout": 1, "busy": 1}
+    store.release.set()
+    assert worker.close()
+    assert all(np.all(caches["s"][b].numpy() == -1) for b in (7, 8))  # the late bytes never written
 
 
 def test_a_synchronous_load_that_cannot_be_written_is_reported_as_unloaded_blocks() -> None:

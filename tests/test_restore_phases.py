@@ -28,7 +28,7 @@ def _move(r: Restore, move: str, budget: ReadAheadBudget) -> None:
         r.answer(32)
     elif move == "answer_ahead":
         assert budget.take(100)
-        ahead = ReadAhead(payloads={}, nbytes=100, budget=budget)
+        ahead = ReadAhead(objects={}, nbytes=100, budget=budget)
         try:
             r.answer(32, ahead)
         except WrongPhase:
@@ -102,7 +102,7 @@ def test_a_hand_over_keeps_its_bytes_until_vllm_allocates_or_asks_again() -> Non
     assert budget.take(100)
     r = Restore()
     r.look_up(Future(), local=0, now=0.0)
-    r.answer(32, ReadAhead(payloads={}, nbytes=100, budget=budget))
+    r.answer(32, ReadAhead(objects={}, nbytes=100, budget=budget))
     r.hand_over(token=7, start=16)
     assert r.sync and isinstance(r.phase, rq.HandedOver) and r.phase.token == 7 and budget.held == 100
     assert r.take_back() and not r.sync and budget.held == 100  # asked again: answered anew
@@ -119,7 +119,7 @@ def test_asked_again_for_the_agreed_hit_the_bytes_stay() -> None:
     assert budget.take(10)
     r = Restore()
     r.look_up(Future(), local=0, now=0.0)
-    ahead: Any = ReadAhead(payloads={}, nbytes=10, budget=budget)
+    ahead: Any = ReadAhead(objects={}, nbytes=10, budget=budget)
     r.answer(64, ahead)
     r.ask_agreed(32)
     assert isinstance(r.phase, rq.Answered) and r.phase.asked_agreed == 32 and r.read_ahead is ahead

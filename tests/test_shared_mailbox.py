@@ -20,7 +20,7 @@ from prefixvault.vllm.mailbox import Mailboxes, SharedMailbox, shared_dir
 TOKENS = list(range(64))
 
 #: A worker process: serves the engine id to its parent, then takes what it is told to and
-#: prints a digest of every payload, in the order of the refs given, until told to stop.
+#: prints a digest of every object, by key, until told to stop.
 WORKER = textwrap.dedent("""
     import hashlib, sys
     from pathlib import Path
@@ -32,8 +32,7 @@ WORKER = textwrap.dedent("""
         if cmd == "take" and handoff is not None:
             got = handoff.take(args[0], int(args[1]), int(args[2]))
             print("none" if got is None else " ".join(
-                f"{r.key}={hashlib.sha256(bytes(got[r])).hexdigest()[:12]}" for r in sorted(got, key=str)),
-                flush=True)
+                f"{k}={hashlib.sha256(bytes(got[k])).hexdigest()[:12]}" for k in sorted(got)), flush=True)
         elif cmd == "stop":
             if handoff is not None:
                 handoff.withdraw()
@@ -65,16 +64,17 @@ class Worker:
         self.proc.wait(10)
 
 
-def _payloads() -> dict:  # type: ignore[type-arg]
+def _payloads() -> dict[str, memoryview]:
+    """The objects of a load as the scheduler hands them over: whole, as stored, by key."""
     vault = Vault(MemoryStore(), layout())
     fill(vault, TOKENS, [16, 40])
-    return dict(vault.load(vault.needed(vault.hashes(TOKENS[:41])[:5], 40, ranks=[0]), borrow=False).payloads)
+    loaded = vault.load(vault.needed(vault.hashes(TOKENS[:41])[:5], 40, ranks=[0]), borrow=False)
+    return {r.key: o for r, o in loaded.objects.items()}
 
 
-def _digests(payloads: dict) -> str:  # type: ignore[type-arg]
+def _digests(objects: dict[str, memoryview]) -> str:
     import hashlib
-    return " ".join(f"{r.key}={hashlib.sha256(bytes(payloads[r])).hexdigest()[:12]}"
-                    for r in sorted(payloads, key=str))
+    return " ".join(f"{k}={hashlib.sha256(bytes(objects[k])).hexdigest()[:12]}" for k in sorted(objects))
 
 
 def test_a_worker_in_a_child_process_takes_the_bytes_its_scheduler_hands_over(tmp_path: Path) -> None:
@@ -124,6 +124,34 @@ def test_a_damaged_handoff_is_not_taken(tmp_path: Path) -> None:
         data[8:16] = b"\x80\x04K\x05.\x00\x00\x00"  # an index that is not one (a pickled 5)
         file.write_bytes(bytes(data))
         assert worker.ask(f"take req {token} 2") == "none" and len(mailbox) == 0
+    finally:
+        worker.stop()
+
+
+def test_a_mailbox_index_is_data_never_code(tmp_path: Path) -> None:
+    """A planted pickle as the index would have run code in the worker; the index is JSON."""
+    import json
+    import pickle
+    import struct
+
+    worker = Worker("engine-i", tmp_path)
+    planted = tmp_path / "planted"
+    try:
+        mailbox = Mailboxes.find("engine-i", tmp_path)
+        assert mailbox is not None
+        token = mailbox.put("req", {"k": memoryview(b"abc")}, step=1)
+        (file,) = [p for p in mailbox.path.iterdir() if p.name.startswith("1-")]
+        index = json.loads(file.read_bytes()[8:-3])
+        assert index == [["k", 3]]
+
+        class Plant:
+            def __reduce__(self) -> tuple[object, tuple[str]]:
+                return (os.system, (f"touch {planted}",))
+
+        code = pickle.dumps(Plant())
+        file.write_bytes(struct.pack("<Q", len(code)) + code)
+        assert worker.ask(f"take req {token} 1") == "none"
+        assert not planted.exists()
     finally:
         worker.stop()
 

@@ -4,7 +4,8 @@
 Every object is checked against the header the reader expects and its checksum (its MAC, in a
 namespace with a secret), and against the deny-list, before its payload is handed out. Bad
 objects are counted by reason; those proved wrong are removed from the store (bytes of another
-format or key are someone else's, and stay).
+format or key are someone else's, and stay; an object of another version under a key this
+reader named is proved wrong: ``codec.proved_wrong``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from prefixvault.codec import HEADER_SIZE, PROVED_WRONG, IntegrityError, decode
+from prefixvault.codec import HEADER_SIZE, IntegrityError, ObjectHeader, decode, proved_wrong
 from prefixvault.counters import Counters
 from prefixvault.denysync import DenySync
 from prefixvault.hotset import HotSet
@@ -33,6 +34,10 @@ class Loaded:
 
     payloads: dict[ObjectRef, memoryview]
     failed: dict[ObjectRef, str]
+    # Each object read from the store whole, header included, as stored (its payload is a view
+    # of it): what a scheduler hands a worker, which verifies it again (``open_sealed``).
+    # Objects served by a hot set have none.
+    objects: dict[ObjectRef, memoryview] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -58,8 +63,9 @@ class Loader:
 
         With ``borrow``, payloads may be views of memory the store lent: use them before the
         next call on the same store (a load beside other calls on their own thread passes
-        ``borrow=False``). With a hot set, objects in it are served from it (the deny-list
-        still applies), and only the others are read, then kept in it."""
+        ``borrow=False``; then each object has memory of its own, so one kept keeps no other
+        alive). With a hot set, objects in it are served from it (the deny-list still applies),
+        and only the others are read, then kept in it."""
         refs = sorted(refs, key=chain_order)  # a read is a use: the store ranks them in this order
         hot = self._from_hot(refs) if self.hot is not None else {}
         if hot:
@@ -69,18 +75,23 @@ class Loader:
         headers = [self.names.expected_header(r) for r in refs]
         sizes = [HEADER_SIZE + h.length for h in headers]
         total = sum(sizes)
+        views: list[memoryview] = []
         if staging is not None and staging.nbytes >= total:
-            buf = staging.data.cast("B")
-        else:  # memory the store can fill directly, where it has such memory
-            lent = self.store.staging_buffer(total) if borrow else None
-            buf = lent or np.empty(total, dtype=np.uint8).data.cast("B")
-        views, off = [], 0
-        for s in sizes:
-            views.append(buf[off : off + s])
-            off += s
+            buf: memoryview | None = staging.data.cast("B")
+        elif borrow:  # memory the store can fill directly, where it has such memory
+            buf = self.store.staging_buffer(total) or np.empty(total, dtype=np.uint8).data.cast("B")
+        else:
+            buf = None
+            views = [np.empty(s, dtype=np.uint8).data.cast("B") for s in sizes]
+        if buf is not None:
+            off = 0
+            for s in sizes:
+                views.append(buf[off : off + s])
+                off += s
         self.deny.refresh()
         got = self.store.get_into([r.key for r in refs], views)
         payloads: dict[ObjectRef, memoryview] = {}
+        objects: dict[ObjectRef, memoryview] = {}
         failed: dict[ObjectRef, str] = {}
         bad_keys: list[str] = []
         for ref, header, view, size in zip(refs, headers, views, got, strict=True):
@@ -91,17 +102,16 @@ class Loader:
             try:
                 if size != len(view):
                     raise IntegrityError("length", f"object has {size} bytes, expected {len(view)}")
-                _, payload = decode(view, header, self.key)
-                if self.deny.denied(ref.key, header, payload):  # a copy of bytes proved wrong
-                    raise IntegrityError("denied", "bytes a quarantine proved wrong")
+                payload = self._open(ref, header, view)
             except IntegrityError as e:
                 failed[ref] = e.reason
                 self.counters.tally("rejected", e.reason, 1)
                 self.counters.add(get_failed=1)
-                if e.reason in PROVED_WRONG:
+                if proved_wrong(e.reason, own_fingerprint=True):  # (every key read is named here)
                     bad_keys.append(ref.key)
                 continue
             payloads[ref] = payload
+            objects[ref] = view
             self.counters.add(get_keys=1)
             self.counters.add(get_bytes=size)
             if self._read_before(ref.key):
@@ -112,7 +122,25 @@ class Loader:
             for ref, payload in payloads.items():
                 self.hot.put(ref.key, payload)
         payloads.update(hot)
-        return Loaded(payloads, failed)
+        return Loaded(payloads, failed, objects)
+
+    def _open(self, ref: ObjectRef, header: ObjectHeader, data: memoryview) -> memoryview:
+        """The payload of an object read whole, verified as every object is: its header, its
+        identity (``header``), its checksum or MAC, and the deny-list."""
+        _, payload = decode(data, header, self.key)
+        if self.deny.denied(ref.key, header, payload):  # a copy of bytes proved wrong
+            raise IntegrityError("denied", "bytes a quarantine proved wrong")
+        return payload
+
+    def open_sealed(self, ref: ObjectRef, data: memoryview) -> memoryview:
+        """The payload of ``ref``'s object as stored, handed over rather than read here (a
+        scheduler's read ahead): verified by the rules of every read. Raises
+        ``IntegrityError``, counted under ``rejected``."""
+        try:
+            return self._open(ref, self.names.expected_header(ref), data)
+        except IntegrityError as e:
+            self.counters.tally("rejected", e.reason, 1)
+            raise
 
     def _read_before(self, key: str) -> bool:
         """Whether ``key`` was among the last ``READS_SEEN`` keys this vault read (then it is

@@ -255,6 +255,11 @@ class Vault:
         next call on the same store."""
         return self._loader.load(refs, staging, borrow)
 
+    def open_sealed(self, ref: ObjectRef, data: memoryview) -> memoryview:
+        """The payload of ``ref``'s object handed over whole (header included, as stored),
+        verified by the rules of every read; ``IntegrityError`` if it does not verify."""
+        return self._loader.open_sealed(ref, data)
+
     # -- bytes proved wrong (``quarantine``, ``denysync``) ---------------------------------------
 
     def quarantine(self, record_key: str) -> list[str]:

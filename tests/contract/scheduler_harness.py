@@ -605,16 +605,17 @@ class Engine:
         p.check(self.handoff is not None, f"{where} with no worker in the scheduler's process")
         p.check(load.mode is LoadMode.HANDED_OVER, f"{where} failed ({load.mode})")
         handed = self.handoff is not None and load.mode is LoadMode.HANDED_OVER
-        payloads = self.handoff.take(load.req_id, load.token, step) if handed and self.handoff else None
-        p.check(payloads is not None, f"{where}: its payloads were not handed over")
-        if payloads is not None and load.hashes:
+        objects = self.handoff.take(load.req_id, load.token, step) if handed and self.handoff else None
+        p.check(objects is not None, f"{where}: its objects were not handed over")
+        if objects is not None and load.hashes:
             refs = self.vault.needed(load.hashes, load.tokens, ranks=[0], since=load.local_tokens)
-            p.check(all(r in payloads and len(payloads[r]) == self.vault.layout.groups[r.group].nbytes(0)
-                        for r in refs), f"{where}: payloads missing or of the wrong size")
+            p.check(all(r.key in objects and len(self.vault.open_sealed(r, objects[r.key]))
+                        == self.vault.layout.groups[r.group].nbytes(0) for r in refs),
+                    f"{where}: objects missing or of the wrong size")
             # and nothing more: a lookup reads ahead from where the load starts (vLLM's offer
             # on KV loads wrote), not from a hit every group holds, KV this engine has
-            p.check(set(payloads) <= set(refs), f"{where}: {len(set(payloads) - set(refs))} objects "
-                    "read ahead that the load does not write")
+            extra = set(objects) - {r.key for r in refs}
+            p.check(not extra, f"{where}: {len(extra)} objects read ahead that the load does not write")
         chunks = self.steps[-1].chunks  # (this step's: ``step`` appended it before its work)
         own = chunks.get(load.req_id)
         p.check(own is not None and own.start == load.tokens,

@@ -16,11 +16,13 @@ of: a request's restore holds them only while it is answered or handed over
 (``vllm/request.py``). Where the mailbox cannot take them (shared memory full) the answer is
 asynchronous: no synchronous load is ever promised without its bytes in hand.
 
-The worker's side writes such a load in the engine's thread, from the bytes handed over under
-the load's token; bytes not handed over after all (an error of ours) are read from the store in
-the step (a local store: a copy). Align mode's pre-copy ran before ``start_load_kv``, so the
-state also goes into every running block ``LoadSpec.state_copies`` names; a load naming none is
-refused. A load not written is reported as vLLM asks (``take_unloaded``, vLLM's
+The worker's side writes such a load in the engine's thread, from the objects handed over
+under the load's token, each verified again first by the rules of every read (a byte changed
+in the mailbox is refused as one changed in the store); objects not handed over after all (an
+error of ours) or refused are read from the store on the in-step lane, which the engine's
+thread waits for up to the load's deadline and no longer. Align mode's pre-copy ran before
+``start_load_kv``, so the state also goes into every running block ``LoadSpec.state_copies``
+names; a load naming none is refused. A load not written is reported as vLLM asks (``take_unloaded``, vLLM's
 ``get_block_ids_with_load_errors``): its blocks unloaded. vLLM then recomputes from the first,
 or, on a model of several cache groups, stops rather than compute on a state never written.
 """
@@ -29,18 +31,18 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-from prefixvault.codec import ObjectKind
+from prefixvault.codec import IntegrityError, ObjectKind
 from prefixvault.guard import Guard
-from prefixvault.lane import Failure, report
+from prefixvault.lane import Failure, Lane, report
 from prefixvault.layout import CacheLayout
-from prefixvault.vault import ObjectRef
+from prefixvault.vault import Loaded, ObjectRef
 from prefixvault.vllm.compat import step_starts
-from prefixvault.vllm.loads import LoadFailure, failed_reads, load_targets
-from prefixvault.vllm.mailbox import Mailbox, Mailboxes, Payloads
+from prefixvault.vllm.loads import LOAD_FAILED, LoadFailure, failed_reads, load_targets
+from prefixvault.vllm.mailbox import Mailbox, Mailboxes, Objects
 from prefixvault.vllm.metadata import LoadMode, LoadSpec
 from prefixvault.vllm.worker_context import WorkerContext
 
@@ -82,10 +84,11 @@ class ReadAheadBudget:
 
 @dataclass(kw_only=True, eq=False)
 class ReadAhead:
-    """The verified payloads a lookup read for its hit's load (rank 0), counted in ``budget``
-    until ``release``d (once: a second release gives nothing back)."""
+    """The objects a lookup read and verified for its hit's load (rank 0), whole as stored (the
+    worker verifies them again), counted in ``budget`` until ``release``d (once: a second
+    release gives nothing back)."""
 
-    payloads: Payloads
+    objects: Mapping[ObjectRef, memoryview]
     nbytes: int
     budget: ReadAheadBudget
     released: bool = False
@@ -129,10 +132,10 @@ class InStepHandover:
         ``step``, if those read ahead hold every one of them and a worker takes them: the
         mailbox token (0: none handed over, the load is asynchronous)."""
         mailbox = self.mailbox()
-        if read_ahead is None or mailbox is None or not all(r in read_ahead.payloads for r in refs):
+        if read_ahead is None or mailbox is None or not all(r in read_ahead.objects for r in refs):
             return 0
         try:
-            return mailbox.put(req_id, {r: read_ahead.payloads[r] for r in refs}, step)
+            return mailbox.put(req_id, {r.key: read_ahead.objects[r] for r in refs}, step)
         except OSError as e:  # (a worker in a child process: shared memory full) asynchronous
             log.warning("prefixvault: request %s: its bytes could not be handed to the worker (%s); "
                         "it restores one step later", req_id, e)
@@ -206,17 +209,39 @@ class InStepHandover:
 
 
 
-class InStepWrites:
-    """A worker's synchronous loads: written in the engine's thread, or reported unloaded."""
+@dataclass(eq=False)
+class _Read:
+    """Objects a synchronous load reads from the store in the step, on the in-step lane."""
 
-    def __init__(self, ctx: WorkerContext) -> None:
+    refs: Sequence[ObjectRef]
+    done: threading.Event = field(default_factory=threading.Event)
+    loaded: Loaded | None = None
+    failure: Failure | None = None
+
+
+class InStepWrites:
+    """A worker's synchronous loads: written in the engine's thread, or reported unloaded.
+
+    Every object is verified before it is written: handed over, by the rules of every read
+    (``Vault.open_sealed``: a mailbox file changed since the scheduler wrote it is refused like
+    a changed object in the store); objects not handed over, or refused, are read from the store
+    on a lane of their own, which the engine's thread waits for only up to the load's deadline
+    (``deadline``: ``load_timeout`` plus its bytes), never longer (a store stuck on a lock never
+    holds the engine)."""
+
+    def __init__(self, ctx: WorkerContext, deadline: Callable[[LoadSpec], float]) -> None:
         self._ctx = ctx
-        # Where the scheduler of this process hands the payloads of synchronous loads (set by the
+        self._deadline = deadline
+        # Where the scheduler of this process hands the objects of synchronous loads (set by the
         # connector once the caches are registered; None: every synchronous load reads the store).
         self.mailbox: Mailbox | None = None
         # Blocks of synchronous loads not written since the last take_unloaded (the engine's
         # thread only).
         self._unloaded: set[int] = set()
+        # One read at a time: one still stuck in the store past its deadline refuses the next
+        # (``FULL``) rather than queue it behind.
+        self.lane: Lane[_Read] = Lane("in_step", self._read_batch, self._fail_reads, capacity=1,
+                                      guard=ctx.guard)
 
     def write(self, spec: LoadSpec, marks: Sequence[Any], step: int) -> None:
         """Write a synchronous load of ``step`` now, its state also into the running blocks its
@@ -233,27 +258,77 @@ class InStepWrites:
             named = {g for g, _ in spec.state_copies}
             if any(g.is_state and i not in named for i, g in enumerate(self._ctx.layout.groups)):
                 raise RuntimeError(f"request {spec.req_id}: a synchronous load naming no running state block")
-            payloads: Payloads | None = handed
-            read = payloads is None or any(r not in payloads for r in refs)
-            if read:
-                assert self._ctx.vault is not None
-                loaded = self._ctx.vault.load(refs, borrow=False)
-                if loaded.failed:
-                    self.unwritten(spec, failed_reads(set(loaded.failed.values())))
+            payloads = self._open_handed_over(spec, refs, handed or {})
+            missing = [r for r in refs if r not in payloads]
+            if missing:
+                failure = self._read(spec, missing, payloads)
+                if failure is not None:
+                    self.unwritten(spec, failure)
                     return
-                payloads = loaded.payloads
-            assert payloads is not None
             self._write(spec, refs, blocks, payloads, marks)
         except Exception as e:
             ours = report(self._ctx.guard, "worker", e, f"request {spec.req_id}'s synchronous load")
             self.unwritten(spec, LoadFailure.INTERNAL_ERROR if ours is Failure.INTERNAL_ERROR
                            else LoadFailure.STORE_ERROR)
             return
-        self._ctx.counters.add(loads=1, loads_in_step=1, loads_in_step_read=int(read),
-                           loaded_tokens=spec.tokens - spec.local_tokens)
+        self._ctx.counters.add(loads=1, loads_in_step=1, loads_in_step_read=int(bool(missing)),
+                               loaded_tokens=spec.tokens - spec.local_tokens)
 
-    def _write(self, spec: LoadSpec, refs: Sequence[ObjectRef], blocks: Sequence[int], payloads: Payloads,
-               marks: Sequence[Any]) -> None:
+    def _open_handed_over(self, spec: LoadSpec, refs: Sequence[ObjectRef],
+                          handed: Objects) -> dict[ObjectRef, memoryview]:
+        """The payloads of the objects handed over that verify (each one refused is counted
+        under ``rejected{reason}`` and read from the store instead)."""
+        assert self._ctx.vault is not None
+        payloads: dict[ObjectRef, memoryview] = {}
+        for ref in refs:
+            data = handed.get(ref.key)
+            if data is None:
+                continue
+            try:
+                payloads[ref] = self._ctx.vault.open_sealed(ref, data)
+            except IntegrityError as e:
+                log.warning("prefixvault: request %s: an object handed over for its synchronous load does "
+                            "not verify (%s); it is read from the store", spec.req_id, e.reason)
+        return payloads
+
+    def _read(self, spec: LoadSpec, refs: Sequence[ObjectRef],
+              payloads: dict[ObjectRef, memoryview]) -> LoadFailure | None:
+        """Read ``refs`` from the store into ``payloads``, waiting up to the load's deadline;
+        why not, if they could not all be."""
+        job = _Read(refs)
+        refused = self.lane.put(job)
+        if refused is not None:
+            return LOAD_FAILED[refused]
+        if not job.done.wait(self._deadline(spec)):
+            log.warning("prefixvault: request %s: the store did not answer its synchronous load within "
+                        "%.1f s", spec.req_id, self._deadline(spec))
+            return LoadFailure.TIMEOUT  # (its late bytes are never written: the job is let go)
+        if job.failure is not None:
+            return LOAD_FAILED[job.failure]
+        assert job.loaded is not None
+        if job.loaded.failed:
+            return failed_reads(set(job.loaded.failed.values()))
+        payloads.update(job.loaded.payloads)
+        return None
+
+    def _read_batch(self, jobs: list[_Read]) -> None:
+        assert self._ctx.vault is not None
+        for job in jobs:
+            job.loaded = self._ctx.vault.load(job.refs, borrow=False)
+            job.done.set()
+
+    def _fail_reads(self, jobs: list[_Read], reason: Failure, error: BaseException | None) -> None:
+        for job in jobs:
+            if not job.done.is_set():
+                job.failure = reason
+                job.done.set()
+
+    def close(self, timeout: float) -> bool:
+        """Whether the in-step lane is idle (if not, a read is still inside a store call)."""
+        return self.lane.close(timeout)
+
+    def _write(self, spec: LoadSpec, refs: Sequence[ObjectRef], blocks: Sequence[int],
+               payloads: Mapping[ObjectRef, memoryview], marks: Sequence[Any]) -> None:
         """Each object into its block, and a state also into the running blocks named for its group."""
         all_refs, all_blocks, data = [], [], []
         for ref, block in zip(refs, blocks, strict=True):

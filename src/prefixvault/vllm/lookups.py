@@ -14,6 +14,7 @@ from collections import Counter
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
+from prefixvault.codec import HEADER_SIZE
 from prefixvault.guard import Guard
 from prefixvault.keys import ExtraKeys, PromptTokens
 from prefixvault.lane import Failure, Lane
@@ -158,14 +159,16 @@ class Lookups:
             except Exception as e:  # ours: no read ahead for it
                 self.guard.failed("lookup", e)
                 continue
-            size = sum(self.vault.layout.groups[r.group].nbytes(0) for r in refs)
+            size = sum(HEADER_SIZE + self.vault.layout.groups[r.group].nbytes(0) for r in refs)
             if self.budget.take(size):
                 wanted.append((i, refs, size))
         if not wanted:
             return out
         every = list(dict.fromkeys(r for _, refs, _ in wanted for r in refs))
         try:
-            loaded = self.vault.load(every, borrow=False).payloads  # kept past this call: never lent memory
+            # each object in memory of its own, kept past this call (never lent memory): a hit
+            # held keeps its own objects alive, no other hit's
+            loaded = self.vault.load(every, borrow=False).objects
         except Exception as e:  # the store's or ours: the answers stand, their loads read later
             log.debug("prefixvault: reading ahead %d objects failed: %s", len(every), e)
             loaded = {}
@@ -173,9 +176,9 @@ class Lookups:
             if not all(r in loaded for r in refs):
                 self.budget.give(size)
                 continue
-            payloads = {r: loaded[r] for r in refs}
+            objects = {r: loaded[r] for r in refs}
             # (two hits naming one object share its bytes: each counts them, as each lets go)
-            nbytes = sum(len(p) for p in payloads.values())
-            self.budget.give(size - nbytes)  # (the same, by the layout)
-            out[i] = ReadAhead(payloads=payloads, nbytes=nbytes, budget=self.budget)
+            nbytes = sum(len(o) for o in objects.values())
+            self.budget.give(size - nbytes)  # (nothing: the same, by the layout)
+            out[i] = ReadAhead(objects=objects, nbytes=nbytes, budget=self.budget)
         return out

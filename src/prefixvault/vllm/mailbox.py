@@ -8,10 +8,15 @@ store and verified on its lookup lane, and handed to the worker that will write 
 answers: then the worker's part is a copy of bytes in hand into blocks vLLM allocated, which a
 store cannot fail. Everywhere else (several ranks, other executors) loads stay asynchronous.
 
+What is handed over is each object as stored (header, checksum or MAC included), by its store
+key, and the worker verifies it again by the rules of every read before a byte reaches the
+cache (``Vault.open_sealed``): bytes changed in a mailbox file are refused like bytes changed
+in the store. A mailbox file's index is plain JSON (keys and sizes), never code.
+
 The worker is in the scheduler's process (vLLM's in-process executor: ``MemoryMailbox``) or,
 with vLLM's multiprocessing executor at one rank (vLLM CPU's servers always), a child of it
 (``SharedMailbox``: a private directory in shared memory the scheduler writes each load's
-payloads into, one file per load, which the worker reads and removes). ``Mailboxes`` is the one
+objects into, one file per load, which the worker reads and removes). ``Mailboxes`` is the one
 way in: a worker ``serve``s its engine's mailbox, a scheduler ``find``s it, and a stopping
 scheduler ``close``s it.
 
@@ -27,9 +32,9 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import itertools
+import json
 import logging
 import os
-import pickle
 import shutil
 import struct
 import tempfile
@@ -38,23 +43,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import ClassVar, Protocol
 
-from prefixvault.vault import ObjectRef
-
 log = logging.getLogger("vllm.prefixvault")
 
-#: Verified payloads of one load, by object.
-Payloads = Mapping[ObjectRef, memoryview]
+#: The objects of one load as stored (header included), by store key: verified again by the
+#: worker that writes them.
+Objects = Mapping[str, memoryview]
 
 
 class Mailbox(Protocol):
-    """Where a scheduler hands a worker the payloads of its synchronous loads."""
+    """Where a scheduler hands a worker the objects of its synchronous loads."""
 
-    def put(self, req_id: str, payloads: Payloads, step: int) -> int:
-        """Hand over a request's payloads for the load of ``step``; the token that load names
+    def put(self, req_id: str, objects: Objects, step: int) -> int:
+        """Hand over a request's objects for the load of ``step``; the token that load names
         them by (never 0). Raises ``OSError`` if they could not be handed over."""
 
-    def take(self, req_id: str, token: int, step: int) -> Payloads | None:
-        """The payloads handed over under ``token``, once; None if they are not here."""
+    def take(self, req_id: str, token: int, step: int) -> Objects | None:
+        """The objects handed over under ``token``, once; None if they are not here."""
 
     def drop(self, req_id: str) -> None:
         """Let go of what was handed over for a request (vLLM did not allocate its load)."""
@@ -67,7 +71,7 @@ class Mailbox(Protocol):
 
 class MemoryMailbox:
     """One engine's mailbox in memory, for a worker in the scheduler's process: the scheduler
-    puts a request's payloads, the worker takes them in the step that loads them. A request
+    puts a request's objects, the worker takes them in the step that loads them. A request
     has at most one entry (a newer put replaces it)."""
 
     def __init__(self, engine_id: str = "") -> None:
@@ -75,19 +79,19 @@ class MemoryMailbox:
         self.pid = os.getpid()  # a forked child has no worker taking from it
         self._lock = threading.Lock()
         self._tokens = itertools.count(1)
-        # req_id -> (token, step, payloads), under _lock
-        self._items: dict[str, tuple[int, int, Payloads]] = {}
+        # req_id -> (token, step, objects), under _lock
+        self._items: dict[str, tuple[int, int, Objects]] = {}
 
-    def put(self, req_id: str, payloads: Payloads, step: int) -> int:
-        """Hand over a request's payloads for the load of ``step``; the token that load names
+    def put(self, req_id: str, objects: Objects, step: int) -> int:
+        """Hand over a request's objects for the load of ``step``; the token that load names
         them by (never 0)."""
         with self._lock:
             token = next(self._tokens)
-            self._items[req_id] = (token, step, payloads)
+            self._items[req_id] = (token, step, objects)
         return token
 
-    def take(self, req_id: str, token: int, step: int) -> Payloads | None:
-        """The payloads put under ``token``, once; None if they are not here. Entries put for
+    def take(self, req_id: str, token: int, step: int) -> Objects | None:
+        """The objects put under ``token``, once; None if they are not here. Entries put for
         a step before ``step`` are let go of (steps run in order: nothing will take them)."""
         with self._lock:
             for rid in [r for r, (_, s, _) in self._items.items() if s < step]:
@@ -173,20 +177,22 @@ class SharedMailbox:
     def _req(req_id: str) -> str:
         return hashlib.sha256(req_id.encode()).hexdigest()[:24]
 
-    def put(self, req_id: str, payloads: Payloads, step: int) -> int:
-        """Write a request's payloads for the load of ``step``; the token that load names them
-        by (never 0). Raises ``OSError`` if they could not be written (nothing is left)."""
+    def put(self, req_id: str, objects: Objects, step: int) -> int:
+        """Write a request's objects for the load of ``step``; the token that load names them
+        by (never 0). Raises ``OSError`` if they could not be written (nothing is left). The
+        file: the index's length (8 bytes), the index (JSON: ``[[key, size], ...]``), then the
+        objects in its order."""
         token = next(self._tokens)
-        refs = list(payloads)
-        header = pickle.dumps([(r, len(payloads[r])) for r in refs])
+        keys = list(objects)
+        header = json.dumps([[k, len(objects[k])] for k in keys]).encode()
         name = f"{step}-{token}-{self._req(req_id)}"
         tmp = self.path / f".{name}"
         try:
             with open(tmp, "wb") as f:
                 f.write(_HEADER.pack(len(header)))
                 f.write(header)
-                for r in refs:
-                    f.write(payloads[r])
+                for k in keys:
+                    f.write(objects[k])
             os.rename(tmp, self.path / name)
         except OSError:
             with contextlib.suppress(OSError):
@@ -205,9 +211,10 @@ class SharedMailbox:
                     out.append((int(parts[0]), int(parts[1]), parts[2], name))
         return out
 
-    def take(self, req_id: str, token: int, step: int) -> Payloads | None:
-        """The payloads written under ``token``, once; None if they are not here or cannot be
-        read. Files written for a step before ``step`` are removed (nothing will take them)."""
+    def take(self, req_id: str, token: int, step: int) -> Objects | None:
+        """The objects written under ``token``, once; None if they are not here or their file
+        cannot be read (the worker then reads the store; every object is verified either way).
+        Files written for a step before ``step`` are removed (nothing will take them)."""
         want, found = self._req(req_id), None
         for s, t, r, name in self._entries():
             if t == token and r == want and not name.startswith("."):
@@ -222,24 +229,15 @@ class SharedMailbox:
             with open(path, "rb") as f:
                 data = memoryview(bytearray(os.fstat(f.fileno()).st_size))
                 f.readinto(data)
-            (n,) = _HEADER.unpack_from(data)
-            at = _HEADER.size + n
-            payloads: dict[ObjectRef, memoryview] = {}
-            for ref, size in pickle.loads(data[_HEADER.size : at]):
-                if not isinstance(ref, ObjectRef) or not isinstance(size, int) or size < 0:
-                    raise ValueError("not an index of payloads")
-                payloads[ref] = data[at : at + size]
-                at += size
-            if at != len(data):
-                raise ValueError(f"{len(data)} bytes, the index names {at}")
+            objects = _parse(data)
         except Exception as e:  # whatever is wrong with it, the worker reads the store instead
-            log.warning("prefixvault: the payloads handed over for request %s could not be read: %s",
+            log.warning("prefixvault: the objects handed over for request %s could not be read: %s",
                         req_id, e)
             return None
         finally:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        return payloads
+        return objects
 
     def drop(self, req_id: str) -> None:
         want = self._req(req_id)
@@ -260,6 +258,31 @@ class SharedMailbox:
 
     def __len__(self) -> int:
         return len(self._entries())
+
+
+def _parse(data: memoryview) -> dict[str, memoryview]:
+    """A mailbox file's objects by key; ``ValueError`` unless its index is a JSON list of
+    distinct ``[key, size]`` pairs whose sizes add up to the rest of the file exactly."""
+    if len(data) < _HEADER.size:
+        raise ValueError(f"{len(data)} bytes: no index")
+    (n,) = _HEADER.unpack_from(data)
+    at = _HEADER.size + n
+    if at > len(data):
+        raise ValueError(f"an index of {n} bytes in a file of {len(data)}")
+    index = json.loads(bytes(data[_HEADER.size : at]))
+    objects: dict[str, memoryview] = {}
+    if not isinstance(index, list):
+        raise ValueError("not an index of objects")
+    for item in index:
+        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str)
+                and type(item[1]) is int and item[1] >= 0 and item[0] not in objects):
+            raise ValueError("not an index of objects")
+        key, size = item
+        objects[key] = data[at : at + size]
+        at += size
+    if at != len(data):
+        raise ValueError(f"{len(data)} bytes, the index names {at}")
+    return objects
 
 
 def _sweep(root: Path) -> None:

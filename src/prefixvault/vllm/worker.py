@@ -31,7 +31,7 @@ from prefixvault.vault import Vault
 from prefixvault.vllm.engine_caches import EngineCaches
 from prefixvault.vllm.holds import Holds
 from prefixvault.vllm.in_step import InStepWrites
-from prefixvault.vllm.loads import LoadFailure, Loads
+from prefixvault.vllm.loads import LOAD_DRAIN_S, LoadFailure, Loads
 from prefixvault.vllm.mailbox import Mailbox
 from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec
 from prefixvault.vllm.saves import Saves
@@ -68,7 +68,7 @@ class WorkerSide:
         self.saves = Saves(ctx, staging_bytes=staging_bytes, drain_timeout=drain_timeout)
         self.holds = Holds(ctx, self.saves, hold_bytes=hold_bytes)
         self.loads = Loads(ctx, load_timeout=load_timeout, wait_in_step=load_in_step)
-        self.in_step = InStepWrites(ctx)
+        self.in_step = InStepWrites(ctx, self.loads.deadline)
 
     @property
     def mailbox(self) -> Mailbox | None:
@@ -82,7 +82,7 @@ class WorkerSide:
 
     @property
     def lanes(self) -> list[Lane[Any]]:
-        return [self.saves.lane, self.loads.lane]
+        return [self.saves.lane, self.loads.lane, self.in_step.lane]
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
         """Block I/O for every cache group, checked against the layout, and the memory the
@@ -193,4 +193,5 @@ class WorkerSide:
         open under it (the caller closes it only when every side drained)."""
         saves_done = self.saves.close()
         loads_done = self.loads.close(self._drain_timeout)
-        return saves_done and loads_done
+        reads_done = self.in_step.close(min(LOAD_DRAIN_S, self._drain_timeout))
+        return saves_done and loads_done and reads_done
