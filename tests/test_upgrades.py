@@ -54,25 +54,38 @@ def test_two_codec_versions_on_one_store_use_their_own_keys_and_lose_nothing(
     assert before < after  # both caches kept, side by side
 
 
-def test_an_object_of_another_version_is_refused_and_kept_never_deleted(
+def test_an_object_of_another_version_under_its_own_key_is_proved_wrong_and_healed(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Defence in depth: were two releases ever to meet under one key, neither deletes the
-    other's bytes; only bytes proved wrong (checksum, MAC, identity) are removed."""
+    """Releases never meet under one key (the fingerprint names the format), so an object of
+    another version under this release's key is a flipped bit or a forged write: kept, it failed
+    every hit through it forever. A load removes it, the next save writes it again, and audit's
+    repair removes it too; under another release's key the same bytes are that release's, and
+    stay (``codec.proved_wrong``)."""
+    from prefixvault.inventory import audit
+
     store = MemoryStore()
     vault = Vault(store, layout())
     save(vault, PROMPT, [16, 32, 48, 64])
     hashes = vault.hashes(ASK)
     refs = vault.needed(hashes, 48)
     state = next(r for r in refs if r.kind is ObjectKind.STATE)
-    blob = bytearray(store.get_many([state.key])[0] or b"")
-    blob[4] += 1  # the version field: a later release's object of the same family
+    good = bytes(store.get_many([state.key])[0] or b"")
+    blob = bytearray(good)
+    blob[4] += 1  # the version field: one flipped bit
     store.put_many([(state.key, [bytes(blob)])])
     with pytest.raises(IntegrityError) as info:
         decode(bytes(blob))
     assert info.value.reason == "version" and "version" not in codec.PROVED_WRONG
-    got = vault.load(refs)
-    assert got.failed == {state: "version"}
-    assert store.exists_many([state.key]) == [True]  # kept
+    assert codec.proved_wrong("version", own_fingerprint=True)
+    assert not codec.proved_wrong("version", own_fingerprint=False)
+    assert vault.load(refs).failed == {state: "version"}
+    assert store.exists_many([state.key]) == [False]  # removed by the load that found it
+    save(vault, PROMPT, [16, 32, 48, 64])  # the next producer writes it fresh
+    assert vault.load(refs).ok and bytes(store.get_many([state.key])[0] or b"") == good
+    store.put_many([(state.key, [bytes(blob)])])  # and again, for audit to find
+    report = audit(store, repair=True)
+    assert any(f.object_key == state.key and f.problem == "version" for f in report.findings), report
+    assert store.exists_many([state.key]) == [False]
     store.put_many([(state.key, [bytes(len(blob))])])  # no object at all: proved wrong, removed
     assert vault.load(refs).failed == {state: "format"}
     assert store.exists_many([state.key]) == [False]

@@ -65,11 +65,21 @@ _OURS = _FORMAT.pack(MAGIC, VERSION)
 
 #: ``IntegrityError`` reasons that prove bytes wrong for the key they sit under: only those
 #: make a reader remove them. Not among them: ``version`` (an object of this codec's family in
-#: another version: a writer of another release, whose bytes are its own) and ``sealed`` (a
-#: secret this reader lacks). ``format`` is bytes that are no object at all (no magic) or a
-#: header that verifies yet makes no sense: wrong.
+#: another version: a writer of another release, whose bytes are its own, unless the key is
+#: the reader's own: ``proved_wrong``) and ``sealed`` (a secret this reader lacks).
+#: ``format`` is bytes that are no object at all (no magic) or a header that verifies yet makes
+#: no sense: wrong.
 PROVED_WRONG = frozenset({"format", "truncated", "header checksum", "payload checksum", "mac",
                           "identity", "length", "unsealed", "denied"})
+
+
+def proved_wrong(reason: str, own_fingerprint: bool) -> bool:
+    """Whether an ``IntegrityError`` of ``reason`` proves the bytes wrong for their key. Under a
+    key whose fingerprint is the reader's own, ``version`` does too: the fingerprint names the
+    codec and record versions (``CacheLayout.fingerprint``), so no release writes another
+    version's object there; such bytes are a flipped bit or a forged write, and kept they would
+    fail every hit through them forever."""
+    return reason in PROVED_WRONG or (own_fingerprint and reason == "version")
 #: The first bytes of every version's objects.
 MAGIC_FAMILY = b"PVO"
 

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 
 from prefixvault.boundary import needed_blocks
-from prefixvault.codec import PROVED_WRONG, IntegrityError, ObjectKind, decode
+from prefixvault.codec import IntegrityError, ObjectKind, decode, proved_wrong
 from prefixvault.layout import CacheLayout, GroupKind
 from prefixvault.records import BoundaryRecord
 from prefixvault.stores.base import Store
@@ -158,10 +158,11 @@ class _ScopeAudit:
     objects of its own segment, and inherits what its parent's check proved about the KV
     blocks before it, so a chain of records is walked once, not once per record."""
 
-    def __init__(self, store: Store, layout: CacheLayout, namespace: str, report: AuditReport,
-                 batch: int, key: NamespaceKey | None = None) -> None:
+    def __init__(self, store: Store, layout: CacheLayout, namespace: str, fingerprint: str,
+                 report: AuditReport, batch: int, key: NamespaceKey | None = None) -> None:
         self.store = store
         self.vault = Vault(store, layout, namespace, key)
+        self.own = self.vault.fingerprint.hex() == fingerprint  # (its records' keys name its format)
         self.report = report
         self.batch = batch
         self.checked: dict[str, str | None] = {}  # object key -> problem, None when it verifies
@@ -178,7 +179,7 @@ class _ScopeAudit:
                 try:
                     record = BoundaryRecord.decode(blob, self.vault.fingerprint, self.vault.key)
                 except IntegrityError as e:
-                    if e.reason in PROVED_WRONG:
+                    if proved_wrong(e.reason, own_fingerprint=self.own):
                         self.report.findings.append(AuditFinding(rkey, f"unreadable record ({e})"))
                     else:  # another format, or sealed with a secret not given: not ours to judge
                         self.report.unverifiable.append(AuditFinding(rkey, f"cannot be read here ({e})"))
@@ -269,7 +270,7 @@ class _ScopeAudit:
                     self.checked[ref.key] = None
                 except IntegrityError as e:
                     self.checked[ref.key] = e.reason
-                    if e.reason in PROVED_WRONG:
+                    if proved_wrong(e.reason, own_fingerprint=True):  # (named by this vault)
                         self.bad_objects.add(ref.key)
         for ref in refs:
             problem = self.checked.get(ref.key)
@@ -319,7 +320,8 @@ def _sound_alone(blob: bytes, fp: str, rest: list[str], key: str, vault: Vault |
     try:
         header, _ = decode(blob, key=ns_key)
     except IntegrityError as e:
-        return False if e.reason in PROVED_WRONG else None
+        own = vault is not None and vault.fingerprint.hex() == fp
+        return False if proved_wrong(e.reason, own_fingerprint=own) else None
     if (header.kind is not kind or header.fingerprint.hex() != fp or header.key_hash.hex() != rest[3]
             or str(header.group) != rest[1] or str(header.rank) != rest[2]):
         return False
@@ -359,7 +361,7 @@ def audit(store: Store, repair: bool = False, batch: int = 64,
             report.records += len(rkeys)
             report.unverifiable.extend(AuditFinding(k, why) for k in rkeys)
             continue
-        scope = _ScopeAudit(store, layout, ns, report, batch, keys.get(ns))
+        scope = _ScopeAudit(store, layout, ns, fp, report, batch, keys.get(ns))
         scope.run(sorted(rkeys))
         bad_objects |= scope.bad_objects
         checked.update(scope.checked)

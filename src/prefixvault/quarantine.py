@@ -2,12 +2,16 @@
 refused wherever they reappear (invariant 3).
 
 Its record and the states at its boundary (every state group, every rank) are listed in the
-namespace's deny-list by content digest, then removed. The KV blocks of its segment stay: a
-block is named by its tokens alone and shared by every prefix through it (a boundary published
-with no parent names every block from the first), so a wrong restore at one boundary proves
-nothing against them, and listing them would refuse the right bytes of every other boundary
-for as long as the entry lives. What a wrong restore implicates, and what the seed bug's class
-of errors gets wrong, is the state at the boundary.
+namespace's deny-list by content digest, then removed. The KV blocks of its segment (those its
+record names, past its parent) are removed too, but not listed: a block is named by its tokens
+alone and shared by every prefix through it, so a wrong restore at one boundary does not prove
+them wrong, and listing them would refuse the right bytes of every other boundary for as long
+as the entry lives; yet they may be what was wrong (a layout or copy bug of the producer), and
+kept, a re-published boundary would skip them as present and serve them again. Removed, the
+next producer writes them fresh, and other prefixes through them restore a shorter hit until
+then. (A worker's hot set, ``load_cache_mib``, may still hold them until they age out of it.)
+What a wrong restore implicates first, and what the seed bug's class of errors gets wrong, is
+the state at the boundary.
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ class Quarantine:
 
     def take_out(self, record_key: str) -> list[str]:
         """Take out the boundary whose record is ``record_key``: list the digests of its record
-        and of its states in the deny-list, then remove them. Returns the keys removed."""
+        and of its states in the deny-list, then remove them and its segment's KV blocks.
+        Returns the keys removed."""
         prefix = self.keys.record_prefix()
         hexed = record_key[len(prefix):] if record_key.startswith(prefix) else ""
         try:
@@ -84,6 +89,17 @@ class Quarantine:
             digests.append((ref.key, content_digest(header, body)))
         if digests:
             self.deny.add(digests)
-        keys = list(dict.fromkeys([record_key, *(r.key for r in refs)]))
+        keys = list(dict.fromkeys([record_key, *(r.key for r in refs), *self._segment(record)]))
         self.store.delete_many(keys)
         return keys
+
+    def _segment(self, record: BoundaryRecord | None) -> list[str]:
+        """The keys of the KV blocks a record names (its segment, every KV group and rank)."""
+        if record is None:
+            return []
+        n = -(-record.tokens // self.layout.block_size)
+        tail = record.tokens if record.tail else None  # its last block, partly filled, is its own
+        ranks = range(self.layout.world_size)
+        return [self.names.block_ref(gi, r, h, i, tail if i == n - 1 else None).key
+                for gi, g in enumerate(self.layout.groups) if not g.is_state
+                for i, h in enumerate(record.hashes, record.first_block) for r in ranks]
