@@ -15,13 +15,26 @@ from prefixvault.vllm.in_step import ReadAhead, ReadAheadBudget
 from prefixvault.vllm.request import Restore, WrongPhase
 
 #: Every transition, with what it needs; each is tried in every phase.
-MOVES = ("look_up", "wait_for_save", "answer", "answer_ahead", "hand_over", "take_back", "let_go",
-         "ask_agreed", "allocated", "load", "restart", "give_up", "finish")
+MOVES = ("look_up", "lands", "wait_for_save", "answer", "answer_ahead", "hand_over", "take_back",
+         "let_go", "ask_agreed", "allocated", "load", "restart", "give_up", "finish")
 
 
-def _move(r: Restore, move: str, budget: ReadAheadBudget) -> None:
+def _land(future: Future[Any], budget: ReadAheadBudget) -> None:
+    """The lookup lane answers, with bytes read ahead (counted in the budget), if not yet."""
+    if not future.done():
+        assert budget.take(100)
+        future.set_result(([], None, ReadAhead(objects={}, nbytes=100, budget=budget)))
+
+
+def _move(r: Restore, move: str, budget: ReadAheadBudget, futures: list[Future[Any]] | None = None) -> None:
     if move == "look_up":
-        r.look_up(Future(), local=0, now=0.0)
+        future: Future[Any] = Future()
+        r.look_up(future, local=0, now=0.0)
+        if futures is not None:
+            futures.append(future)
+    elif move == "lands":
+        if futures:
+            _land(futures[-1], budget)
     elif move == "wait_for_save":
         r.wait_for_save()
     elif move == "answer":
@@ -72,6 +85,29 @@ def test_bytes_read_ahead_are_held_only_by_an_answered_restore(moves: list[str])
         assert ahead is None or isinstance(r.phase, rq.Answered | rq.HandedOver)
     r.finish()
     assert budget.held == 0 and isinstance(r.phase, rq.Computed)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.sampled_from(MOVES), max_size=30))
+def test_bytes_a_lookup_reads_ahead_come_back_whenever_it_lands(moves: list[str]) -> None:
+    """A lookup that lands after its request moved on (it finished, was aborted, or its lookup
+    timed out and was answered as a miss) still gives its bytes back: no interleaving of the
+    lane's answers with vLLM's calls leaks any of the read-ahead budget."""
+    budget = ReadAheadBudget(1 << 20)
+    r = Restore()
+    futures: list[Future[Any]] = []
+    for move in moves:
+        before = type(r.phase)
+        try:
+            _move(r, move, budget, futures)
+        except WrongPhase:
+            assert type(r.phase) is before
+        ahead = r.read_ahead
+        assert budget.held >= (ahead.nbytes if ahead is not None else 0)
+    r.finish()
+    for future in futures:  # every lookup lands at last
+        _land(future, budget)
+    assert budget.held == 0, (moves, r)
 
 
 def test_each_transition_checks_where_it_comes_from() -> None:

@@ -26,6 +26,7 @@ back to the read-ahead budget), so none outlives its request's restore.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -148,11 +149,14 @@ class Restore:
             raise WrongPhase(f"restore in {type(self.phase).__name__}, expected {names}")
 
     def _become(self, phase: Phase) -> None:
-        """Enter ``phase``; bytes read ahead that it does not carry on are let go of."""
-        held = self.read_ahead
+        """Enter ``phase``; bytes read ahead that it does not carry on are let go of, and so are
+        those a lookup it leaves reads ahead for it later (it lands after a timeout or an abort)."""
+        held, left = self.read_ahead, self.phase
         self.phase = phase
         if held is not None and held is not self.read_ahead:
             held.release()
+        if isinstance(left, LookingUp):
+            left.lookup.add_done_callback(functools.partial(_release_unadopted, adopted=self.read_ahead))
 
     def look_up(self, lookup: Future[Answer], local: int, now: float) -> None:
         self._expect(New, WaitingForSave)
@@ -227,6 +231,16 @@ class Restore:
         if lookup is not None:
             lookup.cancel()
         self._become(Computed())
+
+
+def _release_unadopted(lookup: Future[Answer], adopted: ReadAhead | None) -> None:
+    """Let go of the bytes a lookup read ahead unless the phase after it carries them (it runs
+    on the lookup lane's thread when the lookup lands after its request moved on)."""
+    if lookup.cancelled() or lookup.exception() is not None:
+        return
+    ahead = lookup.result()[2]
+    if ahead is not None and ahead is not adopted:
+        ahead.release()
 
 
 def lora_key(lora: Any) -> str:
