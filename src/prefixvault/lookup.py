@@ -61,6 +61,7 @@ class Miss(StrEnum):
     LOOKUP_TIMEOUT = "lookup_timeout"  # the lookup took longer than the connector's lookup_timeout
     INTERNAL_ERROR = "internal_error"  # an error of prefixvault's own (a bug: logged with its traceback)
     BUSY = "busy"  # the connector's lookup queue was full, or it was shutting down: not looked up
+    WORKER_OFF = "worker_off"  # a worker of the engine went off (its caches unusable): no hit is offered
 
 
 @dataclass(frozen=True)

@@ -386,6 +386,7 @@ class Engine:
         self.inside_published = 0  # in-chunk checkpoints the connector planned
         self.hits = 0  # lookup answers > 0
         self.loads_in_step = 0  # synchronous loads (written before the step's forward)
+        self.worker_goes_off = False  # set: the next step's workers report their worker went off
         self.state_copies = 0  # states of synchronous loads also written for another request
         engine_id = str(scheduler.vllm_config.kv_transfer_config.engine_id)
         self.handoff = Mailboxes.serve(engine_id, "uni") if in_process_worker else None
@@ -446,6 +447,9 @@ class Engine:
             return
         if n is None:
             return  # undetermined: vLLM asks again next step
+        if self.connector.scheduler.worker_off is not None:
+            p.check(ask.answer == (0, False), f"{rid}: its engine's worker is off, answered {ask.answer}")
+            return
         tokens = list(request.all_token_ids)
         # with state, a tail boundary up to one token short of the prompt; else a block boundary
         limit = (resume_limit(request.num_tokens) if self.state_groups
@@ -569,6 +573,9 @@ class Engine:
         # a synchronous load is written before the forward: vLLM is told of asynchronous ones only
         recving = {load.req_id for load in meta.loads if not load.in_step}
         saves = [s for s in meta.saves if not s.hold]
+        if self.worker_goes_off:  # the worker could not use its caches: it says so once
+            self.worker_goes_off = False
+            return recving, SavesSettled(off=1)
         if not saves:
             return recving, None
 

@@ -89,6 +89,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         # included): an error of ours becomes a miss, a skipped save or a recomputed load,
         # never an exception into the engine.
         self.guard = Guard()
+        self._off_reported = False  # (worker side) its going off was told to the scheduler
         # Invariant: the sides' threads, queues and locks live in the process that made them.
         # A forked child has none of those threads, and a lock one of them held at the fork is
         # never released there: the child gets ``ForkedConnector`` from every call that reaches
@@ -324,9 +325,12 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             return None
         settled: list[tuple[str, bool]] = self.guard.call("build_connector_worker_meta", worker.take_settled,
                                                           lambda: [])
-        if not settled:
+        off = worker.disabled is not None and not self._off_reported
+        if not settled and not off:
             return None
-        return SavesSettled(Counter(sid for sid, _ in settled), Counter(sid for sid, ok in settled if not ok))
+        self._off_reported = self._off_reported or off
+        return SavesSettled(Counter(sid for sid, _ in settled), Counter(sid for sid, ok in settled if not ok),
+                            off=int(off))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta

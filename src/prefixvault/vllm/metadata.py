@@ -95,14 +95,17 @@ def save_id(step: int, req_id: str) -> str:
 @dataclass
 class SavesSettled(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler after a step: saves stored or dropped, by
-    ``save_id``, with how many ranks settled each (vLLM sums the ranks' reports)."""
+    ``save_id``, with how many ranks settled each (vLLM sums the ranks' reports), and the ranks
+    whose worker went off since (it writes no load: the scheduler stops offering hits)."""
 
     ranks: Counter[str] = field(default_factory=Counter)
     # saves some rank did not fully publish (dropped, failed, refused), by ranks
     failed: Counter[str] = field(default_factory=Counter)
+    off: int = 0  # ranks whose worker went off, each reported once
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> SavesSettled:
         if isinstance(other, SavesSettled):
             self.ranks.update(other.ranks)
             self.failed.update(other.failed)
+            self.off += other.off
         return self

@@ -16,6 +16,7 @@ save, or a load that fails and is recomputed, never an exception into the engine
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Sequence
@@ -26,7 +27,7 @@ from prefixvault.guard import Guard
 from prefixvault.lane import Lane
 from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample
-from prefixvault.vault import Vault, producer_id
+from prefixvault.vault import Miss, Vault, producer_id
 from prefixvault.vllm.compat import InternalCheckpoints, skips_external
 from prefixvault.vllm.config import ConnectorSettings
 from prefixvault.vllm.in_step import READ_AHEAD_BYTES, InStepHandover, ReadAheadBudget
@@ -38,6 +39,8 @@ from prefixvault.vllm.restores import Restores
 from prefixvault.vllm.save_plans import HoldDrop, SavePlans
 from prefixvault.vllm.scheduler_context import SchedulerContext, SchedulerCounters
 from prefixvault.vllm.verify_samples import SampleWriter
+
+log = logging.getLogger("vllm.prefixvault")
 
 #: How long closing the connector waits for samples still being written.
 SAMPLE_DRAIN_S = 5.0
@@ -57,6 +60,7 @@ class SchedulerSide:
         self.vault = vault
         self.load_enabled = load
         self.save_enabled = save
+        self.worker_off: str | None = None  # why no hit is offered nor save planned any more
         self.counters = SchedulerCounters()
         self._reqs: dict[str, TrackedRequest] = {}
         self._step = 0
@@ -143,6 +147,11 @@ class SchedulerSide:
             self.saves.drop_hold(tr, HoldDrop.PREEMPTED)
         if not self.load_enabled or self.restores is None or skips_external(request):
             return 0, False  # (vLLM would not load it: no lookup, nothing counted)
+        if self.worker_off is not None:
+            if not tr.counted and self.vault is not None:
+                tr.counted = True
+                self.vault.counters.tally("misses", Miss.WORKER_OFF.value)
+            return 0, False
         return self.restores.answer(tr, request, num_computed_tokens)
 
     def _allocated(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
@@ -180,16 +189,23 @@ class SchedulerSide:
         now = time.monotonic()
         self.saves.in_flight.forget_older_than(now)
         meta.releases = self.saves.take_releases(self._step, now)
-        if self.save_enabled:
+        if self.save_enabled and self.worker_off is None:
             saves = self.saves
             meta.saves = self.guard.call("build_connector_meta",
                                          lambda: saves.plan(scheduler_output, self._step, self._reqs), list)
         return meta
 
     def settle(self, report: SavesSettled) -> None:
-        """Workers' reports of saves stored or dropped (``SavePlans.settle``)."""
+        """Workers' reports of saves stored or dropped (``SavePlans.settle``), and of workers
+        gone off: a worker that writes no load would make every hit a load that fails, is
+        recomputed and looked up again, slower than no connector; so hits stop being offered
+        (each request a miss, ``worker_off``) and saves stop being planned."""
         if self.saves is not None:
             self.saves.settle(report, self._reqs)
+        if report.off and self.worker_off is None:
+            self.worker_off = f"{report.off} worker(s) of this engine went off"
+            log.warning("prefixvault: %s (their caches could not be used; logged by the worker): no "
+                        "request is restored or saved from now on", self.worker_off)
 
     def _sample(self, request: Any, tr: TrackedRequest, loaded: int) -> None:
         """Maybe take a verification sample of a restored greedy request (``verify_sample``):
