@@ -220,3 +220,23 @@ def test_mailboxes_of_schedulers_that_are_gone_are_removed_when_a_worker_starts(
         assert not left.exists() and alive.exists()
     finally:
         worker.stop()
+
+
+def test_a_mailbox_of_another_pid_namespace_is_never_taken_for_dead(tmp_path: Path) -> None:
+    """Containers sharing /dev/shm (``--ipc=host``): a process id of another PID namespace may be
+    free in this one while its engine runs; its mailbox is not this worker's to sweep."""
+    from prefixvault.vllm.mailbox import pid_namespace
+
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(10)
+    ours = shared_dir(gone.pid, "engine-j", tmp_path)
+    theirs = tmp_path / ours.name.replace(f"-{pid_namespace()}-", f"-{pid_namespace() + 1}-")
+    assert theirs != ours and pid_namespace() != 0
+    for path in (ours, theirs):
+        path.mkdir(mode=0o700)
+    worker = Worker("engine-j", tmp_path)
+    try:
+        assert worker.first == "serving"
+        assert not ours.exists() and theirs.exists()  # this namespace's dead one only
+    finally:
+        worker.stop()

@@ -123,9 +123,26 @@ _REFUSED = "refused"  # two workers served this engine id to one scheduler proce
 _HEADER = struct.Struct("<Q")
 
 
+def pid_namespace() -> int:
+    """This process's PID namespace (the inode of ``/proc/self/ns/pid``; 0 where unknown).
+    Containers sharing /dev/shm (``--ipc=host``) each have their own: a process id means
+    something only within one."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _prefix() -> str:
+    """The start of every mailbox name of this user in this PID namespace."""
+    return f"prefixvault-handoff-{os.getuid()}-{pid_namespace()}-"
+
+
 def shared_dir(scheduler_pid: int, engine_id: str, root: Path | None = None) -> Path:
+    """A mailbox's directory, named by its user, its PID namespace, its scheduler's process and
+    its engine id."""
     digest = hashlib.sha256(engine_id.encode()).hexdigest()[:16]
-    return (root or SHARED_ROOT) / f"prefixvault-handoff-{os.getuid()}-{scheduler_pid}-{digest}"
+    return (root or SHARED_ROOT) / f"{_prefix()}{scheduler_pid}-{digest}"
 
 
 def _alive(pid: int) -> bool:
@@ -287,8 +304,9 @@ def _parse(data: memoryview) -> dict[str, memoryview]:
 
 def _sweep(root: Path) -> None:
     """Remove this user's mailboxes whose scheduler's process is gone (an engine killed, or
-    one whose id two workers served): nothing will write to or take from them."""
-    prefix = f"prefixvault-handoff-{os.getuid()}-"
+    one whose id two workers served): nothing will write to or take from them. Only those of
+    this PID namespace: another container's process ids are not this one's to judge."""
+    prefix = _prefix()
     with contextlib.suppress(OSError):
         for entry in os.scandir(root):
             name = entry.name.lstrip(".")  # (one made aside by a worker that died before it was in place)
