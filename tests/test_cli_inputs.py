@@ -136,6 +136,28 @@ def test_out_of_range_sizes_are_refused_before_any_work(monkeypatch: pytest.Monk
     _one_line(["repro", "--store", "memory://"], "separate processes")
 
 
+def test_repro_of_a_model_needing_torchvision_says_what_to_install(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The project's venv has no torchvision on its path (the engine tests add a copy of their
+    own): a Qwen3.5 checkpoint's engine would fail at start with a pydantic error."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("torchvision") is not None:
+        monkeypatch.setitem(sys.modules, "torchvision", None)  # (as where it is not installed)
+    model = tmp_path / "qwen35"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"architectures": ["Qwen3_5ForCausalLM"]}))
+    import prefixvault.repro
+
+    def built(*args: object, **kwargs: object) -> None:
+        raise AssertionError("repro started before saying what is missing")
+
+    monkeypatch.setattr(prefixvault.repro, "run_repro", built)
+    _one_line(["repro", "--model", str(model)], "imports torchvision")
+    _one_line(["repro", "--profile", "qwen3.5"], "imports torchvision")
+
+
 def test_the_demo_refuses_a_store_its_processes_cannot_share() -> None:
     _one_line(["demo", "--store", "memory://"], "separate processes")
 

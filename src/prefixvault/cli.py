@@ -364,6 +364,7 @@ def repro(
         except InputError as e:
             raise _fail(str(e)) from None
     _check_repro_connector(store, capture, capture_outputs)
+    _check_vision_import(model, profile)
     try:
         import vllm  # noqa: F401
     except ImportError:
@@ -406,6 +407,34 @@ def repro(
     if json_out:
         print(to_json(result))
     raise typer.Exit(0 if result.ok else 1)
+
+
+#: Architectures whose vLLM code imports torchvision (Qwen3.5 builds on the Qwen3-VL code).
+NEEDS_TORCHVISION = ("Qwen3_5",)
+
+
+def _check_vision_import(model: str, profile: str) -> None:
+    """A model whose vLLM code imports torchvision fails deep in an engine's start without it
+    (a pydantic error for ModelConfig, the cause in the engine's log): say so at once."""
+    import json
+    from pathlib import Path
+
+    if model:
+        try:
+            architectures = json.loads((Path(model) / "config.json").read_text()).get("architectures") or []
+        except (OSError, ValueError, AttributeError):
+            return  # a hub id or no config here: the engine says what is wrong
+    else:
+        architectures = [PROFILES[profile].architecture]
+    if not any(str(a).startswith(NEEDS_TORCHVISION) for a in architectures):
+        return
+    try:
+        import torchvision  # noqa: F401
+    except Exception as e:  # missing, or a CUDA build whose ops cannot load beside a CPU torch
+        raise _fail(f"{architectures[0]}'s vLLM code imports torchvision, which cannot be imported here "
+                    f"({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''}): install the "
+                    "torchvision release paired with your torch (a CPU build for vLLM's CPU build: "
+                    "pip install torchvision --index-url https://download.pytorch.org/whl/cpu)") from None
 
 
 def _check_repro_connector(store: str, capture: str, capture_outputs: bool) -> None:
