@@ -62,6 +62,7 @@ class Miss(StrEnum):
     INTERNAL_ERROR = "internal_error"  # an error of prefixvault's own (a bug: logged with its traceback)
     BUSY = "busy"  # the connector's lookup queue was full, or it was shutting down: not looked up
     WORKER_OFF = "worker_off"  # a worker of the engine went off (its caches unusable): no hit is offered
+    RESET = "reset"  # the engine's cache was reset (a weight update): nothing stored before is restored
 
 
 @dataclass(frozen=True)

@@ -447,7 +447,7 @@ class Engine:
             return
         if n is None:
             return  # undetermined: vLLM asks again next step
-        if self.connector.scheduler.worker_off is not None:
+        if self.connector.scheduler.off is not None:
             p.check(ask.answer == (0, False), f"{rid}: its engine's worker is off, answered {ask.answer}")
             return
         tokens = list(request.all_token_ids)

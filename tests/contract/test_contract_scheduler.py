@@ -428,8 +428,26 @@ def test_a_worker_gone_off_stops_hits_and_saves(engines: Engines, geo: Geometry)
     b = engines(geo, a.store, budget=2 * bs)
     b.worker_goes_off = True
     b.run({0: [make_request("warm", prompts(12, 9)[0], geo)]})  # (a step that carries the report)
-    assert b.connector.scheduler.worker_off is not None
+    assert b.connector.scheduler.off is not None
     b.run({0: [make_request("b", first + prompts(13, 9)[0], geo)]})
     assert b.loads["b"] == 0 and all(x.answer == (0, False) for x in b.asks if x.req_id == "b")
     assert b.vault.counters.misses.get("worker_off", 0) == 1
     assert not any(s.meta.saves for s in b.steps[-3:])
+
+
+@_geo([GEOMETRIES[0]])
+def test_a_reset_of_the_engines_cache_restores_and_saves_nothing_stored_before(engines: Engines,
+                                                                              geo: Geometry) -> None:
+    """vLLM's ``reset_prefix_cache(reset_connector=True)`` (``/reset_prefix_cache``, as after an
+    in-place weight update) asks the connector to reset too: the store holds what the old
+    weights computed, so from then on this engine restores none of it (a miss, ``reset``) and
+    saves nothing (other engines of the namespace may still run the old weights)."""
+    bs = geo.block_size
+    first = prompts(21, 2 * bs + 5)[0]
+    a = engines(geo, budget=2 * bs)
+    a.run({0: [make_request("a", first, geo)]})
+    b = engines(geo, a.store, budget=2 * bs)
+    assert b.scheduler.reset_prefix_cache(reset_connector=True) is True
+    b.run({0: [make_request("b", first + prompts(22, 9)[0], geo)]})
+    assert b.loads["b"] == 0 and b.vault.counters.misses.get("reset", 0) == 1
+    assert not any(s.meta.saves for s in b.steps)

@@ -252,6 +252,15 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             return False, None
         return self.scheduler.request_finished(request, block_ids), None
 
+    def reset_cache(self) -> bool | None:
+        """vLLM resets the engine's prefix cache with the connector's part (0.32-0.34: as after
+        an in-place weight update): nothing stored before is restored or saved by this engine
+        from now on (``SchedulerSide.reset``)."""
+        scheduler = self.scheduler
+        if scheduler is None:
+            return None  # (no store in use: nothing to reset)
+        return bool(self.guard.call("reset_cache", scheduler.reset, lambda: False))
+
     # -- worker side ------------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:

@@ -60,7 +60,9 @@ class SchedulerSide:
         self.vault = vault
         self.load_enabled = load
         self.save_enabled = save
-        self.worker_off: str | None = None  # why no hit is offered nor save planned any more
+        # Why no hit is offered nor save planned any more (a worker went off, or the engine's
+        # cache was reset), or None.
+        self.off: Miss | None = None
         self.counters = SchedulerCounters()
         self._reqs: dict[str, TrackedRequest] = {}
         self._step = 0
@@ -147,10 +149,10 @@ class SchedulerSide:
             self.saves.drop_hold(tr, HoldDrop.PREEMPTED)
         if not self.load_enabled or self.restores is None or skips_external(request):
             return 0, False  # (vLLM would not load it: no lookup, nothing counted)
-        if self.worker_off is not None:
+        if self.off is not None:
             if not tr.counted and self.vault is not None:
                 tr.counted = True
-                self.vault.counters.tally("misses", Miss.WORKER_OFF.value)
+                self.vault.counters.tally("misses", self.off.value)
             return 0, False
         return self.restores.answer(tr, request, num_computed_tokens)
 
@@ -189,7 +191,7 @@ class SchedulerSide:
         now = time.monotonic()
         self.saves.in_flight.forget_older_than(now)
         meta.releases = self.saves.take_releases(self._step, now)
-        if self.save_enabled and self.worker_off is None:
+        if self.save_enabled and self.off is None:
             saves = self.saves
             meta.saves = self.guard.call("build_connector_meta",
                                          lambda: saves.plan(scheduler_output, self._step, self._reqs), list)
@@ -202,10 +204,24 @@ class SchedulerSide:
         (each request a miss, ``worker_off``) and saves stop being planned."""
         if self.saves is not None:
             self.saves.settle(report, self._reqs)
-        if report.off and self.worker_off is None:
-            self.worker_off = f"{report.off} worker(s) of this engine went off"
-            log.warning("prefixvault: %s (their caches could not be used; logged by the worker): no "
-                        "request is restored or saved from now on", self.worker_off)
+        if report.off and self.off is None:
+            self.off = Miss.WORKER_OFF
+            log.warning("prefixvault: %d worker(s) of this engine went off (their caches could not be used; "
+                        "logged by the worker): no request is restored or saved from now on", report.off)
+
+    def reset(self) -> bool:
+        """vLLM resets the engine's prefix cache (``/reset_prefix_cache`` with the connector's
+        part, as after an in-place weight update): everything stored so far was computed with
+        the weights before, so nothing is restored from now on, and nothing saved (other engines
+        of the namespace may still run the old weights). The store is not emptied: engines of
+        the old weights keep using it. Serving the new weights' cache takes a namespace of
+        their own (docs/operations.md, "Updating the model's weights")."""
+        if self.off is not Miss.RESET:
+            log.warning("prefixvault: the engine's prefix cache was reset: nothing in the store (namespace "
+                        "%s) is restored or saved by this engine from now on; start it with a namespace "
+                        "for the new weights to share their cache", self.settings.namespace)
+        self.off = Miss.RESET
+        return True
 
     def _sample(self, request: Any, tr: TrackedRequest, loaded: int) -> None:
         """Maybe take a verification sample of a restored greedy request (``verify_sample``):
