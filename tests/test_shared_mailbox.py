@@ -232,11 +232,13 @@ def test_a_mailbox_of_another_pid_namespace_is_never_taken_for_dead(tmp_path: Pa
     ours = shared_dir(gone.pid, "engine-j", tmp_path)
     theirs = tmp_path / ours.name.replace(f"-{pid_namespace()}-", f"-{pid_namespace() + 1}-")
     assert theirs != ours and pid_namespace() != 0
-    for path in (ours, theirs):
+    # (and a process id no system has: not this worker's to judge, never a failed start)
+    odd = tmp_path / ours.name.replace(f"-{gone.pid}-", "-99999999999999-")
+    for path in (ours, theirs, odd):
         path.mkdir(mode=0o700)
     worker = Worker("engine-j", tmp_path)
     try:
         assert worker.first == "serving"
-        assert not ours.exists() and theirs.exists()  # this namespace's dead one only
+        assert not ours.exists() and theirs.exists() and odd.exists()  # this namespace's dead one only
     finally:
         worker.stop()

@@ -103,6 +103,33 @@ def shared(seed: Seed, workdir: Path) -> str:
     return store_uri
 
 
+@pytest.mark.parametrize(("fault", "in_step"), [("handed", True), ("removed", False)])
+def test_a_fault_between_lookup_and_load_costs_a_hit_never_a_byte_or_the_engine(
+        fault: str, in_step: bool, seed: Seed, cold: list[Completion], workdir: Path, shared: str) -> None:
+    """Between a restore's lookup and its load (``tampering_connector``): the bytes handed to the
+    worker for a synchronous load changed after the hand-over (each refused by the worker's
+    verification, read from the store: restored in the step all the same), or every object of
+    an asynchronous load removed from the store (the load fails, vLLM recomputes: a miss). The
+    engine serves on, and the output is cold's, token for token and logprob for logprob."""
+    store_uri = shared if fault == "handed" else f"local://{workdir}/removed?capacity=1GiB"
+    if fault == "removed":
+        run(seed, spec(seed, "kv_producer", [seed.producer], [""], store_uri), workdir)
+    case = seed.cases[1]
+    got, metrics = run_with_metrics(
+        seed, spec(seed, "kv_consumer", [case.tokens], [""], store_uri, connector="TamperingConnector",
+                   connector_module="tampering_connector", extra_config={"restore_in_step": in_step}),
+        workdir / f"tamper-{fault}", env={"PREFIXVAULT_TAMPER": fault})
+    assert identical(cold[1], got[0]), f"{fault}: differs from cold"
+    rejected = sum(v for k, v in metrics.items() if k.startswith("rejected:"))
+    if fault == "handed":
+        assert got[0].cached_tokens == case.expected_hit > 0, metrics
+        assert metrics.get("loads_in_step", 0) >= 1 and metrics.get("loads_in_step_read", 0) >= 1, metrics
+        assert rejected >= 1 and metrics.get("load_failures", 0) == 0, metrics
+    else:
+        assert metrics.get("load_failures:missing", 0) >= 1, metrics
+        assert got[0].cached_tokens < case.expected_hit, metrics
+
+
 def test_two_consumer_engines_at_once(seed: Seed, cold: list[Completion], workdir: Path, shared: str) -> None:
     store_uri = shared
     picks = [0, 1]

@@ -134,8 +134,10 @@ def pid_namespace() -> int:
 
 
 def _prefix() -> str:
-    """The start of every mailbox name of this user in this PID namespace."""
-    return f"prefixvault-handoff-{os.getuid()}-{pid_namespace()}-"
+    """The start of every mailbox name of this user in this PID namespace. (Not the
+    ``prefixvault-handoff-`` of releases before the namespace was in the name: a worker of such
+    a release, started beside this one's engines, would read the namespace as a process id.)"""
+    return f"prefixvault-mailbox-{os.getuid()}-{pid_namespace()}-"
 
 
 def shared_dir(scheduler_pid: int, engine_id: str, root: Path | None = None) -> Path:
@@ -150,7 +152,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # another user's: alive
+    except (PermissionError, OverflowError, ValueError):  # another user's, or no pid here: not ours to judge
         return True
     return True
 

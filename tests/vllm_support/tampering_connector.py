@@ -1,0 +1,53 @@
+"""prefixvault's connector with faults injected between a restore's lookup and its load, for the
+fault tests. ``PREFIXVAULT_TAMPER`` says which:
+
+- ``handed``: one bit of every object handed to the worker for a synchronous load is flipped
+  after the scheduler handed it over (as a process of the same user could in the mailbox);
+- ``removed``: every object a load reads is removed from the store once vLLM allocated it.
+
+Never use it elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from prefixvault.vllm.connector import PrefixVaultConnector
+from prefixvault.vllm.in_step import InStepHandover, ReadAhead
+from prefixvault.vllm.restores import Restores
+from prefixvault.vllm.scheduler import SchedulerSide
+
+
+class TamperedHandover(InStepHandover):
+    def hand_over(self, req_id: str, read_ahead: ReadAhead | None, refs: Sequence[Any], step: int) -> int:
+        token = super().hand_over(req_id, read_ahead, refs, step)
+        if token and read_ahead is not None:
+            for ref in refs:
+                read_ahead.objects[ref][-1] ^= 0x01  # the bytes the worker takes: its last payload byte
+        return token
+
+
+class RemovingRestores(Restores):
+    def allocated(self, tr: Any, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        super().allocated(tr, request, blocks, num_external_tokens)
+        for load in self._pending:
+            if load.req_id == tr.req_id and load.hashes:
+                refs = self.vault.needed(load.hashes, load.tokens, since=load.local_tokens)
+                self.vault.store.delete_many([r.key for r in refs])
+
+
+class TamperingConnector(PrefixVaultConnector):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        side: SchedulerSide | None = self.scheduler
+        fault = os.environ.get("PREFIXVAULT_TAMPER", "")
+        if side is None or side.restores is None:
+            return
+        if fault == "handed":
+            side.handover.__class__ = TamperedHandover
+        elif fault == "removed":
+            side.restores.__class__ = RemovingRestores
+        else:
+            raise ValueError(f"PREFIXVAULT_TAMPER={fault!r}: handed or removed")
