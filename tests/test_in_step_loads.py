@@ -5,6 +5,7 @@ vault, store and CPU tensors; no engine (the contract suite drives vLLM's schedu
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import Any
@@ -19,7 +20,7 @@ from prefixvault.keys import ExtraKeys
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.tenancy import NamespaceKey
 from prefixvault.vault import Vault
-from prefixvault.vllm.in_step import ReadAheadBudget
+from prefixvault.vllm.in_step import InStepHandover, ReadAheadBudget
 from prefixvault.vllm.lookups import Lookups
 from prefixvault.vllm.mailbox import Mailboxes, MemoryMailbox
 from prefixvault.vllm.metadata import LoadMode, LoadSpec
@@ -257,6 +258,17 @@ def test_only_an_engine_whose_worker_serves_handoffs_gets_synchronous_loads() ->
     handoff.withdraw()
     assert Mailboxes.find("engine-x") is None
     assert Mailboxes.serve("engine-x", "ray") is None  # a worker of another executor: none
+
+
+def test_losing_the_workers_mailbox_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
+    handover = InStepHandover(layout(), ReadAheadBudget(1 << 20), "engine-z")
+    assert not handover.reads_ahead()  # never found: nothing to say
+    mailbox = Mailboxes.serve("engine-z", "uni")
+    assert mailbox is not None and handover.reads_ahead()
+    mailbox.withdraw()
+    with caplog.at_level(logging.WARNING, logger="vllm.prefixvault"):
+        assert not handover.reads_ahead() and not handover.reads_ahead()
+    assert caplog.text.count("mailbox for synchronous loads is gone") == 1
 
 
 def test_an_engine_id_two_workers_of_one_process_serve_is_served_by_neither() -> None:

@@ -113,9 +113,18 @@ class InStepHandover:
         self.budget = budget
         self.engine_id = engine_id
         self.state_groups = [i for i, g in enumerate(layout.groups) if g.is_state]
+        self._found = False  # a worker's mailbox was found once (its loss is then said, once)
 
     def mailbox(self) -> Mailbox | None:
-        return Mailboxes.find(self.engine_id)
+        found = Mailboxes.find(self.engine_id)
+        if found is not None:
+            self._found = True
+        elif self._found:
+            self._found = False
+            log.warning("prefixvault: the worker's mailbox for synchronous loads is gone (the worker stopped "
+                        "taking them, or its directory in shared memory was removed): restores load one "
+                        "step later from now on")
+        return found
 
     @property
     def held(self) -> int:
