@@ -66,6 +66,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from prefixvault.scenarios.engine import common_prefix
+
 TEMPLATES = ("keep", "drop")
 #: Lengths in tokens (inclusive ranges).
 SYSTEM = (100, 300)
@@ -141,15 +143,6 @@ def conversation(t: Texts, answers: Sequence[str], template: str) -> list[dict[s
         if i < n:
             out.append({"role": "assistant", "content": answers[i] if template == "keep" else ""})
     return out
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def recomputed(prompt: Sequence[int], previous_prompt: Sequence[int], previous_answer: Sequence[int],
