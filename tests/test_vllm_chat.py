@@ -98,8 +98,9 @@ def test_a_chat_resumes_each_turn_from_the_store_and_matches_cold(tmp_path: Path
     # its own process gives logprobs ~1e-6 apart from one in-process, connector or not (its
     # cause is vLLM's, not established); every server here runs the same way.
     env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    commands = [serve_command(str(model), store, "kv_both", capture="reuse", extra=flags)
-                for _ in range(2)]
+    # every hit restored: the test checks where each turn restores to, not whether it pays
+    commands = [serve_command(str(model), store, "kv_both", capture="reuse", extra=flags,
+                              restore_when="always") for _ in range(2)]
     at = commands[1].index("--kv-transfer-config") + 1
     ktc = json.loads(commands[1][at])
     ktc["kv_connector_extra_config"]["capture_outputs"] = True

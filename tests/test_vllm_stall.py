@@ -95,7 +95,9 @@ def test_a_stalled_store_does_not_stall_decoding(tmp_path: Path) -> None:
     store = f"redis://127.0.0.1:{link.port}/0?timeout=30"
     flags = [*engine_flags(engine), "--served-model-name", "tiny"]
     try:
-        with server(serve_command(str(model), store, "kv_both", extra=flags), tmp_path / "server.log",
+        # every request looked up (restore_when: always), into the stalled store too
+        with server(serve_command(str(model), store, "kv_both", extra=flags, restore_when="always"),
+                    tmp_path / "server.log",
                     {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}) as url:
             gaps_while_another_arrives(url, 0)  # warm up
             fast = gaps_while_another_arrives(url, 1)

@@ -55,6 +55,11 @@ def test_stats_add_up_across_ranks_and_steps() -> None:
     merged = a.aggregate(b)
     assert merged.reduce() == {"hit_tokens": 512, "put_keys": 3}
     assert not merged.is_empty() and PrefixVaultStats().is_empty()
+    gauges = PrefixVaultStats()
+    gauges.set_gauges({"lookup_us": 900, "step_us": 40000, "not_a_gauge": 1})
+    assert gauges.is_empty(), "estimates alone are nothing to report"
+    gauges.aggregate(PrefixVaultStats(data={"estimate_lookup_us": 700, "put_keys": 1}))
+    assert gauges.reduce() == {"estimate_lookup_us": 700, "estimate_step_us": 40000, "put_keys": 1}  # latest
 
 
 def test_prometheus_counters_by_reason() -> None:
@@ -63,11 +68,19 @@ def test_prometheus_counters_by_reason() -> None:
     def counter(*args: object, **kw: object) -> Counter:
         return Counter(*args, registry=registry, **kw)  # type: ignore[arg-type]
 
+    def gauge(*args: object, **kw: object) -> Gauge:
+        return Gauge(*args, registry=registry, **kw)  # type: ignore[arg-type]
+
     class Cfg:
         kv_transfer_config = None
 
-    prom = PrefixVaultPromMetrics(Cfg(), {Counter: counter, Gauge: Gauge, Histogram: Histogram},
+    prom = PrefixVaultPromMetrics(Cfg(), {Counter: counter, Gauge: gauge, Histogram: Histogram},
                                   ["engine"], {0: ["0"]})
+    prom.observe({"estimate_lookup_us": 900})
+    prom.observe({"estimate_lookup_us": 700, "restore_judgments:load_not_worth_it": 2})
+    assert registry.get_sample_value("vllm:prefixvault_estimate_lookup_us", {"engine": "0"}) == 700
+    assert registry.get_sample_value("vllm:prefixvault_restore_judgments_total",
+                                     {"engine": "0", "judgment": "load_not_worth_it"}) == 2
     prom.observe({"hit_tokens": 768, "refused:null_block": 2, "refused:not_captured": 1})
     assert registry.get_sample_value("vllm:prefixvault_hit_tokens_total", {"engine": "0"}) == 768
     assert registry.get_sample_value("vllm:prefixvault_refused_total",

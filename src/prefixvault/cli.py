@@ -469,6 +469,9 @@ def serve(
     capture_outputs: Annotated[str, typer.Option(
         "--capture-outputs", help="Also publish boundaries over generated tokens (not bit-exact): "
         "last (each answer's last block boundary) or every")] = "",
+    restore_when: Annotated[str, typer.Option(
+        "--restore-when", help="faster (default): restore a hit only where loading it is expected to end "
+        "sooner than computing it, as measured; always: every hit")] = "",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command, do not run it")] = False,
 ) -> None:
     """Start `vllm serve` with the connector configured; extra arguments after `--` go to vLLM."""
@@ -483,11 +486,12 @@ def serve(
                     "prefixvault serve MODEL [OPTIONS] -- [vLLM options]")
     try:
         outputs = {"output_boundaries": capture_outputs} if capture_outputs else {}
+        when = {"restore_when": restore_when} if restore_when else {}
         ConnectorSettings.from_extra({"store": store, "namespace": namespace, "capture": capture,
                                       "namespace_secret_file": secret_file,
-                                      "namespace_secret_env": secret_env, **outputs})
+                                      "namespace_secret_env": secret_env, **outputs, **when})
         cmd = serve_command(model, store, role, namespace, capture, ctx.args, secret_file, secret_env,
-                            capture_outputs)
+                            capture_outputs, restore_when)
         for arg in cmd:
             os.fsencode(arg)  # what exec needs: text the file system encoding can carry
     except UnicodeError:
@@ -497,7 +501,7 @@ def serve(
     # The same command with the store's password as *** (vLLM itself logs its config: keep its
     # logs private; this line need not add to them).
     display = serve_command(model, redact(store), role, namespace, capture, ctx.args, secret_file,
-                            secret_env, capture_outputs)
+                            secret_env, capture_outputs, restore_when)
     shown = shlex.join(display).encode("utf-8", "backslashreplace").decode()
     console.print(shown, highlight=False, soft_wrap=True, markup=False)
     if dry_run:

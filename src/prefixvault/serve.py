@@ -42,10 +42,12 @@ def vllm_command(model: str) -> list[str]:
 
 
 def kv_transfer_config(store: str, role: str, namespace: str, capture: str,
-                       secret_file: str = "", secret_env: str = "", outputs: str = "") -> dict[str, Any]:
+                       secret_file: str = "", secret_env: str = "", outputs: str = "",
+                       restore_when: str = "") -> dict[str, Any]:
     """The connector's config. A namespace secret is named (file or variable), never inlined:
     vLLM logs its whole config at start. ``outputs``: ``last`` or ``every`` turns
-    ``capture_outputs`` on with those ``output_boundaries``; empty leaves it off."""
+    ``capture_outputs`` on with those ``output_boundaries``; empty leaves it off.
+    ``restore_when``: ``faster`` or ``always``; empty leaves the connector's default."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role[:100]!r}")
     check_namespace(namespace)
@@ -56,6 +58,8 @@ def kv_transfer_config(store: str, role: str, namespace: str, capture: str,
         extra["namespace_secret_env"] = secret_env
     if outputs:
         extra.update(capture_outputs=True, output_boundaries=outputs)
+    if restore_when:
+        extra["restore_when"] = restore_when
     return {
         "kv_connector": "PrefixVaultConnector",
         "kv_connector_module_path": "prefixvault.vllm",
@@ -95,6 +99,7 @@ def serve_command(
     secret_file: str = "",
     secret_env: str = "",
     outputs: str = "",
+    restore_when: str = "",
 ) -> list[str]:
     """The full command. Flags the user passes in ``extra`` win over the defaults added here.
 
@@ -110,7 +115,7 @@ def serve_command(
         cmd += ["--mamba-cache-mode", "align"]  # vLLM 0.32; derived from prefix caching since 0.33
     if _has(extra, "--kv-transfer-config"):
         raise ValueError("--kv-transfer-config is set by prefixvault serve; use --store/--role instead")
-    ktc = kv_transfer_config(store, role, namespace, capture, secret_file, secret_env, outputs)
+    ktc = kv_transfer_config(store, role, namespace, capture, secret_file, secret_env, outputs, restore_when)
     cmd += ["--kv-transfer-config", json.dumps(ktc)]
     if role in ("kv_producer", "kv_both") and not _has(extra, "--shutdown-timeout"):
         # vLLM's default (0) kills the engine at once on SIGTERM: saves still queued are lost.

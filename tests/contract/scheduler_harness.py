@@ -182,7 +182,10 @@ def _cpu_platform_checks_without_triton() -> Iterator[None]:
 
 
 def connector_extra(store: str, **extra: Any) -> dict[str, Any]:
-    return {"store": store, "namespace": "contract", "lookup_timeout": LOOKUP_TIMEOUT, **extra}
+    """Every hit restored (``restore_when: always``): the harness runs no forward, so its steps
+    cost nothing and no restore would pay; the contract is what a restore does once taken."""
+    return {"store": store, "namespace": "contract", "lookup_timeout": LOOKUP_TIMEOUT,
+            "restore_when": "always", **extra}
 
 
 def build_scheduler(model_dir: Path, geo: Geometry, store: str, *, budget: int, num_blocks: int = 4000,
@@ -449,6 +452,10 @@ class Engine:
             return  # undetermined: vLLM asks again next step
         if self.connector.scheduler.off is not None:
             p.check(ask.answer == (0, False), f"{rid}: its engine's worker is off, answered {ask.answer}")
+            return
+        tracked = self.connector.scheduler.tracked(rid)
+        if tracked is not None and tracked.restore.not_worth_it:  # (restore_when: faster)
+            p.check(ask.answer == (0, False), f"{rid}: judged not worth restoring, answered {ask.answer}")
             return
         tokens = list(request.all_token_ids)
         # with state, a tail boundary up to one token short of the prompt; else a block boundary

@@ -13,6 +13,7 @@ speculative decoding, and the checkpoints each version offers from inside a chun
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -433,6 +434,36 @@ def test_a_worker_gone_off_stops_hits_and_saves(engines: Engines, geo: Geometry)
     assert b.loads["b"] == 0 and all(x.answer == (0, False) for x in b.asks if x.req_id == "b")
     assert b.vault.counters.misses.get("worker_off", 0) == 1
     assert not any(s.meta.saves for s in b.steps[-3:])
+
+
+@_geo([GEOMETRIES[0]])
+def test_a_request_that_cannot_pay_for_a_round_trip_is_computed_without_a_lookup(engines: Engines,
+                                                                                 geo: Geometry) -> None:
+    """``restore_when: faster`` (the default): once the engine's prefill is measured, a request
+    whose uncomputed tokens take less to compute than the store's round trips (a lookup measured
+    at a second) is not looked up: a miss, ``not_worth_it``, and no load. With ``always`` the same
+    store restores the next request."""
+    bs = geo.block_size
+    first, second = prompts(31, 2 * bs + 5, 2 * bs + 7)
+    a = engines(geo, budget=2 * bs)
+    a.run({0: [make_request("a", first, geo), make_request("a2", second, geo)]})
+    b = engines(geo, a.store, budget=2 * bs, extra={"restore_when": "faster"})
+    b.run({0: [make_request("warm", prompts(32, 3 * bs)[0], geo)]})  # prefill steps: measured
+    scheduler = b.connector.scheduler
+    costs = scheduler.costs
+    assert costs.estimates().compute_s_per_token is not None
+    costs.explore_s = math.inf  # (no judgment put aside to measure again)
+    for _ in range(50):
+        costs.looked_up(1.0)
+    lookups = scheduler.counters.lookups
+    b.run({0: [make_request("b", first + prompts(33, 9)[0], geo)]})
+    assert b.loads["b"] == 0 and all(x.answer == (0, False) for x in b.asks if x.req_id == "b")
+    assert b.vault.counters.misses.get("not_worth_it", 0) == 1
+    assert scheduler.counters.lookups == lookups, "looked up anyway"
+    assert scheduler.counters.judged.get("lookup_not_worth_it") == 1
+    costs.judge = False  # restore_when: always
+    b.run({0: [make_request("c", second + prompts(34, 9)[0], geo)]})
+    assert b.loads["c"] == 1
 
 
 @_geo([GEOMETRIES[0]])

@@ -57,13 +57,16 @@ class Completion:
 
 
 def kv_transfer_config(spec: EngineSpec) -> dict[str, Any] | None:
+    """The connector's config for a scenario's engine: every hit restored (``restore_when:
+    always``) unless the spec says otherwise, since a scenario checks what a restore does
+    (bench/serving.py measures whether it pays)."""
     if spec.role == "cold":
         return None
     return {
         "kv_connector": spec.connector,
         "kv_connector_module_path": spec.connector_module,
         "kv_role": spec.role,
-        "kv_connector_extra_config": {"store": spec.store, **spec.extra_config},
+        "kv_connector_extra_config": {"store": spec.store, "restore_when": "always", **spec.extra_config},
     }
 
 

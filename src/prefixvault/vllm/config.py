@@ -31,6 +31,19 @@ class CapturePolicy(StrEnum):
     REUSE = "reuse"
 
 
+class RestoreWhen(StrEnum):
+    """Which hits are restored (``prefixvault.costs``).
+
+    ``faster``: only a hit whose load is expected to end sooner than computing its tokens (the
+    store's round trips and transfer against the engine's prefill, both measured as it runs);
+    a request that could not restore enough to pay for a round trip is not looked up.
+    ``always``: every hit, whatever it costs (the costs are still measured and exported).
+    """
+
+    FASTER = "faster"
+    ALWAYS = "always"
+
+
 class OutputBoundaries(StrEnum):
     """Which boundaries over generated tokens ``capture_outputs`` publishes.
 
@@ -83,6 +96,7 @@ class ConnectorSettings:
     # store, whose round trips must never hold the step, nor on a GPU engine, which would lose
     # the overlap of its steps.
     restore_in_step: bool | None = None
+    restore_when: RestoreWhen = RestoreWhen.FASTER
     # Where the namespace's secret is (a file path, or an environment variable's name); the
     # secret itself is never part of the config, so it never reaches vLLM's logs.
     namespace_secret_file: str = ""
@@ -98,13 +112,14 @@ class ConnectorSettings:
         known = {"store", "namespace", "capture", "capture_interval", "model_id", "verify_sample",
                  "namespace_secret_file", "namespace_secret_env", "capture_outputs", "lookup_timeout",
                  "load_timeout", "save_staging_mib", "save_drain_timeout", "output_boundaries",
-                 "save_hold_mib", "load_cache_mib", "restore_in_step"}
+                 "save_hold_mib", "load_cache_mib", "restore_in_step",
+                 "restore_when"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
                 f"prefixvault: unknown kv_connector_extra_config key(s) {unknown}; known: {sorted(known)}"
             )
-        for key in ("store", "namespace", "capture", "model_id", "output_boundaries"):
+        for key in ("store", "namespace", "capture", "model_id", "output_boundaries", "restore_when"):
             _text(extra, key)
         for key in ("namespace_secret_file", "namespace_secret_env"):
             if extra.get(key) is not None:
@@ -127,6 +142,9 @@ class ConnectorSettings:
         if boundaries not in {b.value for b in OutputBoundaries}:
             raise ValueError(f"prefixvault: output_boundaries must be last or every, "
                              f"got {boundaries[:100]!r}")
+        when = str(extra.get("restore_when", RestoreWhen.FASTER.value))
+        if when not in {w.value for w in RestoreWhen}:
+            raise ValueError(f"prefixvault: restore_when must be faster or always, got {when[:100]!r}")
         namespace = check_namespace(str(extra.get("namespace", "default")))
         try:
             check_uri(str(extra.get("store", "local://")))
@@ -160,6 +178,7 @@ class ConnectorSettings:
             load_cache_mib=None if str(extra.get("load_cache_mib", "auto")) == "auto"
             else _mib(extra.get("load_cache_mib"), "load_cache_mib"),
             restore_in_step=_auto_flag(extra.get("restore_in_step", "auto"), "restore_in_step"),
+            restore_when=RestoreWhen(when),
         )
         try:
             out.namespace_key()  # a secret that cannot be read fails at start, not at the first request

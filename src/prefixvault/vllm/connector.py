@@ -66,7 +66,7 @@ VAULT_TALLIES = {"rejected": "rejected", "misses": "lookup_misses", "refused": "
 #: Each side's figures (and tallies, by their reasons) by their metric names.
 SCHEDULER_FIGURES = {"lookups": "lookups", "lookup_errors": "lookup_errors", "hit_tokens": "hit_tokens",
                      "samples": "verify_samples", "sample_errors": "verify_sample_errors",
-                     "refused": "refused", "holds_dropped": "holds_dropped"}
+                     "refused": "refused", "holds_dropped": "holds_dropped", "judged": "restore_judgments"}
 WORKER_FIGURES = {"save_errors": "save_errors", "loads": "loads", "loaded_tokens": "loaded_tokens",
                   "loads_in_step": "loads_in_step", "loads_in_step_read": "loads_in_step_read",
                   "saved_boundaries": "saved_boundaries", "published": "saves_published",
@@ -335,11 +335,13 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         settled: list[tuple[str, bool]] = self.guard.call("build_connector_worker_meta", worker.take_settled,
                                                           lambda: [])
         off = worker.disabled is not None and not self._off_reported
-        if not settled and not off:
+        load_bytes, load_s = self.guard.call("build_connector_worker_meta", worker.take_load_measured,
+                                             lambda: (0, 0.0))
+        if not settled and not off and not load_bytes:
             return None
         self._off_reported = self._off_reported or off
         return SavesSettled(Counter(sid for sid, _ in settled), Counter(sid for sid, ok in settled if not ok),
-                            off=int(off))
+                            off=int(off), load_bytes=load_bytes, load_s=load_s)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
@@ -396,6 +398,11 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     def get_kv_connector_stats(self) -> PrefixVaultStats | None:
         stats = PrefixVaultStats()
         stats.add(self._snapshot.delta(self.guard.call("get_kv_connector_stats", self._totals, dict)))
+        scheduler = self.scheduler
+        if scheduler is not None:  # its cost estimates, as they stand (gauges)
+            figures: dict[str, int] = self.guard.call(
+                "get_kv_connector_stats", lambda: scheduler.costs.estimates().figures(), dict)
+            stats.set_gauges(figures)
         return None if stats.is_empty() else stats
 
     @classmethod

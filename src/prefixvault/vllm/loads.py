@@ -126,6 +126,9 @@ class Loads:
         self._failed: set[str] = set()
         # With wait_in_step: loads queued since the last take_finished (the engine's thread only).
         self._step_loads: list[LoadJob] = []
+        # Bytes written by loads and the seconds their batches took, since the last
+        # ``take_measured`` (under _lock): what a restore costs, for the scheduler's estimates.
+        self._measured = (0, 0.0)
         self.lane: Lane[LoadJob] = Lane("load", self._load_batch, self._fail_jobs, capacity=LOAD_QUEUE,
                                         guard=ctx.guard, on_start=ctx.caches.on_lane_thread)
 
@@ -175,6 +178,13 @@ class Loads:
             self._finished, self._failed = set(), set()
         return done, failed
 
+    def take_measured(self) -> tuple[int, float]:
+        """Bytes loads wrote, and the seconds their batches took from the store call to the
+        last write, since the last call."""
+        with self._lock:
+            out, self._measured = self._measured, (0, 0.0)
+        return out
+
     def close(self, drain_timeout: float) -> bool:
         """Drop the loads not started; wait for a running one (up to ``LOAD_DRAIN_S``). Whether
         the lane is idle: if not, it is still inside a store call."""
@@ -202,6 +212,7 @@ class Loads:
             refs.update(dict.fromkeys(targets[0]))
         if not wanted:
             return
+        t0, written = time.monotonic(), 0
         loaded = self._ctx.vault.load(list(refs), borrow=False)  # never memory the store lends the save path
         for job, job_refs, blocks in wanted:
             reasons = {loaded.failed[r] for r in job_refs if r in loaded.failed}
@@ -216,6 +227,11 @@ class Loads:
                 self._end_load(job, False, LOAD_FAILED[report(self._ctx.guard, "load", e)])
                 continue
             self._end_load(job, True)
+            written += sum(len(loaded.payloads[r]) for r in job_refs)
+        if written:
+            with self._lock:
+                nbytes, seconds = self._measured
+                self._measured = (nbytes + written, seconds + time.monotonic() - t0)
 
     def _fail_jobs(self, jobs: list[LoadJob], reason: Failure, error: BaseException | None) -> None:
         """Loads the lane could not finish (a store error, a shutdown): recomputed."""

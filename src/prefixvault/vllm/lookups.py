@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections import Counter
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass
 
 from prefixvault.codec import HEADER_SIZE
+from prefixvault.costs import RestoreCosts
 from prefixvault.guard import Guard
 from prefixvault.keys import ExtraKeys, PromptTokens
 from prefixvault.lane import Failure, Lane
@@ -67,11 +69,13 @@ LOOKUP_MISS = {Failure.STORE_ERROR: Miss.STORE_ERROR, Failure.BREAKER_OPEN: Miss
 
 class Lookups:
     def __init__(self, vault: Vault, guard: Guard, capacity: int = LOOKUP_QUEUE,
-                 budget: ReadAheadBudget | None = None) -> None:
-        """``budget``: bounds the bytes read ahead (``read_ahead``); None: nothing is."""
+                 budget: ReadAheadBudget | None = None, costs: RestoreCosts | None = None) -> None:
+        """``budget``: bounds the bytes read ahead (``read_ahead``); None: nothing is.
+        ``costs``: told how long each batch's lookup took in the store."""
         self.vault = vault
         self.guard = guard
         self.budget = budget
+        self.costs = costs
         # One lane: the scheduler's store calls stay in order, and never run in its step.
         self.lane: Lane[LookupJob] = Lane("lookup", self._run, self._fail, capacity=capacity, guard=guard)
 
@@ -124,7 +128,10 @@ class Lookups:
             return
         touches: list[tuple[list[str], list[bool]]] = []
         # (raises: the lane fails the batch)
+        t0 = time.monotonic()
         found = self.vault.lookup_many(asks, touch_later=touches, prompts=prompts)
+        if self.costs is not None:
+            self.costs.looked_up(time.monotonic() - t0)
         ahead = []
         for (job, hashes), result in zip(waiting, found, strict=True):
             if job.read_from is not None and result.hit > job.min_tokens:

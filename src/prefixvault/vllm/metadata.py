@@ -95,17 +95,23 @@ def save_id(step: int, req_id: str) -> str:
 @dataclass
 class SavesSettled(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler after a step: saves stored or dropped, by
-    ``save_id``, with how many ranks settled each (vLLM sums the ranks' reports), and the ranks
-    whose worker went off since (it writes no load: the scheduler stops offering hits)."""
+    ``save_id``, with how many ranks settled each (vLLM sums the ranks' reports); the ranks
+    whose worker went off since (it writes no load: the scheduler stops offering hits); and
+    what their loads cost (``prefixvault.costs``)."""
 
     ranks: Counter[str] = field(default_factory=Counter)
     # saves some rank did not fully publish (dropped, failed, refused), by ranks
     failed: Counter[str] = field(default_factory=Counter)
     off: int = 0  # ranks whose worker went off, each reported once
+    # bytes asynchronous loads wrote and seconds they took, summed over ranks (a rank's rate)
+    load_bytes: int = 0
+    load_s: float = 0.0
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> SavesSettled:
         if isinstance(other, SavesSettled):
             self.ranks.update(other.ranks)
             self.failed.update(other.failed)
             self.off += other.off
+            self.load_bytes += other.load_bytes
+            self.load_s += other.load_s
         return self

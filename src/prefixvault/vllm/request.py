@@ -17,6 +17,7 @@ comes from (``WrongPhase`` otherwise: a bug of ours, which the guard turns into 
        └────────────────────────────────────── LOADING ◀────────────────────────┘
                       restart (asked again: the load failed, or a preemption)
 
+      NEW ──decline──▶ ANSWERED (hit 0): not looked up, no hit could pay for its round trips
       any phase ──give_up──▶ COMPUTED: computed without the store from now on
 
 Invariant: bytes read ahead for a synchronous load (``ReadAhead``) are held only in the
@@ -112,6 +113,8 @@ class Restore:
         self.phase: Phase = New()
         self.loads = 0  # loads issued for the request; after MAX_LOADS_PER_REQUEST it is computed
         self.waited_for_save = False  # it waited for a save of its prefix once (it never waits again)
+        # computing it was judged sooner than restoring (``restore_when: faster``): answered a miss
+        self.not_worth_it = False
 
     def __repr__(self) -> str:
         return f"Restore({self.phase}, loads={self.loads})"
@@ -168,6 +171,12 @@ class Restore:
         assert isinstance(self.phase, LookingUp)
         self.waited_for_save = True
         self._become(WaitingForSave(since=self.phase.since, local=self.phase.local))
+
+    def decline(self) -> None:
+        """Not looked up: no hit could pay for the round trips (answered a miss)."""
+        self._expect(New)
+        self.not_worth_it = True
+        self._become(Answered(hit=0))
 
     def answer(self, hit: int, read_ahead: ReadAhead | None = None) -> None:
         """Its lookup answered (a miss, a failed or timed-out lookup: ``hit`` 0)."""

@@ -30,8 +30,10 @@ import contextlib
 import logging
 import time
 from concurrent.futures import wait as futures_wait
+from dataclasses import replace
 from typing import Any
 
+from prefixvault.costs import Judgment, RestoreCosts
 from prefixvault.lane import Lane, failure_of
 from prefixvault.vault import Miss
 from prefixvault.vllm.compat import keep_restored_state
@@ -73,8 +75,9 @@ class StepWait:
         self.left = budget
         self.yielded = False
 
-    def next_step(self) -> None:
-        self.left, self.yielded = self.budget, False
+    def next_step(self, budget: float | None = None) -> None:
+        """A new step: ``budget`` for it (None: the one it was made with)."""
+        self.left, self.yielded = self.budget if budget is None else budget, False
 
     def for_new(self) -> float:
         return self.left
@@ -92,14 +95,18 @@ class Restores:
     """The scheduler side's owner of restores (see the module)."""
 
     def __init__(self, ctx: SchedulerContext, handover: InStepHandover, divergent: DivergentHits,
-                 in_step: bool) -> None:
+                 in_step: bool, costs: RestoreCosts) -> None:
+        """``costs``: which restores pay (``restore_when``), and how long a step may wait for
+        lookups, as measured."""
         self.ctx = ctx
         self.settings, self.vault, self.counters = ctx.settings, ctx.vault, ctx.counters
         self.handover = handover
         self.divergent = divergent
+        self.costs = costs
+        self.in_step = in_step
         self.block_size = ctx.layout.block_size
         self.has_state = ctx.layout.has_state
-        self._lookups = Lookups(ctx.vault, ctx.guard, budget=handover.budget)
+        self._lookups = Lookups(ctx.vault, ctx.guard, budget=handover.budget, costs=costs)
         self._wait = StepWait(IN_STEP_WAIT_S if in_step else LOOKUP_WAIT_S)
         self._pending: list[LoadSpec] = []  # loads vLLM allocated since the last step was built
         self._step = 0  # the last step built: asks now are for the next one
@@ -117,7 +124,9 @@ class Restores:
         """Step ``step`` is being built: the loads allocated for it (handed over whatever
         happens next), and a new wait budget for the asks of the step after it."""
         self._step = step
-        self._wait.next_step()
+        # With restore_in_step a step waits for its lookups whatever they cost (a local store's
+        # read is a copy); else only as long as a restore a step sooner pays back (``costs``).
+        self._wait.next_step(None if self.in_step else self.costs.wait_for_lookups(LOOKUP_WAIT_S))
         loads, self._pending = self._pending, []
         return loads
 
@@ -183,6 +192,8 @@ class Restores:
                         and time.monotonic() - r.phase.since < self.settings.lookup_timeout):
                     return False
             elif not r.waited_for_save:
+                if not self._worth_looking_up(tr, request, computed):
+                    return True
                 self.counters.add(lookups=1)  # (a lookup held for a save in flight counts once)
             saving = None if r.waited_for_save else self.ctx.in_flight.hashes
             # from the hit every cache group holds: past a divergent offer the store may not
@@ -202,6 +213,34 @@ class Restores:
         done = self._take_answer(tr, wait)
         self._wait.spent(time.monotonic() - t0)
         return done
+
+    def _worth_looking_up(self, tr: TrackedRequest, request: Any, computed: int) -> bool:
+        """Whether the request could restore enough past what the engine holds to pay for the
+        round trips (``RestoreCosts.look_up``); if not it is answered a miss now, with none."""
+        judged = self.costs.look_up(max(0, request.num_tokens - 1 - computed), self.in_step)
+        self.counters.tally("judged", f"lookup_{judged.value}")
+        if judged is not Judgment.NOT_WORTH_IT:
+            return True
+        tr.restore.decline()
+        self.vault.counters.tally("misses", Miss.NOT_WORTH_IT.value)
+        if not tr.counted:
+            tr.counted = True
+            self.ctx.admission.arrived(bool(computed or getattr(tr.source, "shared_prefix_boundary", 0)))
+        return False
+
+    def _worth_loading(self, hit: int, local: int, read_ahead: bool) -> bool:
+        """Whether loading a hit of ``hit`` tokens, ``local`` of them in the engine's own cache,
+        ends sooner than computing them (``RestoreCosts.restore``); bytes read ahead already
+        cost nothing more than a copy."""
+        if hit <= local or read_ahead:
+            return True
+        layout = self.ctx.layout
+        bs = layout.block_size
+        blocks = -(-hit // bs) - local // bs
+        nbytes = sum(g.nbytes(0) * (1 if g.is_state else blocks) for g in layout.groups)
+        judged = self.costs.restore(hit - local, nbytes, self.in_step)
+        self.counters.tally("judged", f"load_{judged.value}")
+        return judged is not Judgment.NOT_WORTH_IT
 
     def _take_answer(self, tr: TrackedRequest, wait: float) -> bool:
         """Take the lookup's answer if it is in (waiting up to ``wait`` s for it); a lookup past
@@ -234,6 +273,12 @@ class Restores:
             r.wait_for_save()
             log.debug("prefixvault: request %s waits for a save of its prefix in flight", tr.req_id)
             return False
+        if not self._worth_loading(found.hit, phase.local, read_ahead is not None):
+            r.not_worth_it = True
+            self.vault.counters.tally("misses", Miss.NOT_WORTH_IT.value)
+            log.debug("prefixvault: request %s computes %d tokens the store holds: sooner than loading them",
+                      tr.req_id, found.hit - phase.local)
+            found = replace(found, hit=0)
         r.answer(found.hit, read_ahead)
         if not tr.counted:
             tr.counted = True

@@ -23,13 +23,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from prefixvault.admission import Admission, Policy
+from prefixvault.costs import RestoreCosts
 from prefixvault.guard import Guard
 from prefixvault.lane import Lane
 from prefixvault.layout import CacheLayout
 from prefixvault.samples import SAMPLE_TOKENS, VerifySample
 from prefixvault.vault import Miss, Vault, producer_id
 from prefixvault.vllm.compat import InternalCheckpoints, skips_external
-from prefixvault.vllm.config import ConnectorSettings
+from prefixvault.vllm.config import ConnectorSettings, RestoreWhen
 from prefixvault.vllm.in_step import READ_AHEAD_BYTES, InStepHandover, ReadAheadBudget
 from prefixvault.vllm.ledger import SavesInFlight
 from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled
@@ -71,6 +72,8 @@ class SchedulerSide:
         self.divergent = DivergentHits(layout, completes=load and vault is not None)
         budget = ReadAheadBudget(READ_AHEAD_BYTES) if in_step and layout.world_size == 1 else None
         self.handover = InStepHandover(layout, budget, engine_id)
+        # what a restore costs against computing, measured (``restore_when``)
+        self.costs = RestoreCosts(judge=settings.restore_when is RestoreWhen.FASTER)
         self.restores: Restores | None = None
         self.saves: SavePlans | None = None
         self._samples: SampleWriter | None = None
@@ -79,7 +82,7 @@ class SchedulerSide:
             ctx = SchedulerContext(settings=settings, layout=layout, vault=vault, guard=self.guard,
                                    counters=self.counters, admission=self.admission,
                                    in_flight=SavesInFlight(layout.world_size))
-            self.restores = Restores(ctx, self.handover, self.divergent, in_step)
+            self.restores = Restores(ctx, self.handover, self.divergent, in_step, self.costs)
             self.saves = SavePlans(ctx, checkpoints)
             self._samples = SampleWriter(vault, self.guard, lambda n: self.counters.add(sample_errors=n))
 
@@ -182,6 +185,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixVaultMetadata:
         self._step += 1
+        self.guard.call("build_connector_meta", lambda: self._measure_step(scheduler_output), lambda: None)
         meta = PrefixVaultMetadata(step=self._step,
                                    idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))
         if self.restores is None or self.saves is None:
@@ -197,11 +201,20 @@ class SchedulerSide:
                                          lambda: saves.plan(scheduler_output, self._step, self._reqs), list)
         return meta
 
+    def _measure_step(self, scheduler_output: Any) -> None:
+        """The engine's step time and prefill rate, for ``costs``: tokens scheduled, and of them
+        those in chunks of more than one (prefill)."""
+        per_request = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+        tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
+        self.costs.step_planned(tokens, sum(int(n) for n in per_request.values() if n > 1))
+
     def settle(self, report: SavesSettled) -> None:
         """Workers' reports of saves stored or dropped (``SavePlans.settle``), and of workers
         gone off: a worker that writes no load would make every hit a load that fails, is
         recomputed and looked up again, slower than no connector; so hits stop being offered
         (each request a miss, ``worker_off``) and saves stop being planned."""
+        if report.load_bytes:
+            self.costs.loaded(report.load_bytes, report.load_s)
         if self.saves is not None:
             self.saves.settle(report, self._reqs)
         if report.off and self.off is None:

@@ -29,6 +29,8 @@ class SchedulerCounters(Counters):
     hit_tokens: int = 0  # tokens vLLM allocated to load from the store
     refused: dict[str, int] = field(default_factory=dict)  # boundaries not saved, by ``Refusal``
     holds_dropped: dict[str, int] = field(default_factory=dict)  # by ``HoldDrop``
+    # what ``restore_when`` judged, by ``lookup_`` or ``load_`` and the ``costs.Judgment``
+    judged: dict[str, int] = field(default_factory=dict)
     plans: int = 0
     samples: int = 0
     sample_errors: int = 0

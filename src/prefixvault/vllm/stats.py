@@ -56,6 +56,8 @@ LABELLED: dict[str, tuple[str, tuple[str, ...]]] = {
     "rejected": ("Objects rejected on load, by reason", ("reason",)),
     "lookup_misses": ("Lookups that restored less than the longest block-aligned prefix, by reason",
                       ("reason",)),
+    "restore_judgments": ("What restore_when judged (lookup_ or load_, then pays, unknown, explore or "
+                          "not_worth_it)", ("judgment",)),
     "load_failures": ("Loads that failed (their requests recomputed), by reason", ("reason",)),
     "save_dropped": ("Saves not stored, by reason (staging_full, too_large: raise save_staging_mib; "
                      "hold_full, hold_too_large: raise save_hold_mib; queue_full; shutdown)", ("reason",)),
@@ -65,16 +67,33 @@ LABELLED: dict[str, tuple[str, tuple[str, ...]]] = {
 }
 
 
+#: Gauges: the scheduler's restore cost estimates (``prefixvault.costs``), as they stand; each
+#: report carries the latest value, never a sum.
+GAUGES: dict[str, str] = {
+    "estimate_compute_us_per_token": "Measured prefill cost per token of this engine (microseconds)",
+    "estimate_step_us": "Measured duration of a busy engine step (microseconds)",
+    "estimate_lookup_us": "Measured duration of a lookup in the store (microseconds)",
+    "estimate_load_bytes_per_s": "Measured load rate from the store beyond one round trip (bytes per second)",
+}
+
+
 class PrefixVaultStats(KVConnectorStats):
-    """Counter deltas: ``{"put_keys": 3, "refused:null_block": 2, ...}``."""
+    """Counter deltas: ``{"put_keys": 3, "refused:null_block": 2, ...}``, and the latest value of
+    each gauge (``GAUGES``)."""
 
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
 
     def add(self, figures: Mapping[str, int]) -> None:
         for k, v in figures.items():
-            if v:
+            if k in GAUGES:
+                self.data[k] = v
+            elif v:
                 self.data[k] = self.data.get(k, 0) + v
+
+    def set_gauges(self, estimates: Mapping[str, int]) -> None:
+        """The cost estimates (``Estimates.figures`` names), as gauges."""
+        self.add({f"estimate_{k}": v for k, v in estimates.items() if f"estimate_{k}" in GAUGES})
 
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         self.add(other.data)
@@ -84,7 +103,7 @@ class PrefixVaultStats(KVConnectorStats):
         return dict(sorted(self.data.items()))
 
     def is_empty(self) -> bool:
-        return not any(self.data.values())
+        return not any(v for k, v in self.data.items() if k not in GAUGES)
 
 
 class Snapshot:
@@ -115,12 +134,19 @@ class PrefixVaultPromMetrics(KVConnectorPromMetrics):
                                      labelnames=[*labelnames, *labels]), len(labels))
             for name, (doc, labels) in LABELLED.items()
         }
+        self._gauges = {
+            name: self._gauge_cls(name=f"vllm:prefixvault_{name}", documentation=doc, labelnames=labelnames,
+                                  multiprocess_mode="mostrecent")
+            for name, doc in GAUGES.items()
+        }
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         values = self.per_engine_labelvalues[engine_idx]
         for key, value in transfer_stats_data.items():
             name, *labels = key.split(":")
-            if name in self._labelled:
+            if name in self._gauges and not labels:
+                self._gauges[name].labels(*values).set(value)
+            elif name in self._labelled:
                 counter, n = self._labelled[name]
                 if len(labels) == n:
                     counter.labels(*values, *labels).inc(value)

@@ -181,6 +181,11 @@ class WorkerSide:
         """Saves stored or dropped since the last call: (``save_id``, all published)."""
         return self.saves.take_settled()
 
+    def take_load_measured(self) -> tuple[int, float]:
+        """Bytes asynchronous loads wrote and the seconds they took, since the last call (the
+        scheduler's restore cost estimates, ``prefixvault.costs``)."""
+        return self.loads.take_measured()
+
     def take_unloaded(self) -> set[int]:
         """Blocks of synchronous loads not written since the last call (vLLM's
         ``get_block_ids_with_load_errors``)."""

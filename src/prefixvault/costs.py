@@ -1,0 +1,196 @@
+"""What a restore costs against computing its tokens, measured while the engine runs.
+
+A restore is worth taking only if it ends sooner than computing the tokens it restores: over a
+store far away (a Redis across racks, a store under load) or for a model whose prefill is cheap,
+a lookup round trip, a load round trip, the transfer and a step of waiting can cost more than
+the prefill they save, and a cache that makes requests slower than no cache is the first thing
+an operator turns off. ``RestoreCosts`` keeps four estimates, each from what the engine and the
+store did lately, none configured:
+
+- ``compute``: seconds per token of a prefill step (a step's seconds over its tokens, from steps
+  that mostly prefill);
+- ``step``: seconds a busy step takes (an asynchronous load costs about one: its request is
+  scheduled in the step after the load is reported);
+- ``lookup``: seconds a lookup takes (one or two store round trips);
+- ``transfer``: seconds per byte a load takes beyond one round trip (the lookup's figure).
+
+With these, loading ``t`` tokens whose objects are ``n`` bytes, once looked up, costs
+``lookup + n * transfer (+ step, loaded beside the steps)`` (a round trip: the lookup's figure
+stands for it) and computing them ``t * compute``.
+Both grow linearly with a hit: where restoring a token costs less than computing it the whole
+hit pays best, and where it costs more no part of it pays once the fixed costs are added; so a
+hit is taken whole or not at all (a miss counted ``not_worth_it``). Before any round trip, a
+request whose every uncomputed token could not pay for the round trips is not looked up.
+
+Until the engine's prefill is measured nothing is judged (a restore is taken), and a judgment
+against restoring is put aside at most once every ``EXPLORE_S`` seconds, so that the estimates
+of a store that has become faster, which only lookups and loads measure, are renewed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import StrEnum
+
+#: How much each new sample counts against what was measured before (an exponential average).
+WEIGHT = 0.2
+#: A step counts toward the compute estimate only with at least this many tokens, most of them
+#: prefill (decode steps cost per token what a prefill does not).
+MIN_PREFILL_TOKENS = 32
+#: A step longer than this is not a step the engine ran but one it waited for (an idle engine).
+MAX_STEP_S = 10.0
+#: At most one restore or lookup every this many seconds is taken against the estimates, to
+#: measure them again.
+EXPLORE_S = 10.0
+#: A step waits for new lookups only if twice their expected time fits in this share of a step.
+WAIT_SHARE = 0.1
+
+
+class Judgment(StrEnum):
+    PAYS = "pays"  # expected to end sooner than computing
+    UNKNOWN = "unknown"  # not measured yet: taken
+    EXPLORE = "explore"  # not expected to pay, taken to measure the costs again
+    NOT_WORTH_IT = "not_worth_it"  # computing ends sooner: not taken
+
+
+@dataclass
+class Average:
+    """An exponential average; None until the first sample."""
+
+    value: float | None = None
+    at: float = 0.0  # time.monotonic() of the last sample
+
+    def add(self, sample: float, now: float) -> None:
+        self.value = sample if self.value is None else self.value + WEIGHT * (sample - self.value)
+        self.at = now
+
+
+@dataclass(frozen=True)
+class Estimates:
+    """The costs as last measured (seconds; None: not measured yet)."""
+
+    compute_s_per_token: float | None
+    step_s: float | None
+    lookup_s: float | None
+    transfer_s_per_byte: float | None
+
+    def load_s(self, nbytes: int, in_step: bool) -> float:
+        """Expected seconds from a lookup's answer to its ``nbytes`` restored and usable: a round
+        trip (the lookup's figure stands for it), the transfer, and a step for a load beside
+        the steps."""
+        return ((self.lookup_s or 0.0) + nbytes * (self.transfer_s_per_byte or 0.0)
+                + (0.0 if in_step else (self.step_s or 0.0)))
+
+    def figures(self) -> dict[str, int]:
+        """For metrics: whole microseconds (per token, per step, per lookup) and bytes per second."""
+        out = {}
+        if self.compute_s_per_token is not None:
+            out["compute_us_per_token"] = round(self.compute_s_per_token * 1e6)
+        if self.step_s is not None:
+            out["step_us"] = round(self.step_s * 1e6)
+        if self.lookup_s is not None:
+            out["lookup_us"] = round(self.lookup_s * 1e6)
+        if self.transfer_s_per_byte:
+            out["load_bytes_per_s"] = round(1 / self.transfer_s_per_byte)
+        return out
+
+
+class RestoreCosts:
+    """The estimates (see the module), fed by the scheduler's thread (steps), the lookup lane
+    (lookups) and the workers' reports (loads); read by the scheduler's thread."""
+
+    def __init__(self, judge: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
+        """``judge``: False (``restore_when: always``) takes every restore, measuring anyway."""
+        self.judge = judge
+        self._now = clock
+        self._lock = threading.Lock()
+        self._compute = Average()
+        self._step = Average()
+        self._lookup = Average()
+        self._transfer = Average()
+        # the step planned last: when, its tokens, and whether it mostly prefills
+        self._last_step: tuple[float, int, bool] | None = None
+        # A judgment against restoring is put aside once per ``explore_s`` (the first time one
+        # period after start), to measure the costs again.
+        self.explore_s = EXPLORE_S
+        start = self._now()
+        self._explored = {"lookup": start, "restore": start}
+
+    # -- measured --------------------------------------------------------------------------------
+
+    def step_planned(self, tokens: int, prefill_tokens: int) -> None:
+        """A step with ``tokens`` scheduled (``prefill_tokens`` of them in chunks of more than
+        one) is being planned: the previous one took from its planning to this one's."""
+        now = self._now()
+        with self._lock:
+            last = self._last_step
+            self._last_step = (now, tokens, 2 * prefill_tokens >= tokens) if tokens else None
+            if last is None:
+                return
+            _, last_tokens, prefills = last
+            seconds = now - last[0]
+            if seconds > MAX_STEP_S:
+                return
+            self._step.add(seconds, now)
+            if last_tokens >= MIN_PREFILL_TOKENS and prefills:
+                self._compute.add(seconds / last_tokens, now)
+
+    def looked_up(self, seconds: float) -> None:
+        """A lookup batch took ``seconds`` in the store."""
+        with self._lock:
+            self._lookup.add(seconds, self._now())
+
+    def loaded(self, nbytes: int, seconds: float) -> None:
+        """Loads read and wrote ``nbytes`` in ``seconds`` (summed over ranks: per rank)."""
+        if nbytes <= 0:
+            return
+        with self._lock:
+            beyond = max(0.0, seconds - (self._lookup.value or 0.0))
+            self._transfer.add(beyond / nbytes, self._now())
+
+    def estimates(self) -> Estimates:
+        with self._lock:
+            return Estimates(self._compute.value, self._step.value, self._lookup.value, self._transfer.value)
+
+    # -- judged ----------------------------------------------------------------------------------
+
+    def restore(self, tokens: int, nbytes: int, in_step: bool) -> Judgment:
+        """Whether to restore ``tokens`` from ``nbytes`` of objects, looked up already."""
+        est = self.estimates()
+        if est.compute_s_per_token is None:
+            return Judgment.UNKNOWN
+        if not self.judge or tokens * est.compute_s_per_token > est.load_s(nbytes, in_step):
+            return Judgment.PAYS
+        return self._explore("restore")
+
+    def look_up(self, tokens: int, in_step: bool) -> Judgment:
+        """Whether to look up a request that could restore at most ``tokens`` tokens: only if
+        they could pay for the round trips (a lookup, and a load beside the steps)."""
+        est = self.estimates()
+        if est.compute_s_per_token is None or est.lookup_s is None:
+            return Judgment.UNKNOWN
+        if not self.judge or tokens * est.compute_s_per_token > est.lookup_s + est.load_s(0, in_step):
+            return Judgment.PAYS
+        return self._explore("lookup")
+
+    def _explore(self, what: str) -> Judgment:
+        now = self._now()
+        with self._lock:
+            if now - self._explored[what] >= self.explore_s:
+                self._explored[what] = now
+                return Judgment.EXPLORE
+        return Judgment.NOT_WORTH_IT
+
+    def wait_for_lookups(self, budget: float) -> float:
+        """How long a step may wait for the lookups it starts: up to ``budget`` where twice a
+        lookup's expected time fits in ``WAIT_SHARE`` of a step (a wait that every running
+        request pays is paid back by a restore a step sooner); else none: the request is asked
+        again in the next step. Unmeasured: ``budget``."""
+        est = self.estimates()
+        if est.lookup_s is None or est.step_s is None:
+            return budget
+        fits = min(budget, WAIT_SHARE * est.step_s)
+        return fits if 2 * est.lookup_s <= fits else 0.0

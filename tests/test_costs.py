@@ -1,0 +1,133 @@
+"""What a restore costs against computing its tokens (``prefixvault.costs``): the estimates as
+measured from steps, lookups and loads, and the judgments made from them."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from prefixvault.costs import EXPLORE_S, MAX_STEP_S, Judgment, RestoreCosts
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def measured(compute_s_per_token: float = 1e-4, step_tokens: int = 1000, lookup_s: float = 0.02,
+             steps: int = 30) -> tuple[RestoreCosts, Clock]:
+    """Costs measured from ``steps`` prefill steps of ``step_tokens`` tokens and lookups of
+    ``lookup_s``; exploring put off (the clock does not move past ``EXPLORE_S``)."""
+    clock = Clock()
+    costs = RestoreCosts(clock=clock)
+    for _ in range(steps):
+        costs.step_planned(step_tokens, step_tokens)
+        clock.now += compute_s_per_token * step_tokens
+    for _ in range(steps):
+        costs.looked_up(lookup_s)
+    return costs, clock
+
+
+def test_nothing_is_judged_before_the_engine_is_measured() -> None:
+    costs = RestoreCosts()
+    assert costs.restore(10, 1 << 30, in_step=False) is Judgment.UNKNOWN
+    assert costs.look_up(10, in_step=False) is Judgment.UNKNOWN
+    assert costs.wait_for_lookups(0.005) == 0.005
+    assert costs.estimates().figures() == {}
+
+
+def test_estimates_come_from_prefill_steps_lookups_and_loads() -> None:
+    costs, _ = measured(compute_s_per_token=1e-4, step_tokens=1000, lookup_s=0.02)
+    est = costs.estimates()
+    assert est.compute_s_per_token is not None and math.isclose(est.compute_s_per_token, 1e-4)
+    assert est.step_s is not None and math.isclose(est.step_s, 0.1)
+    assert est.lookup_s is not None and math.isclose(est.lookup_s, 0.02)
+    assert est.transfer_s_per_byte is None
+    costs.loaded(1 << 20, 0.02 + 0.001)  # 1 MiB in a millisecond past one round trip
+    est = costs.estimates()
+    assert est.transfer_s_per_byte is not None and math.isclose(est.transfer_s_per_byte, 0.001 / (1 << 20))
+    assert costs.estimates().figures() == {"compute_us_per_token": 100, "step_us": 100000,
+                                           "lookup_us": 20000, "load_bytes_per_s": 1000 << 20}
+
+
+def test_decode_steps_and_idle_gaps_do_not_count_as_prefill() -> None:
+    clock = Clock()
+    costs = RestoreCosts(clock=clock)
+    for _ in range(5):  # decode steps: 8 requests, one token each, 20 ms
+        costs.step_planned(8, 0)
+        clock.now += 0.02
+    costs.step_planned(0, 0)  # the engine goes idle...
+    clock.now += MAX_STEP_S + 1
+    costs.step_planned(500, 500)  # ...and wakes up: the gap was no step
+    assert costs.estimates().compute_s_per_token is None
+    est = costs.estimates()
+    assert est.step_s is not None and math.isclose(est.step_s, 0.02)
+    clock.now += 0.05
+    costs.step_planned(500, 500)
+    est = costs.estimates()
+    assert est.compute_s_per_token is not None and math.isclose(est.compute_s_per_token, 0.05 / 500)
+
+
+def test_a_restore_pays_where_computing_its_tokens_takes_longer() -> None:
+    # 0.1 ms a token, 100 ms a step, 20 ms a lookup: a load beside the steps costs ~120 ms
+    costs, _ = measured()
+    assert costs.restore(2000, 0, in_step=False) is Judgment.PAYS  # 200 ms of prefill
+    assert costs.restore(1000, 0, in_step=False) is Judgment.NOT_WORTH_IT  # 100 ms
+    assert costs.restore(1000, 0, in_step=True) is Judgment.PAYS  # no step waited: 20 ms
+    costs.loaded(1 << 30, 0.02 + 1.0)  # 1 GiB/s
+    assert costs.restore(2000, 1 << 30, in_step=False) is Judgment.NOT_WORTH_IT  # + 1 s of transfer
+    assert costs.restore(20000, 1 << 30, in_step=False) is Judgment.PAYS  # 2 s of prefill
+
+
+def test_a_request_that_cannot_pay_for_the_round_trips_is_not_looked_up() -> None:
+    costs, _ = measured(lookup_s=0.02)  # a lookup, a load and a step: 140 ms
+    assert costs.look_up(1000, in_step=False) is Judgment.NOT_WORTH_IT
+    assert costs.look_up(1500, in_step=False) is Judgment.PAYS
+    assert costs.look_up(300, in_step=True) is Judgment.NOT_WORTH_IT  # 40 ms
+    assert costs.look_up(500, in_step=True) is Judgment.PAYS
+
+
+def test_always_restores_whatever_the_costs() -> None:
+    costs, _ = measured(lookup_s=5.0)
+    costs.judge = False
+    assert costs.look_up(1, in_step=False) is Judgment.PAYS
+    assert costs.restore(1, 1 << 40, in_step=False) is Judgment.PAYS
+
+
+def test_a_judgment_against_restoring_is_put_aside_once_per_period_to_measure_again() -> None:
+    costs, clock = measured(lookup_s=1.0)
+    assert costs.look_up(10, in_step=False) is Judgment.NOT_WORTH_IT  # not before one period
+    clock.now += EXPLORE_S
+    assert costs.look_up(10, in_step=False) is Judgment.EXPLORE
+    assert costs.look_up(10, in_step=False) is Judgment.NOT_WORTH_IT
+    assert costs.restore(10, 0, in_step=False) is Judgment.EXPLORE  # (its own period)
+    assert costs.restore(10, 0, in_step=False) is Judgment.NOT_WORTH_IT
+    clock.now += EXPLORE_S
+    assert costs.look_up(10, in_step=False) is Judgment.EXPLORE
+
+
+def test_a_step_waits_for_lookups_only_where_a_restore_a_step_sooner_pays_it_back() -> None:
+    fast, _ = measured(lookup_s=0.0002)  # 100 ms steps: 10 ms may be waited, 5 ms budget
+    assert fast.wait_for_lookups(0.005) == 0.005
+    slow, _ = measured(lookup_s=0.02)  # a round trip longer than the budget: no wait
+    assert slow.wait_for_lookups(0.005) == 0.0
+    short_steps, _ = measured(compute_s_per_token=1e-6, lookup_s=0.0002)  # 1 ms steps: 0.1 ms
+    assert short_steps.wait_for_lookups(0.005) == 0.0
+
+
+@given(st.integers(1, 10**6), st.integers(1, 10**6), st.integers(0, 1 << 32), st.booleans(),
+       st.floats(1e-7, 1e-2), st.floats(1e-5, 0.5))
+def test_more_tokens_or_fewer_bytes_never_turn_a_restore_that_pays_into_one_that_does_not(
+        tokens: int, more: int, nbytes: int, in_step: bool, compute: float, lookup: float) -> None:
+    costs, _ = measured(compute_s_per_token=compute, lookup_s=lookup)
+    costs.loaded(1 << 20, lookup + 0.001)
+    if costs.restore(tokens, nbytes, in_step) is Judgment.PAYS:
+        assert costs.restore(tokens + more, nbytes, in_step) is Judgment.PAYS
+        assert costs.restore(tokens, nbytes // 2, in_step) is Judgment.PAYS
+    if costs.look_up(tokens, in_step) is Judgment.PAYS:
+        assert costs.look_up(tokens + more, in_step) is Judgment.PAYS
