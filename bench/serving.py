@@ -1,6 +1,7 @@
 """Serving with prefixvault against serving without it, measured by vLLM's own benchmark client.
 
     python bench/serving.py [--profile gdn-hybrid] [--layers N] [--store local|redis] [--redis-delay-ms 20]
+                            [--restore-when faster|always]
                             [--prompts 32] [--concurrency 8] [--prefix 2048] [--suffix 512]
 
 OpenAI servers as operators start them (``prefixvault serve`` for the connector; the cold
@@ -24,7 +25,8 @@ engine's own cache) and producer/cold (what saving costs: the producer computes 
 cold does, and stores it); and the consumer's bytes read from the store over one copy of every
 object it restored (``store_reads_per_copy``: about 1 with the hot set of recent loads; a shared
 prefix's blocks read once per request without it) and the share of restored bytes the hot set
-served (``hot_share``). The last line is one JSON object.
+served (``hot_share``); and the consumer's lookups, loads, what ``restore_when`` judged and its
+misses by reason. The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -36,7 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from prefixvault.scenarios.models import build_model, engine_kwargs
-from prefixvault.scenarios.servers import add_workload_args, benchmark, metric, prefix_repetition, server
+from prefixvault.scenarios.servers import (
+    add_workload_args,
+    benchmark,
+    metric,
+    metric_by_label,
+    prefix_repetition,
+    server,
+)
 from prefixvault.serve import engine_flags, serve_command, vllm_command
 
 FIGURES = ("mean_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p99_itl_ms", "output_throughput")
@@ -82,6 +91,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     saves: dict[str, float] = {}
 
     loads: dict[str, float] = {}
+    judged: dict[str, float] = {}  # the consumer's restore_judgments, by judgment
+    misses: dict[str, float] = {}  # its lookup_misses, by reason
     second: dict[str, Any] = {}
 
     def serve(tag: str, command: list[str], again: bool = False) -> tuple[dict[str, Any], float]:
@@ -92,8 +103,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 for k in ("records_published", "save_dropped", "save_errors"):
                     saves[k] = metric(url, f"vllm:prefixvault_{k}_total")
             if tag == "consumer":
-                for k in ("get_bytes", "hot_bytes", "reread_bytes", "loads"):
+                for k in ("get_bytes", "hot_bytes", "reread_bytes", "loads", "lookups"):
                     loads[k] = metric(url, f"vllm:prefixvault_{k}_total")
+                judged.update(metric_by_label(url, "vllm:prefixvault_restore_judgments_total", "judgment"))
+                misses.update(metric_by_label(url, "vllm:prefixvault_lookup_misses_total", "reason"))
             if again:  # the same requests once more: each prefix a hit in the engine's own cache
                 second.update(benchmark(url, name, work / f"{tag}-again.json", load))
         print(f"  {tag} done", flush=True)
@@ -103,12 +116,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         producer, _ = serve("producer", serve_command(name, store, "kv_producer", extra=flags))
         cold, _ = serve("cold", [*vllm_command(name), *flags, "--enable-prefix-caching",
                                  "--mamba-cache-mode", "align"], again=True)
-        consumer, hits = serve("consumer", serve_command(name, store, "kv_consumer", extra=flags))
+        consumer, hits = serve("consumer", serve_command(name, store, "kv_consumer", extra=flags,
+                                                         restore_when=args.restore_when))
     finally:
         for close in cleanup:
             close()
     out: dict[str, Any] = {"profile": args.profile, "layers": args.layers, "store": args.store,
-                           "prompts": args.prompts,
+                           "redis_delay_ms": args.redis_delay_ms if args.store == "redis" else None,
+                           "restore_when": args.restore_when or "faster", "prompts": args.prompts,
                            "concurrency": args.concurrency}
     for tag, res in (("cold", cold), ("local", second), ("producer", producer), ("consumer", consumer)):
         out[tag] = {k: round(float(res.get(k, 0.0)), 3) for k in FIGURES}
@@ -118,6 +133,10 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out[tag]["completed"] = int(res.get("completed", 0))
         out[tag]["failed"] = int(res.get("failed", 0))
     out["consumer"]["external_hit_tokens"] = hits
+    out["consumer"]["loads"] = loads.get("loads", 0.0)
+    out["consumer"]["lookups"] = loads.get("lookups", 0.0)
+    out["consumer"]["judged"] = judged  # (empty for a version before restore_when)
+    out["consumer"]["misses"] = misses
     # Bytes read from the store over one copy of every object restored (objects read again
     # are what a hot set saves: a shared prefix's blocks, restored by each of its requests).
     got, again = loads.get("get_bytes", 0.0), loads.get("reread_bytes", 0.0)
@@ -163,6 +182,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--reserved-cpus", type=int, default=1,
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server (vLLM CPU)")
+    p.add_argument("--restore-when", choices=["", "faster", "always"], default="",
+                   help="the consumer's restore_when (empty: the connector's default)")
     p.add_argument("--connector-path", default="",
                    help="a checkout's src/ the servers import prefixvault from (another version)")
     args = p.parse_args()
@@ -181,6 +202,8 @@ def main() -> None:
           f"from the hot set: {c['hot_share']}")
     print(f"completed {c['completed']}/{args.prompts}, failed {c['failed']}, "
           f"external hit tokens {c['external_hit_tokens']:.0f}, texts equal {out['texts_equal']}")
+    print(f"consumer: {c['lookups']:.0f} lookups, {c['loads']:.0f} loads; judged {c['judged']}; "
+          f"misses {c['misses']}")
     differ = out["texts_differ"]
     print(f"texts apart from cold: consumer {differ['consumer']}, producer (restores nothing) "
           f"{differ['producer']}; consumer only {out['texts_differ_only_consumer']}")

@@ -131,3 +131,22 @@ def test_more_tokens_or_fewer_bytes_never_turn_a_restore_that_pays_into_one_that
         assert costs.restore(tokens, nbytes // 2, in_step) is Judgment.PAYS
     if costs.look_up(tokens, in_step) is Judgment.PAYS:
         assert costs.look_up(tokens + more, in_step) is Judgment.PAYS
+
+
+def test_computing_takes_longer_for_a_request_that_shares_the_steps_prefill() -> None:
+    """Six requests prefilling together each get a sixth of a step's tokens: a token the store
+    saves one of them is worth six of the engine's per-token time."""
+    clock = Clock()
+    alone = RestoreCosts(clock=clock)
+    shared = RestoreCosts(clock=clock)
+    for _ in range(30):
+        alone.step_planned(512, 512, 1)
+        shared.step_planned(512, 512, 6)
+        clock.now += 0.05
+    a, s = alone.estimates().compute_s_per_token, shared.estimates().compute_s_per_token
+    assert a is not None and s is not None and math.isclose(s, 6 * a)
+    for costs in (alone, shared):
+        for _ in range(30):
+            costs.looked_up(0.02)
+    assert alone.restore(500, 0, in_step=False) is Judgment.NOT_WORTH_IT  # 49 ms of prefill, 70 of load
+    assert shared.restore(500, 0, in_step=False) is Judgment.PAYS  # 293 ms

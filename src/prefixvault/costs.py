@@ -8,7 +8,9 @@ an operator turns off. ``RestoreCosts`` keeps four estimates, each from what the
 store did lately, none configured:
 
 - ``compute``: seconds per token of a prefill step (a step's seconds over its tokens, from steps
-  that mostly prefill);
+  that mostly prefill), times the requests that share a step's prefill lately (``sharing``: a
+  request's tokens go through the steps at its share of them, so under load computing a token
+  takes that much longer for the request that waits for it);
 - ``step``: seconds a busy step takes (an asynchronous load costs about one: its request is
   scheduled in the step after the load is reported);
 - ``lookup``: seconds a lookup takes (one or two store round trips);
@@ -72,7 +74,7 @@ class Average:
 class Estimates:
     """The costs as last measured (seconds; None: not measured yet)."""
 
-    compute_s_per_token: float | None
+    compute_s_per_token: float | None  # for the request that waits for it (its share of steps)
     step_s: float | None
     lookup_s: float | None
     transfer_s_per_byte: float | None
@@ -111,6 +113,7 @@ class RestoreCosts:
         self._step = Average()
         self._lookup = Average()
         self._transfer = Average()
+        self._sharing = Average()  # requests with a prefill chunk in a step that prefills
         # the step planned last: when, its tokens, and whether it mostly prefills
         self._last_step: tuple[float, int, bool] | None = None
         # A judgment against restoring is put aside once per ``explore_s`` (the first time one
@@ -121,11 +124,14 @@ class RestoreCosts:
 
     # -- measured --------------------------------------------------------------------------------
 
-    def step_planned(self, tokens: int, prefill_tokens: int) -> None:
+    def step_planned(self, tokens: int, prefill_tokens: int, prefilling: int = 1) -> None:
         """A step with ``tokens`` scheduled (``prefill_tokens`` of them in chunks of more than
-        one) is being planned: the previous one took from its planning to this one's."""
+        one, of ``prefilling`` requests) is being planned: the previous one took from its
+        planning to this one's."""
         now = self._now()
         with self._lock:
+            if prefill_tokens:
+                self._sharing.add(max(1, prefilling), now)
             last = self._last_step
             self._last_step = (now, tokens, 2 * prefill_tokens >= tokens) if tokens else None
             if last is None:
@@ -153,7 +159,10 @@ class RestoreCosts:
 
     def estimates(self) -> Estimates:
         with self._lock:
-            return Estimates(self._compute.value, self._step.value, self._lookup.value, self._transfer.value)
+            per_token = self._compute.value
+            if per_token is not None:
+                per_token *= max(1.0, self._sharing.value or 1.0)
+            return Estimates(per_token, self._step.value, self._lookup.value, self._transfer.value)
 
     # -- judged ----------------------------------------------------------------------------------
 

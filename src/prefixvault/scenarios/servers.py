@@ -129,6 +129,20 @@ def prefix_repetition(prefix: int, suffix: int, prefixes: int, output: int, prom
             "--ignore-eos", "--seed", str(seed)]
 
 
+def metric_by_label(url: str, name: str, label: str) -> dict[str, float]:
+    """A labelled Prometheus counter of a server, summed per value of ``label``."""
+    import re
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for m in re.finditer(rf"^{re.escape(name)}{{([^}}]*)}} (\S+)$", text, re.M):
+        found = re.search(rf'(?:^|,){re.escape(label)}="([^"]*)"', m.group(1))
+        if found:
+            out[found.group(1)] = out.get(found.group(1), 0.0) + float(m.group(2))
+    return out
+
+
 def metric(url: str, name: str) -> float:
     """A Prometheus counter of a server, summed over its labels (0 if absent)."""
     import re

@@ -203,10 +203,11 @@ class SchedulerSide:
 
     def _measure_step(self, scheduler_output: Any) -> None:
         """The engine's step time and prefill rate, for ``costs``: tokens scheduled, and of them
-        those in chunks of more than one (prefill)."""
+        those in chunks of more than one (prefill), of how many requests."""
         per_request = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
-        self.costs.step_planned(tokens, sum(int(n) for n in per_request.values() if n > 1))
+        chunks = [int(n) for n in per_request.values() if n > 1]
+        self.costs.step_planned(tokens, sum(chunks), len(chunks))
 
     def settle(self, report: SavesSettled) -> None:
         """Workers' reports of saves stored or dropped (``SavePlans.settle``), and of workers
