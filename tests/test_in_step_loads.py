@@ -45,7 +45,7 @@ def _worker(vault: Vault, caches: dict[str, torch.Tensor]) -> WorkerSide:
 
 def _objects(vault: Vault, hashes: list[bytes]) -> dict[str, memoryview]:
     """What a scheduler hands over for the load of 40 tokens: each object as stored, by key."""
-    loaded = vault.load(vault.needed(hashes[:5], 40, ranks=[0]), borrow=False)
+    loaded = vault.load(vault.needed(hashes[:5], 40, ranks=[0]), borrow=False, stored=True)
     return {r.key: o for r, o in loaded.objects.items()}
 
 

@@ -68,7 +68,7 @@ def _payloads() -> dict[str, memoryview]:
     """The objects of a load as the scheduler hands them over: whole, as stored, by key."""
     vault = Vault(MemoryStore(), layout())
     fill(vault, TOKENS, [16, 40])
-    loaded = vault.load(vault.needed(vault.hashes(TOKENS[:41])[:5], 40, ranks=[0]), borrow=False)
+    loaded = vault.load(vault.needed(vault.hashes(TOKENS[:41])[:5], 40, ranks=[0]), borrow=False, stored=True)
     return {r.key: o for r, o in loaded.objects.items()}
 
 

@@ -76,6 +76,32 @@ def test_multi_part_put_concatenates_any_buffers(any_store: Store) -> None:
     assert out.tobytes() == expect
 
 
+def test_filled_puts_and_taken_gets_move_every_size(store_spec: Any, any_store: Store) -> None:
+    """``put_filled`` stores what each fill writes; ``get_taken`` hands each object whole to
+    ``take`` (its last call per key counts), and never calls it for a missing or too large one."""
+    items = [(f"fill/{n}", pattern(n + 1, n)) for n in SIZES if n or store_spec.empty_objects]
+
+    def filler(data: bytes) -> Callable[[memoryview], None]:
+        def fill(dst: memoryview) -> None:
+            assert len(dst) == len(data)
+            dst[:] = data
+        return fill
+
+    assert any_store.put_filled([(k, len(v), filler(v)) for k, v in items]) == [True] * len(items)
+    assert any_store.get_many([k for k, _ in items]) == [v for _, v in items]
+    keys = [k for k, _ in items] + ["fill/missing", items[-1][0]]
+    bufs = [bytearray(len(v)) for _, v in items] + [bytearray(8), bytearray(8)]  # the last: too small
+    taken: dict[int, bytes] = {}
+
+    def take(i: int, src: memoryview, dst: memoryview) -> None:
+        assert len(src) <= len(dst)
+        taken[i] = bytes(src)  # (a decryption would write dst)
+
+    sizes = any_store.get_taken(keys, [memoryview(b) for b in bufs], take)
+    assert sizes == [len(v) for _, v in items] + [None, len(items[-1][1])]
+    assert taken == {i: v for i, (_, v) in enumerate(items)}
+
+
 def test_same_uri_opened_twice_shares_objects(store_kind: str, store_uri_factory: UriFactory) -> None:
     uri = store_uri_factory(store_kind)
     with open_store(uri) as one, open_store(uri) as two:

@@ -7,15 +7,19 @@ secret (or has another one).
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_vault import fill, layout
+from test_vault import BS, fill, layout
 
+from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.codec import (
+    ENCRYPTED_VERSION,
     HEADER_SIZE,
     IntegrityError,
     ObjectHeader,
@@ -23,9 +27,15 @@ from prefixvault.codec import (
     checksum,
     decode,
     encode,
+    encode_into,
+    is_sealed,
+    proved_wrong,
 )
-from prefixvault.inventory import audit
+from prefixvault.inventory import audit, summarize
+from prefixvault.objects import ObjectRef
 from prefixvault.samples import VerifySample, pending_samples, write_sample
+from prefixvault.stores import Store
+from prefixvault.stores.local import LocalStore
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.tenancy import NamespaceKey, SecretError, namespace_key, read_secret
 from prefixvault.vault import Vault
@@ -218,6 +228,130 @@ def test_audit_checks_keyed_namespaces_only_with_their_secret() -> None:
     assert keyed.unverifiable == []
     wrong = audit(store, keys={"tenantA": OTHER})  # another secret proves nothing either
     assert wrong.findings == [] and len(wrong.unverifiable) == 2
+
+
+# -- encrypted payloads (issue 48, deliverable 2) --------------------------------------------------
+
+
+def model(tokens: list[int]) -> Callable[[ObjectRef, int], bytes]:
+    """A deterministic stand-in for an engine: the bytes of an object depend on the prefix it
+    covers (and its group and kind), never on the engine's block ids; so anyone can compute a
+    guessed prompt's KV and states, as anyone holding the model's weights can."""
+    def read(ref: ObjectRef, block_id: int) -> bytes:
+        n = 2 * BS * 4 * 4 if ref.kind is ObjectKind.BLOCK else 64
+        seed = np.asarray(tokens[: ref.tokens], dtype="<i8").tobytes() + bytes([ref.kind, ref.group])
+        return (hashlib.blake2b(seed).digest() * (n // 64 + 1))[:n]
+    return read
+
+
+def save_with(vault: Vault, tokens: list[int], boundaries: list[int]) -> list[int]:
+    hashes = vault.hashes(tokens)
+    n = len(tokens) // BS
+    tables = {0: list(range(1, n + 1)), 1: list(range(100, 100 + n))}
+    d = plan_saves(vault.layout, len(tokens), tables, [StateCapture(2, b, 200 + b, 1) for b in boundaries],
+                   step=1)
+    acks = vault.save(0, hashes, d.publishable, model(tokens))
+    return sorted(b for b, why in vault.publish(hashes, acks).items() if why is None)
+
+
+def guessed_payloads(vault: Vault, tokens: list[int], tokens_at: int) -> list[bytes]:
+    """What an attacker computes for a guessed prompt: the KV and state bytes of its prefix."""
+    read = model(tokens)
+    return [read(ref, 0) for ref in vault.needed(vault.hashes(tokens), tokens_at)]
+
+
+def every_stored_byte(store: Store, path: Path | None = None) -> bytes:
+    """What a party with read access holds: every object, or every file of a local store."""
+    if path is not None:
+        return b"".join(f.read_bytes() for f in sorted(path.rglob("*")) if f.is_file())
+    keys = [k for k, _ in store.scan()]
+    return b"".join(b or b"" for b in store.get_many(keys))
+
+
+@pytest.mark.parametrize("where", ["memory", "local"])
+def test_stored_payloads_are_ciphertext_and_a_guess_cannot_be_matched(where: str, tmp_path: Path) -> None:
+    """The issue's membership inference: with read access to the store (every Mooncake client,
+    a Redis reader, a copy of the local directory), compare the stored bytes with the KV of a
+    guessed prompt. Sealed payloads were readable: the prompt tenant A sent matched, the one it
+    never sent did not. Encrypted, neither matches, and A still restores what it cached."""
+    store: Store = MemoryStore() if where == "memory" else LocalStore(tmp_path / "store", 64 << 20)
+    vault = Vault(store, layout(), "tenantA", KEY)
+    assert save_with(vault, PROMPT, [16, 40]) == [16, 40]
+    raw = every_stored_byte(store, tmp_path / "store" if where == "local" else None)
+    sent, never = guessed_payloads(vault, PROMPT, 40), guessed_payloads(vault, GUESS, 40)
+    assert len(sent) == len(never) > 0
+    assert [p for p in sent + never if p in raw] == []
+    hashes = vault.hashes([*PROMPT, 7])
+    assert vault.lookup(hashes, 65) == 40
+    loaded = vault.load(vault.needed(hashes, 40))
+    assert loaded.ok and sorted(bytes(p) for p in loaded.payloads.values()) == sorted(sent)
+    plain = Vault(store, layout(), "public")  # the control: without a secret, bytes are readable
+    assert save_with(plain, PROMPT, [16, 40]) == [16, 40]
+    raw = every_stored_byte(store, tmp_path / "store" if where == "local" else None)
+    assert all(p in raw for p in guessed_payloads(plain, PROMPT, 40))
+
+
+def test_a_wrong_key_a_moved_object_and_a_changed_byte_are_counted_misses(tmp_path: Path) -> None:
+    """Through the local store, whose loads decrypt straight out of its memory: each is a
+    miss, counted by reason, removed, never served; the next save writes the object again."""
+    store = LocalStore(tmp_path / "store", 64 << 20)
+    vault = Vault(store, layout(), "tenantA", KEY)
+    assert save_with(vault, PROMPT, [16, 40]) == [16, 40]
+    hashes = vault.hashes([*PROMPT, 7])
+    refs = vault.needed(hashes, 40)
+    state = next(r for r in refs if r.kind is ObjectKind.STATE)
+    early = next(r for r in vault.needed(hashes, 16) if r.kind is ObjectKind.STATE)
+    good = store.get_many([state.key, early.key])
+    assert good[0] is not None and good[1] is not None
+    header, payload = decode(good[0], key=KEY)
+    other_key = b"".join(bytes(p) for p in encode(header, payload, OTHER))  # same identity, other key
+    changed = bytearray(good[0])
+    changed[HEADER_SIZE + 5] ^= 0x10
+    for blob, reason in ((other_key, "mac"), (good[1], "identity"), (bytes(changed), "mac")):
+        store.put_many([(state.key, [blob])])
+        before = vault.counters.rejected[reason]
+        loaded = vault.load(refs)
+        assert loaded.failed == {state: reason} and state not in loaded.payloads
+        assert vault.counters.rejected[reason] == before + 1
+        assert store.exists_many([state.key]) == [False]
+        assert vault.lookup(hashes, 65) == 16  # the boundary its state served is a miss now
+        assert save_with(vault, PROMPT, [16, 40]) == [16, 40]
+        assert vault.load(refs).ok
+
+
+def test_encrypted_objects_decrypt_in_place_and_tell_their_form() -> None:
+    blob = bytearray(sealed())
+    assert blob[4] == ENCRYPTED_VERSION and is_sealed(bytes(blob)) and PAYLOAD not in blob
+    assert encode(HEADER, PAYLOAD, KEY)[1] != PAYLOAD
+    view = memoryview(blob)
+    header, payload = decode(view, HEADER, KEY, out=view[HEADER_SIZE:])
+    assert header == HEADER and bytes(payload) == bytes(blob[HEADER_SIZE:]) == PAYLOAD  # in place
+    whole = memoryview(bytearray(HEADER_SIZE + len(PAYLOAD)))
+    encode_into(HEADER, PAYLOAD, whole, KEY)  # one pass into the store's memory
+    assert decode(bytes(whole), HEADER, KEY)[1] == PAYLOAD and bytes(whole[HEADER_SIZE:]) != PAYLOAD
+
+
+def test_a_sealed_object_of_an_earlier_release_is_not_accepted() -> None:
+    """A keyed namespace reads encrypted objects only: a GMAC-sealed object (readable payload)
+    is refused; under the reader's own keys it is proved wrong (the fingerprint names the
+    encrypted form, so no release writes a sealed one there), under another's it is left."""
+    head = bytearray(HEADER_SIZE)
+    head[:100] = sealed()[:100]
+    head[4:6], head[9] = (1).to_bytes(2, "little"), 1  # version 1, the sealed flag
+    for key, reason in ((KEY, "unencrypted"), (None, "sealed")):
+        with pytest.raises(IntegrityError) as e:
+            decode(bytes(head) + PAYLOAD, HEADER, key)
+        assert e.value.reason == reason
+        assert proved_wrong(reason, own_fingerprint=True) and not proved_wrong(reason, own_fingerprint=False)
+    assert Vault(MemoryStore(), layout(), "tenantA", KEY).fingerprint != Vault(
+        MemoryStore(), layout(), "tenantA").fingerprint
+
+
+def test_stats_and_summaries_without_the_key_count_encrypted_objects() -> None:
+    store, _ = tenant_a()
+    n = len(list(store.scan()))
+    summary = summarize(store)  # no key: counted by their names and sizes, never read
+    assert summary.objects == n > 0 and summary.records == 2 and summary.bytes == store.stats().bytes
 
 
 def test_samples_of_a_keyed_namespace_are_sealed() -> None:

@@ -177,10 +177,14 @@ def test_keyed_namespace_rejects_forged_states_and_cannot_be_probed(
         seed, spec(seed, "kv_producer", [seed.producer], [""], store_uri, extra_config=extra), workdir, env)
     store = open_store(store_uri)
 
-    # The attacker: the layout is readable (sealed, not encrypted; named ``layout.{tag}`` in a
-    # keyed namespace), the keys of a prompt are not.
+    # The attacker knows the layout (no secret: anyone can serve the same model; here it is read
+    # with A's key, a stand-in), though the stored one is ciphertext; the keys of a prompt it
+    # cannot compute.
     (layout_key,) = [k for k, _ in store.scan("tenantA/") if k.rsplit("/", 1)[1].startswith("layout.")]
-    layout = CacheLayout.from_json(json.loads((store.get_many([layout_key])[0] or b"")[HEADER_SIZE:]))
+    stored_layout = store.get_many([layout_key])[0] or b""
+    a_key = NamespaceKey.derive(secret.encode(), "tenantA")
+    layout = CacheLayout.from_json(json.loads(bytes(decode(stored_layout, key=a_key)[1])))
+    assert layout.model and layout.model.encode() not in stored_layout  # (plain JSON would name it)
     case = seed.cases[1]
     for key in (None, NamespaceKey.derive(b"a guessed secret, not tenant A's", "tenantA")):
         probe = Vault(store, layout, "tenantA", key)

@@ -1,8 +1,9 @@
 """Loads: objects read from the store (or the hot set) and handed out only where they verify
 (invariant 3).
 
-Every object is checked against the header the reader expects and its checksum (its MAC, in a
-namespace with a secret), and against the deny-list, before its payload is handed out. Bad
+Every object is checked against the header the reader expects and its checksum (in a namespace
+with a secret: decrypted and its AES-GCM tag verified, as it is copied out of the store), and
+against the deny-list, before its payload is handed out. Bad
 objects are counted by reason; those proved wrong are removed from the store (bytes of another
 format or key are someone else's, and stay; an object of another version under a key this
 reader named is proved wrong: ``codec.proved_wrong``).
@@ -21,7 +22,7 @@ from prefixvault.counters import Counters
 from prefixvault.denysync import DenySync
 from prefixvault.hotset import HotSet
 from prefixvault.objects import ObjectNames, ObjectRef, chain_order
-from prefixvault.stores.base import Store
+from prefixvault.stores.base import Store, Take
 from prefixvault.tenancy import NamespaceKey
 
 #: Keys a vault remembers having read, to count bytes read again (``reread_bytes``).
@@ -34,9 +35,9 @@ class Loaded:
 
     payloads: dict[ObjectRef, memoryview]
     failed: dict[ObjectRef, str]
-    # Each object read from the store whole, header included, as stored (its payload is a view
-    # of it): what a scheduler hands a worker, which verifies it again (``open_sealed``).
-    # Objects served by a hot set have none.
+    # Each object read from the store whole, header included, as stored (a plain payload is a
+    # view of it): what a scheduler hands a worker, which verifies it again (``open_sealed``).
+    # Objects served by a hot set have none; encrypted ones, only for a load asked ``stored``.
     objects: dict[ObjectRef, memoryview] = field(default_factory=dict)
 
     @property
@@ -58,14 +59,17 @@ class Loader:
     _seen: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
 
     def load(self, refs: Sequence[ObjectRef], staging: np.ndarray | None = None,
-             borrow: bool = True) -> Loaded:
+             borrow: bool = True, stored: bool = False) -> Loaded:
         """Fetch and verify objects; bad ones are counted, removed from the store and reported.
 
         With ``borrow``, payloads may be views of memory the store lent: use them before the
         next call on the same store (a load beside other calls on their own thread passes
         ``borrow=False``; then each object has memory of its own, so one kept keeps no other
         alive). With a hot set, objects in it are served from it (the deny-list still applies),
-        and only the others are read, then kept in it."""
+        and only the others are read, then kept in it. In a namespace with a key an object is
+        decrypted as it is copied out of the store (one pass), so ``Loaded.objects`` holds the
+        objects as stored only where ``stored`` asks for them (then each is decrypted into
+        memory of its own: a second pass)."""
         refs = sorted(refs, key=chain_order)  # a read is a use: the store ranks them in this order
         hot = self._from_hot(refs) if self.hot is not None else {}
         if hot:
@@ -89,12 +93,20 @@ class Loader:
                 views.append(buf[off : off + s])
                 off += s
         self.deny.refresh()
-        got = self.store.get_into([r.key for r in refs], views)
+        keys = [r.key for r in refs]
+        opened: dict[int, memoryview | Exception] = {}
+        if self.key is not None and not stored:
+            got = self.store.get_taken(keys, views, self._decrypting(headers, opened))
+            for e in opened.values():
+                if isinstance(e, Exception) and not isinstance(e, IntegrityError):
+                    raise e  # ours, kept from the store's read
+        else:
+            got = self.store.get_into(keys, views)
         payloads: dict[ObjectRef, memoryview] = {}
         objects: dict[ObjectRef, memoryview] = {}
         failed: dict[ObjectRef, str] = {}
         bad_keys: list[str] = []
-        for ref, header, view, size in zip(refs, headers, views, got, strict=True):
+        for i, (ref, header, view, size) in enumerate(zip(refs, headers, views, got, strict=True)):
             if size is None:
                 failed[ref] = "missing"
                 self.counters.add(get_failed=1)
@@ -102,7 +114,14 @@ class Loader:
             try:
                 if size != len(view):
                     raise IntegrityError("length", f"object has {size} bytes, expected {len(view)}")
-                payload = self._open(ref, header, view)
+                if self.key is not None and not stored:
+                    done = opened.get(i)
+                    if isinstance(done, Exception) or done is None:
+                        raise done or IntegrityError("length", "not read whole")
+                    payload = self._checked(ref, header, done)
+                else:
+                    payload = self._open(ref, header, view)
+                    objects[ref] = view
             except IntegrityError as e:
                 failed[ref] = e.reason
                 self.counters.tally("rejected", e.reason, 1)
@@ -111,7 +130,6 @@ class Loader:
                     bad_keys.append(ref.key)
                 continue
             payloads[ref] = payload
-            objects[ref] = view
             self.counters.add(get_keys=1)
             self.counters.add(get_bytes=size)
             if self._read_before(ref.key):
@@ -124,10 +142,30 @@ class Loader:
         payloads.update(hot)
         return Loaded(payloads, failed, objects)
 
+    def _decrypting(self, headers: Sequence[ObjectHeader],
+                    opened: dict[int, memoryview | Exception]) -> Take:
+        """What a store calls with each object's bytes: verify and decrypt them into the
+        payload part of its buffer; the payload, or what failed, goes into ``opened``."""
+        key = self.key
+
+        def take(i: int, src: memoryview, dst: memoryview) -> None:
+            try:
+                if len(src) != len(dst):
+                    raise IntegrityError("length", f"object has {len(src)} bytes, expected {len(dst)}")
+                opened[i] = decode(src, headers[i], key, out=dst[HEADER_SIZE:])[1]
+            except Exception as e:  # (a store's callback must not raise: settled after the read)
+                opened[i] = e
+
+        return take
+
     def _open(self, ref: ObjectRef, header: ObjectHeader, data: memoryview) -> memoryview:
         """The payload of an object read whole, verified as every object is: its header, its
-        identity (``header``), its checksum or MAC, and the deny-list."""
+        identity (``header``), its checksum or tag, and the deny-list."""
         _, payload = decode(data, header, self.key)
+        return self._checked(ref, header, payload)
+
+    def _checked(self, ref: ObjectRef, header: ObjectHeader, payload: memoryview) -> memoryview:
+        """``payload``, verified, unless the deny-list names its bytes."""
         if self.deny.denied(ref.key, header, payload):  # a copy of bytes proved wrong
             raise IntegrityError("denied", "bytes a quarantine proved wrong")
         return payload

@@ -8,8 +8,9 @@ namespaces still keeps them apart):
 - ``hash_key`` keys the seed of the hash chain, so every block hash, and with it every store
   key, is a keyed hash: without the secret nobody can name the key of a prompt, so nobody
   can ask the store whether it is cached.
-- ``mac_key`` is the AES-256 key of the GMAC that seals every object and record (see
-  ``codec``): without the secret nobody can write bytes that a reader accepts.
+- ``mac_key`` is the AES-256 key that encrypts and authenticates (GCM) every object, record
+  and sample (see ``codec``, ``samples``): without the secret nobody can read a payload, nor
+  write bytes that a reader accepts.
 
 The secret itself is read from a file or an environment variable named in the config, never
 given inline, and no repr, log line or error message ever contains it or a key derived from it.

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from prefixvault import codec
 from prefixvault.boundary import Refusal, SavePlan
-from prefixvault.codec import VERSION as CODEC_VERSION
 from prefixvault.codec import ObjectHeader
 from prefixvault.counters import Counters
 from prefixvault.denylist import DENY_TTL_S, DenyList
@@ -79,7 +79,7 @@ class Vault:
     """The protocol for one layout in one namespace of one store.
 
     With ``key`` (the namespace's secret, derived) hashes are keyed and every object and
-    record is sealed and must verify as sealed with it. The parts share one store, one key
+    record is encrypted with it and must decrypt and verify with it. The parts share one store, one key
     space, one set of counters and one deny-list; each is given what it uses."""
 
     def __init__(self, store: Store, layout: CacheLayout, namespace: str = "default",
@@ -91,8 +91,9 @@ class Vault:
         self.store = store
         self.layout = layout
         # The formats objects and records are written in are part of the name of everything
-        # stored: engines of two versions on one store use disjoint keys, never each other's.
-        self.fingerprint = layout.fingerprint(formats=(CODEC_VERSION, RECORD_VERSION))
+        # stored: engines of two versions on one store use disjoint keys, never each other's;
+        # so is the form (encrypted with a key, plain without: ``codec.form_version``).
+        self.fingerprint = layout.fingerprint(formats=(codec.form_version(key), RECORD_VERSION))
         self.keys = KeySpace(namespace, self.fingerprint, key.tag if key is not None else "")
         self.key = key
         self._hash_key = key.hash_key if key is not None else b""
@@ -249,11 +250,12 @@ class Vault:
     # -- load (``loading``) ----------------------------------------------------------------------
 
     def load(self, refs: Sequence[ObjectRef], staging: np.ndarray | None = None,
-             borrow: bool = True) -> Loaded:
+             borrow: bool = True, stored: bool = False) -> Loaded:
         """Fetch and verify objects; bad ones are counted, removed from the store and reported.
         With ``borrow``, payloads may be views of memory the store lent: use them before the
-        next call on the same store."""
-        return self._loader.load(refs, staging, borrow)
+        next call on the same store. ``stored``: keep the objects as stored too
+        (``Loaded.objects``), where a key would otherwise decrypt them in place."""
+        return self._loader.load(refs, staging, borrow, stored)
 
     def open_sealed(self, ref: ObjectRef, data: memoryview) -> memoryview:
         """The payload of ``ref``'s object handed over whole (header included, as stored),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import os
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TypeAlias
@@ -21,6 +21,11 @@ from prefixvault.errors import StoreUnavailable as StoreUnavailable
 
 #: Anything exposing a contiguous byte buffer (bytes, bytearray, memoryview, numpy array).
 Buffer: TypeAlias = bytes | bytearray | memoryview
+
+#: Writes one object's bytes into the memory given, exactly the object's size (``put_filled``).
+Fill: TypeAlias = Callable[[memoryview], None]
+#: Moves object i's bytes (``src``) into the caller's buffer (``dst``) its own way (``get_taken``).
+Take: TypeAlias = Callable[[int, memoryview, memoryview], None]
 
 #: A key is ASCII, 1..250 characters, made of letters, digits and ``/._:-=``.
 MAX_KEY_LEN = 250
@@ -188,6 +193,32 @@ class Store(abc.ABC):
         Returns, per key, None if missing, else the object's size. If the size exceeds the
         buffer, nothing is copied for that key (the caller treats it as invalid).
         """
+
+    def put_filled(self, items: Sequence[tuple[str, int, Fill]]) -> list[bool]:
+        """``put_many`` of objects of the sizes given, whose bytes each ``fill`` writes itself
+        (an encryption that is also the copy). A store that can hand out the memory an object
+        will live in calls ``fill`` on it: one pass over the bytes; this default fills fresh
+        memory and puts that."""
+        out: list[tuple[str, Sequence[Buffer]]] = []
+        for key, size, fill in items:
+            buf = memoryview(bytearray(size))
+            fill(buf)
+            out.append((key, [buf]))
+        return self.put_many(out)
+
+    def get_taken(self, keys: Sequence[str], buffers: Sequence[memoryview], take: Take) -> list[int | None]:
+        """``get_into`` where the caller moves each object's bytes into its buffer:
+        ``take(i, src, dst)`` (a decryption that is also the copy), with ``src`` the object
+        (its size) and ``dst`` buffer i. A store that can lend its own memory passes that as
+        ``src``: one pass over the bytes; this default copies first and passes the buffer as
+        both (in place). ``take`` must not raise, and may be called again for one key (a read
+        that raced with a write is done again): its last call counts. Not called for a
+        missing object, nor for one larger than its buffer."""
+        sizes = self.get_into(keys, buffers)
+        for i, size in enumerate(sizes):
+            if size is not None and size <= len(buffers[i]):
+                take(i, buffers[i][:size], buffers[i])
+        return sizes
 
     @abc.abstractmethod
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:

@@ -32,11 +32,13 @@ from urllib.parse import urlsplit
 from prefixvault.errors import BreakerOpen as BreakerOpen
 from prefixvault.stores.base import (
     Buffer,
+    Fill,
     Medium,
     Store,
     StoreError,
     StoreStats,
     StoreUnavailable,
+    Take,
     medium_of_path,
     redact,
 )
@@ -215,6 +217,12 @@ class BreakerStore(Store):
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         return self._call(lambda s: s.get_into(keys, buffers))
+
+    def put_filled(self, items: Sequence[tuple[str, int, Fill]]) -> list[bool]:
+        return self._call(lambda s: s.put_filled(items))
+
+    def get_taken(self, keys: Sequence[str], buffers: Sequence[memoryview], take: Take) -> list[int | None]:
+        return self._call(lambda s: s.get_taken(keys, buffers, take))
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         return self._call(lambda s: s.get_many(keys))

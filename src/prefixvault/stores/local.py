@@ -62,11 +62,13 @@ from prefixvault.stores._index import (
 from prefixvault.stores._writers import WriterToken
 from prefixvault.stores.base import (
     Buffer,
+    Fill,
     Medium,
     Store,
     StoreError,
     StoreStats,
     StoreUnavailable,
+    Take,
     check_distinct,
     check_key,
     medium_of_path,
@@ -157,6 +159,13 @@ def _nameable(key: object) -> bool:
 def _u8(part: Buffer) -> Bytes:
     """A flat uint8 view of any contiguous buffer, without copying."""
     return np.frombuffer(part, dtype=np.uint8)
+
+
+def _filled(fill: Fill, size: int) -> bytes:
+    """The bytes ``fill`` writes, for an object kept inline (too small for a slot)."""
+    buf = bytearray(size)
+    fill(memoryview(buf))
+    return bytes(buf)
 
 
 class LocalStore(Store):
@@ -640,6 +649,18 @@ class LocalStore(Store):
 
         return self._read(keys, lambda i: int(dsts[i].nbytes), take)
 
+    def get_taken(self, keys: Sequence[str], buffers: Sequence[memoryview], take: Take) -> list[int | None]:
+        """``take`` reads each object straight from the slab it lives in (one pass: no copy
+        before it); a read that raced with reuse of its slot calls it again (``_read``)."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys but {len(buffers)} buffers")
+        dsts = [buf if buf.ndim == 1 and buf.format == "B" else buf.cast("B") for buf in buffers]
+
+        def moved(i: int, src: Bytes) -> None:
+            take(i, src.data, dsts[i])
+
+        return self._read(keys, lambda i: dsts[i].nbytes, moved)
+
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         got: dict[int, bytes] = {}
 
@@ -727,6 +748,13 @@ class LocalStore(Store):
         sizes = [sum(p.nbytes for p in ps) for ps in parts]
         return self._put(keys, parts, sizes, if_absent=False)
 
+    def put_filled(self, items: Sequence[tuple[str, int, Fill]]) -> list[bool]:
+        """Each ``fill`` writes straight into the slot its object is claimed (one pass)."""
+        self._writable()
+        keys = [check_key(key) for key, _, _ in items]
+        return self._put(keys, [[] for _ in items], [size for _, size, _ in items], if_absent=False,
+                         fills=[fill for _, _, fill in items])
+
     def put_if_absent(self, key: str, data: Buffer) -> bool:
         self._writable()
         check_key(key)
@@ -750,12 +778,14 @@ class LocalStore(Store):
         return out
 
     def _put(
-        self, keys: list[str], parts: list[list[Bytes]], sizes: list[int], if_absent: bool
+        self, keys: list[str], parts: list[list[Bytes]], sizes: list[int], if_absent: bool,
+        fills: list[Fill] | None = None,
     ) -> list[bool]:
         """Put, and on a full filesystem free one slab's space and try once more; a put that
-        still finds no room is refused (False), never an error."""
+        still finds no room is refused (False), never an error. With ``fills``, object i's
+        bytes are what ``fills[i]`` writes (``parts`` unused)."""
         for attempt in range(2):
-            done = self._put_once(keys, parts, sizes, if_absent)
+            done = self._put_once(keys, parts, sizes, if_absent, fills)
             if done is not None:
                 return done
             with self._guard("free space"):
@@ -764,7 +794,8 @@ class LocalStore(Store):
         return [False] * len(keys)
 
     def _put_once(
-        self, keys: list[str], parts: list[list[Bytes]], sizes: list[int], if_absent: bool
+        self, keys: list[str], parts: list[list[Bytes]], sizes: list[int], if_absent: bool,
+        fills: list[Fill] | None = None,
     ) -> list[bool] | None:
         """One try; None if the filesystem had no room for the index to grow."""
         ok = [False] * len(keys)
@@ -778,12 +809,15 @@ class LocalStore(Store):
                         classes = [_arena.size_class(n, slab_size) for n in sizes]
                         if any(classes):
                             self._claim(keys, classes, claims, if_absent)
-                    lost = self._copy(parts, sizes, claims)
+                    lost = self._copy(parts, sizes, claims, fills)
+                    inline = {i: _filled(fills[i], sizes[i]) if fills is not None
+                              else b"".join(p.data for p in parts[i])
+                              for i in range(len(keys)) if classes[i] == 0}
                     with self._write() as tx:
                         for i, key in enumerate(keys):
                             at = tx.now - i * RANK_TICK  # the first key given is the most recent
                             if classes[i] == 0:
-                                ok[i] = tx.put_inline(key, b"".join(p.data for p in parts[i]), if_absent, at)
+                                ok[i] = tx.put_inline(key, inline[i], if_absent, at)
                             elif i in claims and i not in lost:
                                 ok[i] = tx.publish(key, sizes[i], claims[i], if_absent, at)
                     published = True
@@ -838,7 +872,8 @@ class LocalStore(Store):
                 for path in paths:
                     _arena.remove_file(path)
 
-    def _copy(self, parts: list[list[Bytes]], sizes: list[int], claims: dict[int, Claim]) -> set[int]:
+    def _copy(self, parts: list[list[Bytes]], sizes: list[int], claims: dict[int, Claim],
+              fills: list[Fill] | None = None) -> set[int]:
         """Fill claimed slots (no index lock held, so readers and other writers proceed);
         return the items whose slab file is gone or cut short (those slabs are forgotten)."""
         lost: dict[int, int] = {}
@@ -855,6 +890,9 @@ class LocalStore(Store):
                 continue
             start = claim.slot * claim.cls
             dst = view[start : start + sizes[i]]
+            if fills is not None:
+                fills[i](dst.data)
+                continue
             pos = 0
             for part in parts[i]:
                 n = part.nbytes

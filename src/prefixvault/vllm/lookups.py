@@ -175,7 +175,7 @@ class Lookups:
         try:
             # each object in memory of its own, kept past this call (never lent memory): a hit
             # held keeps its own objects alive, no other hit's
-            loaded = self.vault.load(every, borrow=False).objects
+            loaded = self.vault.load(every, borrow=False, stored=True).objects
         except Exception as e:  # the store's or ours: the answers stand, their loads read later
             log.debug("prefixvault: reading ahead %d objects failed: %s", len(every), e)
             loaded = {}
