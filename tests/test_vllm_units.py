@@ -6,7 +6,13 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from prefixvault.scenarios import scenario
-from prefixvault.vllm.config import CapturePolicy, ConnectorSettings, OutputBoundaries, restores_in_step
+from prefixvault.vllm.config import (
+    CapturePolicy,
+    ConnectorSettings,
+    OutputBoundaries,
+    in_step_refused,
+    restores_in_step,
+)
 from prefixvault.vllm.stats import PrefixVaultPromMetrics, PrefixVaultStats, Snapshot
 
 
@@ -27,7 +33,10 @@ def test_steps_wait_for_restores_on_cpu_over_a_local_store_unless_told_otherwise
     assert not restores_in_step(auto, remote=True, device="cpu")
     assert not restores_in_step(auto, remote=False, device="cuda")
     on, off = (ConnectorSettings.from_extra({"restore_in_step": v}) for v in (True, "false"))
-    assert restores_in_step(on, remote=True, device="cuda")
+    assert not restores_in_step(on, remote=True, device="cuda"), "refused: a failed load stops the engine"
+    assert restores_in_step(on, remote=True, device="cpu")
+    assert in_step_refused(on, "cuda") is not None and in_step_refused(on, "cpu") is None
+    assert in_step_refused(auto, "cuda") is None  # (auto never asks for it there)
     assert not restores_in_step(off, remote=False, device="cpu")
 
 

@@ -207,10 +207,26 @@ IN_STEP_WAIT_S = 0.05
 def restores_in_step(settings: ConnectorSettings, remote: bool, device: str) -> bool:
     """Whether a step waits for its lookups and loads: ``restore_in_step``, or, on ``auto``, on
     a CPU engine (``device``: vLLM's platform device type) over a store that is not a network
-    one."""
+    one. Never on another device (``in_step_refused``)."""
+    if device != "cpu":
+        return False
     if settings.restore_in_step is not None:
         return settings.restore_in_step
-    return not remote and device == "cpu"
+    return not remote
+
+
+def in_step_refused(settings: ConnectorSettings, device: str) -> str | None:
+    """Why ``restore_in_step: true`` is not followed on this device, or None. A synchronous
+    load that a worker cannot write is reported as block errors, which vLLM 0.32-0.34 answer by
+    stopping an engine of several cache groups (every hybrid); on a CPU engine its bytes are
+    read, verified and handed over before it is promised, but a GPU engine's steps overlap
+    (a wait after the forward gives that up) and its loads are staged through the device, so
+    its restores load beside the steps, where a failed load costs a recompute."""
+    if settings.restore_in_step and device != "cpu":
+        return (f"restore_in_step: true is refused on a {device} engine (a synchronous load that failed "
+                "would stop a hybrid engine, and the wait gives up the overlap of its steps): restores "
+                "load beside the steps")
+    return None
 
 
 #: Bounds of the staging budget ``save_staging_mib: auto`` sizes (per worker, pinned on a GPU).

@@ -43,6 +43,7 @@ from prefixvault.vllm.config import (
     ConnectorSettings,
     OutputBoundaries,
     hot_set_bytes,
+    in_step_refused,
     restores_in_step,
     staging_bytes,
 )
@@ -118,6 +119,9 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         self.vault = Vault(store, self.layout, self.settings.namespace, key, hot_bytes=hot)
         in_step = restores_in_step(self.settings, store.remote, current_platform.device_type)
         if role == KVConnectorRole.SCHEDULER:
+            refused_in_step = in_step_refused(self.settings, current_platform.device_type)
+            if refused_in_step:
+                log.warning("prefixvault: %s", refused_in_step)
             source = cache_hit_source(store.medium)
             if source is not None:  # (what vLLM's own get_external_cache_hit_sources labels hits by)
                 self._cache_hit_source = source
