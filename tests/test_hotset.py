@@ -92,3 +92,21 @@ def test_bytes_read_again_are_counted_without_a_hot_set() -> None:
     assert vault.load(refs).ok and vault.counters.reread_bytes == 0
     first = vault.counters.get_bytes
     assert vault.load(refs).ok and vault.counters.reread_bytes == first
+
+
+def test_kv_blocks_a_quarantine_removed_are_not_served_from_a_hot_set_that_held_them() -> None:
+    """A quarantine elsewhere (``watch``) removes the segment's KV blocks from the store without
+    listing them; a worker whose hot set held them stops serving them once it sees the
+    deny-list grow (its next periodic read)."""
+    store = MemoryStore()
+    fill(Vault(store, layout()), TOKENS, [40])
+    worker = Vault(store, layout(), hot_bytes=1 << 20)
+    hashes = worker.hashes(TOKENS)
+    refs = worker.needed(hashes, 40)
+    assert worker.load(refs).ok
+    Vault(store, layout()).quarantine(worker.keys.record(hashes[4]))
+    gone = [r for r in refs if r.kind.name != "STATE" and store.get_many([r.key])[0] is None]
+    assert gone, "the quarantine removed none of the segment's KV blocks"
+    worker._deny.refresh(force=True)  # (what its next read of the deny-list does)
+    again = worker.load(gone)
+    assert all(again.failed.get(r) == "missing" for r in gone), again.failed

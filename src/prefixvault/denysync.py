@@ -35,6 +35,9 @@ class DenySync:
     held: DenyList = field(default_factory=DenyList, init=False)
     _read: float | None = field(default=None, init=False)  # monotonic time the stored list was last read
     _blob: bytes | None = field(default=None, init=False)  # the stored list as last read
+    # How many times ``held`` gained entries: a quarantine seen. What was kept from before it
+    # (a hot set) may hold bytes it removed from the store without listing them (KV blocks).
+    grown: int = field(default=0, init=False)
 
     @property
     def read_once(self) -> bool:
@@ -79,7 +82,8 @@ class DenySync:
                 stored = DenyList.decode(blob, self.keys.fingerprint, self.key)
             except IntegrityError as e:  # forged, or of another key: ours replaces it
                 self.counters.tally("rejected", f"deny-list {e.reason}", 1)
-        self.held.merge(stored)
+        if self.held.merge(stored):
+            self.grown += 1
         self.held.prune()
         if len(self.held) and DenyList(dict(stored.entries)).merge(self.held):
             mine = self.held.encode(self.keys.fingerprint, self.key)
@@ -92,4 +96,5 @@ class DenySync:
         expires = time.time() + ttl
         for key, digest in digests:
             self.held.add(self._suffix(key), digest, expires)
+        self.grown += 1
         self.refresh(force=True)  # merges what is stored and writes the union back

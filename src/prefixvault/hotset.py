@@ -7,7 +7,9 @@ loaded in hybrid align mode. Over a network store every restore would then be a 
 and a copy of the whole prefix. The hot set keeps the verified payloads of the objects loaded
 last, up to a byte budget (least recently used go first), keyed by the object's store key:
 keys name content (chain hash, layout fingerprint, formats), so a key's bytes never change,
-and a quarantine is still honoured (``Vault.load`` checks the deny-list on every hit).
+and a quarantine is still honoured (``Vault.load`` checks the deny-list on every hit, and
+empties the set when the deny-list grows: a quarantine also removes its segment's KV blocks
+from the store without listing them, and a copy kept here must not outlive them).
 
 Off (budget 0) for local and in-process stores, where a load is a memcpy and a copy here would
 only double memory.
@@ -76,6 +78,11 @@ class HotSet:
                 self.stats.evicted += 1
             self._items[key] = data
             self._bytes += n
+
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+            self._bytes = 0
 
     def discard(self, key: str) -> None:
         with self._lock:

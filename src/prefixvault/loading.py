@@ -57,6 +57,7 @@ class Loader:
     hot: HotSet | None
     # hashes of the keys read last (READS_SEEN)
     _seen: OrderedDict[int, None] = field(default_factory=OrderedDict, init=False)
+    _hot_since: int = field(default=0, init=False)  # the deny-list's ``grown`` the hot set was kept since
 
     def load(self, refs: Sequence[ObjectRef], staging: np.ndarray | None = None,
              borrow: bool = True, stored: bool = False) -> Loaded:
@@ -195,6 +196,9 @@ class Loader:
         """The objects of ``refs`` the hot set holds, unless the deny-list names their bytes."""
         assert self.hot is not None
         self.deny.refresh()
+        if self.deny.grown != self._hot_since:  # a quarantine since: what it removed goes too
+            self.hot.clear()
+            self._hot_since = self.deny.grown
         out: dict[ObjectRef, memoryview] = {}
         for ref in refs:
             payload = self.hot.get(ref.key)

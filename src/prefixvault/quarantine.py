@@ -9,7 +9,8 @@ them wrong, and listing them would refuse the right bytes of every other boundar
 as the entry lives; yet they may be what was wrong (a layout or copy bug of the producer), and
 kept, a re-published boundary would skip them as present and serve them again. Removed, the
 next producer writes them fresh, and other prefixes through them restore a shorter hit until
-then. (A worker's hot set, ``load_cache_mib``, may still hold them until they age out of it.)
+then. (A worker's hot set, ``load_cache_mib``, is emptied once its vault sees the deny-list
+grow, so no copy kept there outlives them.)
 What a wrong restore implicates first, and what the seed bug's class of errors gets wrong, is
 the state at the boundary.
 """

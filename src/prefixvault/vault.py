@@ -266,8 +266,8 @@ class Vault:
 
     def quarantine(self, record_key: str) -> list[str]:
         """Take out a boundary proved wrong (``watch``): its record and the states at its
-        boundary are listed in the deny-list, then removed (its KV blocks stay). Returns the
-        keys removed."""
+        boundary are listed in the deny-list, then removed, and its segment's KV blocks removed
+        unlisted (``quarantine``). Returns the keys removed."""
         return self._quarantine.take_out(record_key)
 
     def deny_key(self) -> str:
