@@ -118,3 +118,25 @@ def test_schedule_follows_align_mode() -> None:
 def test_a_budget_smaller_than_a_block_ends_steps_inside_blocks() -> None:
     assert scenario.schedule(1008, 240, 256) == [240, 256, 496, 512, 752, 768, 1008]
     assert scenario.schedule(100, 256, 256) == [100]
+
+
+def test_no_step_waits_for_lookups_where_the_engine_overlaps_its_steps() -> None:
+    """Async scheduling or a GPU: a wait in ``schedule()`` would hold the next step's launch, so
+    lookups are never waited for there, not even the yield (asked again in a later step)."""
+    from types import SimpleNamespace
+
+    from prefixvault.vllm.compat import steps_overlap
+    from prefixvault.vllm.restores import LOOKUP_WAIT_S, StepWait
+
+    def config(async_scheduling: bool) -> SimpleNamespace:
+        return SimpleNamespace(scheduler_config=SimpleNamespace(async_scheduling=async_scheduling))
+
+    assert steps_overlap(config(True), "cpu") and steps_overlap(config(False), "cuda")
+    assert not steps_overlap(config(False), "cpu")
+    never = StepWait(LOOKUP_WAIT_S, never=True)
+    for _ in range(2):
+        never.next_step(LOOKUP_WAIT_S)
+        assert never.for_new() == 0.0 and never.for_running() == 0.0
+    waits = StepWait(LOOKUP_WAIT_S)
+    waits.next_step()
+    assert waits.for_new() == LOOKUP_WAIT_S and 0 < waits.for_running() <= LOOKUP_WAIT_S

@@ -148,6 +148,14 @@ def keep_restored_state(request: Any, boundary: int) -> bool:
     return True
 
 
+def steps_overlap(vllm_config: Any, device_type: str) -> bool:
+    """Whether the engine overlaps its steps: async scheduling (the next step is planned while
+    this one runs; vLLM's default on GPUs), or a GPU engine, whose forward runs while the host
+    goes on. A wait in ``schedule()`` there holds the next step's launch."""
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    return bool(getattr(scheduler, "async_scheduling", False)) or device_type != "cpu"
+
+
 def needs_mamba_cache_mode_flag(version: tuple[int, int] | None = None) -> bool:
     """vLLM 0.32 needs ``--mamba-cache-mode align`` beside prefix caching; 0.33 deprecated the
     flag (align is derived from prefix caching) and announced its removal."""

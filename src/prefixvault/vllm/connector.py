@@ -37,6 +37,7 @@ from prefixvault.vllm.compat import (
     relies_on_internal_checkpoints,
     resets_cpu_block_size,
     running_version,
+    steps_overlap,
     unsupported_version,
 )
 from prefixvault.vllm.config import (
@@ -136,7 +137,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(self.settings, self.layout, self.vault,
                                            load=ktc.is_kv_consumer, save=ktc.is_kv_producer, guard=self.guard,
                                            in_step=in_step, engine_id=self._engine_id,
-                                           checkpoints=checkpoints)
+                                           checkpoints=checkpoints,
+                                           overlapped=steps_overlap(vllm_config, device))
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
                                             enabled=self.layout.has_state,
                                             rewrite=resets_cpu_block_size(device, running_version()))

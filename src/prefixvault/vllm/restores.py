@@ -70,13 +70,18 @@ class StepWait:
     """What one step may still wait for lookups: ``budget`` for new ones, however many requests
     are new, within which one short yield to lookups already in flight."""
 
-    def __init__(self, budget: float) -> None:
+    def __init__(self, budget: float, never: bool = False) -> None:
+        """``never``: no wait at all, not even the yield (``Restores``: steps that overlap)."""
         self.budget = budget
         self.left = budget
-        self.yielded = False
+        self.yielded = never
+        self.never = never
 
     def next_step(self, budget: float | None = None) -> None:
         """A new step: ``budget`` for it (None: the one it was made with)."""
+        if self.never:
+            self.left = 0.0
+            return
         self.left, self.yielded = self.budget if budget is None else budget, False
 
     def for_new(self) -> float:
@@ -95,9 +100,11 @@ class Restores:
     """The scheduler side's owner of restores (see the module)."""
 
     def __init__(self, ctx: SchedulerContext, handover: InStepHandover, divergent: DivergentHits,
-                 in_step: bool, costs: RestoreCosts) -> None:
+                 in_step: bool, costs: RestoreCosts, overlapped: bool = False) -> None:
         """``costs``: which restores pay (``restore_when``), and how long a step may wait for
-        lookups, as measured."""
+        lookups, as measured. ``overlapped``: the engine overlaps its steps (async scheduling,
+        or a GPU engine): a step never waits for lookups (their requests are asked again in a
+        later step), since the wait would hold the next step's launch, not just this one."""
         self.ctx = ctx
         self.settings, self.vault, self.counters = ctx.settings, ctx.vault, ctx.counters
         self.handover = handover
@@ -107,7 +114,7 @@ class Restores:
         self.block_size = ctx.layout.block_size
         self.has_state = ctx.layout.has_state
         self._lookups = Lookups(ctx.vault, ctx.guard, budget=handover.budget, costs=costs)
-        self._wait = StepWait(IN_STEP_WAIT_S if in_step else LOOKUP_WAIT_S)
+        self._wait = StepWait(IN_STEP_WAIT_S if in_step else LOOKUP_WAIT_S, never=overlapped and not in_step)
         self._pending: list[LoadSpec] = []  # loads vLLM allocated since the last step was built
         self._step = 0  # the last step built: asks now are for the next one
 

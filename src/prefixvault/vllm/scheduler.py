@@ -50,11 +50,13 @@ SAMPLE_DRAIN_S = 5.0
 class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, layout: CacheLayout, vault: Vault | None,
                  load: bool, save: bool, guard: Guard | None = None, in_step: bool = False,
-                 engine_id: str | None = None, checkpoints: InternalCheckpoints | None = None) -> None:
+                 engine_id: str | None = None, checkpoints: InternalCheckpoints | None = None,
+                 overlapped: bool = False) -> None:
         """``in_step``: a step waits for new lookups up to ``IN_STEP_WAIT_S`` (``restore_in_step``);
         with one rank, lookups then read their hits' objects ahead for synchronous loads into
         the worker serving ``engine_id``'s mailbox. ``checkpoints``: vLLM's rule for states
-        exported inside a chunk, where this platform's kernels export them."""
+        exported inside a chunk, where this platform's kernels export them. ``overlapped``: the
+        engine overlaps its steps (async scheduling, a GPU): no step waits for lookups."""
         self.settings = settings
         self.guard = guard or Guard()
         self.layout = layout
@@ -82,7 +84,7 @@ class SchedulerSide:
             ctx = SchedulerContext(settings=settings, layout=layout, vault=vault, guard=self.guard,
                                    counters=self.counters, admission=self.admission,
                                    in_flight=SavesInFlight(layout.world_size))
-            self.restores = Restores(ctx, self.handover, self.divergent, in_step, self.costs)
+            self.restores = Restores(ctx, self.handover, self.divergent, in_step, self.costs, overlapped)
             self.saves = SavePlans(ctx, checkpoints)
             self._samples = SampleWriter(vault, self.guard, lambda n: self.counters.add(sample_errors=n))
 
