@@ -78,3 +78,66 @@ def test_layouts_that_differ_say_in_what(tmp_path: Path) -> None:
     assert f"{BS * 4}..{BS}" in text.output or "restorable" in text.output
     bad = CliRunner().invoke(app, ["explain", "--store", uri, "--model", "m"])
     assert bad.exit_code == 2 and "--prompt-file or --token-ids" in bad.output
+
+
+METRICS = """\
+# TYPE vllm:prefixvault_estimate_compute_us_per_token gauge
+vllm:prefixvault_estimate_compute_us_per_token{engine="0",model_name="m"} 200.0
+vllm:prefixvault_estimate_step_us{engine="0",model_name="m"} 30000.0
+vllm:prefixvault_estimate_lookup_us{engine="0",model_name="m"} 20000.0
+vllm:prefixvault_estimate_load_bytes_per_s{engine="0",model_name="m"} 1.0e+09
+"""
+
+
+def test_explain_says_whether_an_engine_would_restore_the_hit_or_compute_it(tmp_path: Path) -> None:
+    """With ``--engine``, the estimates an engine exports decide as its ``restore_when:
+    faster`` would: 40 tokens at 0.2 ms each (8 ms) do not pay for a 20 ms round trip and a
+    30 ms step; held 0 tokens of a longer prompt, they would."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+
+    from prefixvault.costs import estimates_from_metrics
+
+    est = estimates_from_metrics(METRICS)
+    assert est.compute_s_per_token is not None and est.step_s is not None and est.lookup_s is not None
+    assert [round(v * 1e6) for v in (est.compute_s_per_token, est.step_s, est.lookup_s)] == [200, 30000, 20000]
+    assert est.transfer_s_per_byte == 1e-9
+    uri = f"local://{tmp_path}/store?capacity=64MiB"
+    store = open_store(uri)
+    vault = Vault(store, layout())
+    fill(vault, TOKENS, [16, 40])
+    vault.keep_layout()
+    (report,) = explain(store, TOKENS[:41], costs=est).layouts
+    assert report.judgment == "not_worth_it" and report.compute_s is not None and report.load_s is not None
+    assert report.compute_s < report.load_s
+    cheap = estimates_from_metrics(METRICS.replace(" 200.0", " 20000.0"))  # 20 ms a token
+    (report,) = explain(store, TOKENS[:41], costs=cheap).layouts
+    assert report.judgment == "pays"
+    (report,) = explain(store, TOKENS[:41], costs=est, local=40).layouts
+    assert report.judgment is None  # the engine holds it all: nothing to restore
+    store.close()
+
+    class Metrics(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = METRICS.encode() if self.path == "/metrics" else b""
+            self.send_response(200 if body else 404)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Metrics)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        ids = tmp_path / "ids.json"
+        ids.write_text(json.dumps(TOKENS[:41]))
+        res = CliRunner().invoke(app, ["explain", "--store", uri, "--model", "m", "--token-ids", str(ids),
+                                       "--engine", f"http://127.0.0.1:{server.server_port}"])
+        assert res.exit_code == 0, res.output
+        assert "restore_when: faster computes it instead (not_worth_it)" in res.output, res.output
+        bad = CliRunner().invoke(app, ["explain", "--store", uri, "--model", "m", "--token-ids", str(ids),
+                                       "--engine", "ftp://x"])
+        assert bad.exit_code == 2 and "--engine must be" in bad.output
+    finally:
+        server.shutdown()

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 from urllib.parse import urlsplit
 
 import typer
@@ -17,6 +18,9 @@ from prefixvault.scenarios.models import PROFILES
 from prefixvault.stores import Store, StoreError, default_local_dir, open_store, redact
 from prefixvault.tenancy import NamespaceKey
 from prefixvault.units import format_size
+
+if TYPE_CHECKING:
+    from prefixvault.costs import Estimates
 
 app = typer.Typer(
     help="prefixvault: an external prefix cache that is exact for hybrid and recurrent models.",
@@ -219,6 +223,11 @@ def explain(
     cache_salt: Annotated[str, typer.Option(help="The request's cache_salt, if it has one")] = "",
     secret_file: SecretFileOpt = "",
     secret_env: SecretEnvOpt = "",
+    engine: Annotated[str, typer.Option(
+        help="An engine's URL (http://host:port): say whether its restore_when: faster would restore "
+        "the hit or compute it, by the cost estimates its /metrics exports")] = "",
+    engine_holds: Annotated[int, typer.Option(
+        help="With --engine: prompt tokens that engine's own prefix cache holds")] = 0,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Why a prompt restores what it restores: the longest restorable boundary, the longest
@@ -239,11 +248,15 @@ def explain(
         check_namespace(namespace)
     except ValueError as e:
         raise _fail(str(e)) from None
+    if engine_holds < 0:
+        raise _fail(f"--engine-holds must not be negative, got {engine_holds}")
     key = _namespace_key(namespace, secret_file, secret_env)
     tokens = _prompt_tokens(model, prompt_file, token_ids)
+    costs = _engine_estimates(engine) if engine else None
     s = _open_existing(store)
     try:
-        ex = run_explain(s, tokens, namespace, key, cache_salt or None, model_content(model))
+        ex = run_explain(s, tokens, namespace, key, cache_salt or None, model_content(model), costs,
+                         engine_holds)
     except StoreError as e:
         raise _fail(str(e)) from None
     finally:
@@ -253,6 +266,27 @@ def explain(
     else:
         for line in render(ex):
             console.print(line, highlight=False, markup=False, soft_wrap=True)
+
+
+def _engine_estimates(url: str) -> Estimates:
+    """The restore cost estimates an engine's ``/metrics`` exports (``explain --engine``)."""
+    import urllib.error
+    import urllib.request
+
+    from prefixvault.costs import estimates_from_metrics
+
+    if not re.fullmatch(r"https?://[^\s/]+/?", url):
+        raise _fail(f"--engine must be an engine's base URL such as http://127.0.0.1:8000, got {url[:100]!r}")
+    try:
+        with urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=10) as page:
+            text = page.read(16 << 20).decode(errors="replace")
+    except (OSError, urllib.error.URLError, ValueError) as e:
+        raise _fail(f"could not read {redact(url)}/metrics: {e}") from None
+    est = estimates_from_metrics(text)
+    if est.compute_s_per_token is None and est.lookup_s is None:
+        raise _fail(f"{redact(url)}/metrics exports no prefixvault cost estimates (not a prefixvault engine, "
+                    "or it has served no request yet)")
+    return est
 
 
 def _prompt_tokens(model: str, prompt_file: str, token_ids: str) -> list[int]:

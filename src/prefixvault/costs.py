@@ -37,6 +37,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
 
+from prefixvault.layout import CacheLayout
+
 #: How much each new sample counts against what was measured before (an exponential average).
 WEIGHT = 0.2
 #: A step counts toward the compute estimate only with at least this many tokens, most of them
@@ -98,6 +100,51 @@ class Estimates:
         if self.transfer_s_per_byte:
             out["load_bytes_per_s"] = round(1 / self.transfer_s_per_byte)
         return out
+
+
+def restore_bytes(layout: CacheLayout, hit: int, local: int, rank: int = 0) -> int:
+    """Bytes one rank loads to restore ``hit`` tokens past ``local`` in the engine's own cache:
+    every KV block from ``local``'s block to the hit's last (a partial one included) and one
+    state per state group (a sliding window counted whole: an upper bound)."""
+    bs = layout.block_size
+    blocks = max(0, -(-hit // bs) - local // bs)
+    return sum(g.nbytes(rank) * (1 if g.is_state else blocks) for g in layout.groups)
+
+
+#: The metric names an engine exports the estimates under (``vllm/stats.py``), by field.
+GAUGE_NAMES = {"compute_s_per_token": ("vllm:prefixvault_estimate_compute_us_per_token", 1e-6),
+               "step_s": ("vllm:prefixvault_estimate_step_us", 1e-6),
+               "lookup_s": ("vllm:prefixvault_estimate_lookup_us", 1e-6)}
+TRANSFER_GAUGE = "vllm:prefixvault_estimate_load_bytes_per_s"
+
+
+def estimates_from_metrics(text: str) -> Estimates:
+    """The estimates an engine exported (its ``/metrics`` page, Prometheus text), for a tool
+    that judges a restore as that engine would (``explain --engine``)."""
+    import re
+
+    def gauge(name: str) -> float | None:
+        pattern = rf"^{re.escape(name)}(?:{{[^}}]*}})? (\S+)$"
+        found = [float(m.group(1)) for m in re.finditer(pattern, text, re.M)]
+        return max(found) if found else None
+
+    values = {}
+    for field, (name, unit) in GAUGE_NAMES.items():
+        v = gauge(name)
+        values[field] = v * unit if v else None
+    rate = gauge(TRANSFER_GAUGE)
+    return Estimates(values["compute_s_per_token"], values["step_s"], values["lookup_s"],
+                     1 / rate if rate else None)
+
+
+def judge(est: Estimates, tokens: int, nbytes: int, in_step: bool = False) -> tuple[Judgment, float, float]:
+    """Whether ``restore_when: faster`` would load a hit of ``tokens`` tokens (``nbytes`` of
+    objects) once looked up, with the seconds loading and computing them would take: the
+    judgment ``RestoreCosts.restore`` makes, without exploring."""
+    if est.compute_s_per_token is None:
+        return Judgment.UNKNOWN, est.load_s(nbytes, in_step), 0.0
+    compute, load = tokens * est.compute_s_per_token, est.load_s(nbytes, in_step)
+    return (Judgment.PAYS if compute > load else Judgment.NOT_WORTH_IT), load, compute
 
 
 class RestoreCosts:
@@ -168,12 +215,10 @@ class RestoreCosts:
 
     def restore(self, tokens: int, nbytes: int, in_step: bool) -> Judgment:
         """Whether to restore ``tokens`` from ``nbytes`` of objects, looked up already."""
-        est = self.estimates()
-        if est.compute_s_per_token is None:
-            return Judgment.UNKNOWN
-        if not self.judge or tokens * est.compute_s_per_token > est.load_s(nbytes, in_step):
-            return Judgment.PAYS
-        return self._explore("restore")
+        judged = judge(self.estimates(), tokens, nbytes, in_step)[0]
+        if judged is Judgment.UNKNOWN or not self.judge:
+            return Judgment.UNKNOWN if judged is Judgment.UNKNOWN else Judgment.PAYS
+        return judged if judged is Judgment.PAYS else self._explore("restore")
 
     def look_up(self, tokens: int, in_step: bool) -> Judgment:
         """Whether to look up a request that could restore at most ``tokens`` tokens: only if

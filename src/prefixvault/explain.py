@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prefixvault.boundary import choose_hit, max_resume_tokens
+from prefixvault.costs import Estimates, judge, restore_bytes
 from prefixvault.coverage import Coverage
 from prefixvault.inventory import load_layouts
 from prefixvault.keys import ExtraKeys
@@ -51,6 +52,12 @@ class LayoutReport:
     boundaries: list[Boundary]  # every block boundary up to ``longest``, longest first
     differs: list[str] = field(default_factory=list)  # layout fields unlike the best layout's
     weights_match: bool | None = None  # against --model's files, where they could be read
+    # With an engine's cost estimates (``--engine``): what ``restore_when: faster`` would do
+    # with the restorable boundary (``costs.Judgment``), and the seconds loading and computing
+    # it take by those estimates (rank 0's bytes).
+    judgment: str | None = None
+    load_s: float | None = None
+    compute_s: float | None = None
 
 
 @dataclass
@@ -124,11 +131,13 @@ def _fields(layout: CacheLayout) -> dict[str, object]:
 
 def explain(store: Store, tokens: Sequence[int], namespace: str = "default",
             key: NamespaceKey | None = None, cache_salt: str | None = None,
-            weights: str | None = None) -> Explanation:
+            weights: str | None = None, costs: Estimates | None = None, local: int = 0) -> Explanation:
     """Every layout of ``namespace`` against the prompt; then other namespaces and no salt.
 
     ``weights`` is the content digest of the model the engine would load (``identity``),
-    to say whether a layout was written for other weights under the same name."""
+    to say whether a layout was written for other weights under the same name. ``costs``: an
+    engine's estimates, to say whether that engine, holding ``local`` tokens of the prompt in
+    its own cache, would restore the hit (``restore_when: faster``) or compute it."""
     sealed: set[tuple[str, str]] = set()
     layouts = load_layouts(store, {namespace: key} if key else None, sealed)
     extra = ExtraKeys(cache_salt=cache_salt)
@@ -143,6 +152,10 @@ def explain(store: Store, tokens: Sequence[int], namespace: str = "default",
             report.differs = sorted(k for k in fields.keys() | best.keys() if fields.get(k) != best.get(k))
             if weights is not None:
                 report.weights_match = dict(lay.extra).get("weights") == weights
+            if costs is not None and report.restorable > local:
+                judged, report.load_s, report.compute_s = judge(
+                    costs, report.restorable - local, restore_bytes(lay, report.restorable, local))
+                report.judgment = judged.value
     elsewhere: list[str] = []
     for (ns, _), other in sorted(layouts.items()):
         if other is None or ns == namespace:
@@ -184,6 +197,11 @@ def render(ex: Explanation) -> list[str]:
             lines.append(f"  differs from the layout above in: {', '.join(r.differs)}")
         if r.weights_match is False:
             lines.append("  written for other weights than --model's files")
+        if r.judgment is not None:
+            verdict = {"pays": "restores it", "not_worth_it": "computes it instead (not_worth_it)",
+                       "unknown": "restores it (its prefill is not measured yet)"}[r.judgment]
+            lines.append(f"  restore_when: faster {verdict}: loading ~{1000 * (r.load_s or 0):.1f} ms, "
+                         f"computing ~{1000 * (r.compute_s or 0):.1f} ms by the engine's estimates")
         for hi, lo, status in runs(r.boundaries):
             span = f"{hi}" if hi == lo else f"{hi}..{lo}"
             lines.append(f"  {span:>15}  {status}")

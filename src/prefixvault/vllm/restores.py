@@ -33,7 +33,7 @@ from concurrent.futures import wait as futures_wait
 from dataclasses import replace
 from typing import Any
 
-from prefixvault.costs import Judgment, RestoreCosts
+from prefixvault.costs import Judgment, RestoreCosts, restore_bytes
 from prefixvault.lane import Lane, failure_of
 from prefixvault.vault import Miss
 from prefixvault.vllm.compat import keep_restored_state
@@ -241,11 +241,7 @@ class Restores:
         cost nothing more than a copy."""
         if hit <= local or read_ahead:
             return True
-        layout = self.ctx.layout
-        bs = layout.block_size
-        blocks = -(-hit // bs) - local // bs
-        nbytes = sum(g.nbytes(0) * (1 if g.is_state else blocks) for g in layout.groups)
-        judged = self.costs.restore(hit - local, nbytes, self.in_step)
+        judged = self.costs.restore(hit - local, restore_bytes(self.ctx.layout, hit, local), self.in_step)
         self.counters.tally("judged", f"load_{judged.value}")
         return judged is not Judgment.NOT_WORTH_IT
 
