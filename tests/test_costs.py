@@ -150,3 +150,23 @@ def test_computing_takes_longer_for_a_request_that_shares_the_steps_prefill() ->
             costs.looked_up(0.02)
     assert alone.restore(500, 0, in_step=False) is Judgment.NOT_WORTH_IT  # 49 ms of prefill, 70 of load
     assert shared.restore(500, 0, in_step=False) is Judgment.PAYS  # 293 ms
+
+
+def test_what_restores_took_on_this_engine_replaces_the_prior() -> None:
+    """Before any restore, its fixed cost is two round trips and (beside the steps) a step; once
+    restores are measured, what they took from lookup to first step, less their transfer."""
+    costs, _ = measured(compute_s_per_token=1e-4, lookup_s=0.02)  # 100 ms steps
+    assert math.isclose(costs.estimates().restore_s(0, in_step=False), 0.14)
+    assert costs.look_up(1500, in_step=False) is Judgment.PAYS  # 150 ms of prefill
+    costs.loaded(1 << 20, 0.02 + 0.01)  # 10 ms a MiB past the round trip
+    for _ in range(40):
+        costs.restored(0.35 + 0.01, 1 << 20, in_step=False)  # each waited 350 ms more than its bytes
+    est = costs.estimates()
+    assert est.restore_s_beside is not None and math.isclose(est.restore_s_beside, 0.35, rel_tol=1e-3)
+    assert est.restore_s_in_step is None
+    assert math.isclose(est.restore_s(1 << 20, in_step=False), 0.36, rel_tol=1e-3)
+    assert math.isclose(est.load_s(1 << 20, in_step=False), 0.34, rel_tol=1e-3)  # (the lookup answered)
+    assert costs.look_up(1500, in_step=False) is Judgment.NOT_WORTH_IT
+    assert costs.look_up(4000, in_step=False) is Judgment.PAYS
+    assert costs.look_up(1000, in_step=True) is Judgment.PAYS  # in the step: not measured, the prior
+    assert "restore_us" in est.figures() and "restore_in_step_us" not in est.figures()

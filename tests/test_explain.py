@@ -100,7 +100,8 @@ def test_explain_says_whether_an_engine_would_restore_the_hit_or_compute_it(tmp_
 
     est = estimates_from_metrics(METRICS)
     assert est.compute_s_per_token is not None and est.step_s is not None and est.lookup_s is not None
-    assert [round(v * 1e6) for v in (est.compute_s_per_token, est.step_s, est.lookup_s)] == [200, 30000, 20000]
+    figures = (est.compute_s_per_token, est.step_s, est.lookup_s)
+    assert [round(v * 1e6) for v in figures] == [200, 30000, 20000]
     assert est.transfer_s_per_byte == 1e-9
     uri = f"local://{tmp_path}/store?capacity=64MiB"
     store = open_store(uri)

@@ -14,11 +14,14 @@ store did lately, none configured:
 - ``step``: seconds a busy step takes (an asynchronous load costs about one: its request is
   scheduled in the step after the load is reported);
 - ``lookup``: seconds a lookup takes (one or two store round trips);
-- ``transfer``: seconds per byte a load takes beyond one round trip (the lookup's figure).
+- ``transfer``: seconds per byte a load takes beyond one round trip (the lookup's figure);
+- ``restore``: seconds from a restored request's lookup to its first step, less its bytes'
+  transfer, as this engine's restores took them (the steps it waited, the lanes' queues and
+  every round trip included), apart for loads beside the steps and in the step that asked.
 
-With these, loading ``t`` tokens whose objects are ``n`` bytes, once looked up, costs
-``lookup + n * transfer (+ step, loaded beside the steps)`` (a round trip: the lookup's figure
-stands for it) and computing them ``t * compute``.
+With these, restoring ``t`` tokens whose objects are ``n`` bytes costs ``restore + n *
+transfer`` (before any restore is measured: two round trips, and a step for a load beside the
+steps), less the lookup once it has answered, and computing them ``t * compute``.
 Both grow linearly with a hit: where restoring a token costs less than computing it the whole
 hit pays best, and where it costs more no part of it pays once the fixed costs are added; so a
 hit is taken whole or not at all (a miss counted ``not_worth_it``). Before any round trip, a
@@ -80,13 +83,23 @@ class Estimates:
     step_s: float | None
     lookup_s: float | None
     transfer_s_per_byte: float | None
+    # Seconds from a restored request's lookup to its first step, less its bytes' transfer, as
+    # this engine's restores took them: loaded beside the steps, or in the step that asked.
+    restore_s_beside: float | None = None
+    restore_s_in_step: float | None = None
+
+    def restore_s(self, nbytes: int, in_step: bool) -> float:
+        """Expected seconds from a request's lookup to its first step with ``nbytes`` restored:
+        the fixed part as this engine's restores took it (before any: a lookup, a load's round
+        trip, and a step for a load beside the steps), plus the transfer."""
+        measured = self.restore_s_in_step if in_step else self.restore_s_beside
+        lookup = self.lookup_s or 0.0
+        fixed = measured if measured is not None else 2 * lookup + (0.0 if in_step else (self.step_s or 0.0))
+        return fixed + nbytes * (self.transfer_s_per_byte or 0.0)
 
     def load_s(self, nbytes: int, in_step: bool) -> float:
-        """Expected seconds from a lookup's answer to its ``nbytes`` restored and usable: a round
-        trip (the lookup's figure stands for it), the transfer, and a step for a load beside
-        the steps."""
-        return ((self.lookup_s or 0.0) + nbytes * (self.transfer_s_per_byte or 0.0)
-                + (0.0 if in_step else (self.step_s or 0.0)))
+        """Expected seconds left once the lookup answered (``restore_s`` less the lookup)."""
+        return max(0.0, self.restore_s(nbytes, in_step) - (self.lookup_s or 0.0))
 
     def figures(self) -> dict[str, int]:
         """For metrics: whole microseconds (per token, per step, per lookup) and bytes per second."""
@@ -99,6 +112,10 @@ class Estimates:
             out["lookup_us"] = round(self.lookup_s * 1e6)
         if self.transfer_s_per_byte:
             out["load_bytes_per_s"] = round(1 / self.transfer_s_per_byte)
+        if self.restore_s_beside is not None:
+            out["restore_us"] = round(self.restore_s_beside * 1e6)
+        if self.restore_s_in_step is not None:
+            out["restore_in_step_us"] = round(self.restore_s_in_step * 1e6)
         return out
 
 
@@ -114,7 +131,9 @@ def restore_bytes(layout: CacheLayout, hit: int, local: int, rank: int = 0) -> i
 #: The metric names an engine exports the estimates under (``vllm/stats.py``), by field.
 GAUGE_NAMES = {"compute_s_per_token": ("vllm:prefixvault_estimate_compute_us_per_token", 1e-6),
                "step_s": ("vllm:prefixvault_estimate_step_us", 1e-6),
-               "lookup_s": ("vllm:prefixvault_estimate_lookup_us", 1e-6)}
+               "lookup_s": ("vllm:prefixvault_estimate_lookup_us", 1e-6),
+               "restore_s_beside": ("vllm:prefixvault_estimate_restore_us", 1e-6),
+               "restore_s_in_step": ("vllm:prefixvault_estimate_restore_in_step_us", 1e-6)}
 TRANSFER_GAUGE = "vllm:prefixvault_estimate_load_bytes_per_s"
 
 
@@ -131,10 +150,10 @@ def estimates_from_metrics(text: str) -> Estimates:
     values = {}
     for field, (name, unit) in GAUGE_NAMES.items():
         v = gauge(name)
-        values[field] = v * unit if v else None
+        values[field] = v * unit if v is not None else None
     rate = gauge(TRANSFER_GAUGE)
     return Estimates(values["compute_s_per_token"], values["step_s"], values["lookup_s"],
-                     1 / rate if rate else None)
+                     1 / rate if rate else None, values["restore_s_beside"], values["restore_s_in_step"])
 
 
 def judge(est: Estimates, tokens: int, nbytes: int, in_step: bool = False) -> tuple[Judgment, float, float]:
@@ -161,6 +180,7 @@ class RestoreCosts:
         self._lookup = Average()
         self._transfer = Average()
         self._sharing = Average()  # requests with a prefill chunk in a step that prefills
+        self._restored = {False: Average(), True: Average()}  # by in step: ``Estimates.restore_s_*``
         # the step planned last: when, its tokens, and whether it mostly prefills
         self._last_step: tuple[float, int, bool] | None = None
         # A judgment against restoring is put aside once per ``explore_s`` (the first time one
@@ -204,12 +224,20 @@ class RestoreCosts:
             beyond = max(0.0, seconds - (self._lookup.value or 0.0))
             self._transfer.add(beyond / nbytes, self._now())
 
+    def restored(self, seconds: float, nbytes: int, in_step: bool) -> None:
+        """A request restored ``nbytes`` (a rank's) was first scheduled ``seconds`` after its
+        lookup was queued."""
+        with self._lock:
+            transfer = (self._transfer.value or 0.0) * nbytes
+            self._restored[in_step].add(max(0.0, seconds - transfer), self._now())
+
     def estimates(self) -> Estimates:
         with self._lock:
             per_token = self._compute.value
             if per_token is not None:
                 per_token *= max(1.0, self._sharing.value or 1.0)
-            return Estimates(per_token, self._step.value, self._lookup.value, self._transfer.value)
+            return Estimates(per_token, self._step.value, self._lookup.value, self._transfer.value,
+                             self._restored[False].value, self._restored[True].value)
 
     # -- judged ----------------------------------------------------------------------------------
 
@@ -226,7 +254,7 @@ class RestoreCosts:
         est = self.estimates()
         if est.compute_s_per_token is None or est.lookup_s is None:
             return Judgment.UNKNOWN
-        if not self.judge or tokens * est.compute_s_per_token > est.lookup_s + est.load_s(0, in_step):
+        if not self.judge or tokens * est.compute_s_per_token > est.restore_s(0, in_step):
             return Judgment.PAYS
         return self._explore("lookup")
 

@@ -464,6 +464,8 @@ def test_a_request_that_cannot_pay_for_a_round_trip_is_computed_without_a_lookup
     costs.judge = False  # restore_when: always
     b.run({0: [make_request("c", second + prompts(34, 9)[0], geo)]})
     assert b.loads["c"] == 1
+    est = costs.estimates()  # what that restore took, from its lookup to its first step
+    assert (est.restore_s_beside, est.restore_s_in_step) != (None, None)
 
 
 @_geo([GEOMETRIES[0]])

@@ -115,6 +115,9 @@ class Restore:
         self.waited_for_save = False  # it waited for a save of its prefix once (it never waits again)
         # computing it was judged sooner than restoring (``restore_when: faster``): answered a miss
         self.not_worth_it = False
+        # time.monotonic() its first lookup (since a restart) was queued: what a restore took,
+        # until the request's first step, is measured from it (``costs.RestoreCosts.restored``)
+        self.asked_at: float | None = None
 
     def __repr__(self) -> str:
         return f"Restore({self.phase}, loads={self.loads})"
@@ -163,6 +166,8 @@ class Restore:
 
     def look_up(self, lookup: Future[Answer], local: int, now: float) -> None:
         self._expect(New, WaitingForSave)
+        if self.asked_at is None:
+            self.asked_at = now
         self._become(LookingUp(lookup=lookup, since=now, local=local))
 
     def wait_for_save(self) -> None:
@@ -228,6 +233,7 @@ class Restore:
         """Asked again after a load: it failed (a bad object was removed), or the request was
         preempted. It is looked up afresh."""
         self._expect(Loading)
+        self.asked_at = None
         self._become(New())
 
     def give_up(self) -> None:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Collection
 from concurrent.futures import wait as futures_wait
 from dataclasses import replace
 from typing import Any
@@ -116,6 +117,9 @@ class Restores:
         self._lookups = Lookups(ctx.vault, ctx.guard, budget=handover.budget, costs=costs)
         self._wait = StepWait(IN_STEP_WAIT_S if in_step else LOOKUP_WAIT_S, never=overlapped and not in_step)
         self._pending: list[LoadSpec] = []  # loads vLLM allocated since the last step was built
+        # Loads issued and not yet seen in a step, by request: (when its lookup was queued, a
+        # rank's bytes, whether in the step): what a restore takes is measured when it is.
+        self._landing: dict[str, tuple[float, int, bool]] = {}
         self._step = 0  # the last step built: asks now are for the next one
 
     @property
@@ -126,6 +130,16 @@ class Restores:
         """Drop lookups still queued and wait for a running one up to ``lookup_timeout`` (its
         request is a miss by then); whether the lookup lane is idle."""
         return self._lookups.close(self.settings.lookup_timeout)
+
+    def scheduled(self, req_ids: Collection[str]) -> None:
+        """A step is built with these requests' tokens: a restored one among them ran its first
+        step, so its restore's time is measured (``RestoreCosts.restored``)."""
+        if not self._landing:
+            return
+        now = time.monotonic()
+        for rid in [r for r in self._landing if r in req_ids]:
+            since, nbytes, in_step = self._landing.pop(rid)
+            self.costs.restored(now - since, nbytes, in_step)
 
     def next_step(self, step: int) -> list[LoadSpec]:
         """Step ``step`` is being built: the loads allocated for it (handed over whatever
@@ -147,6 +161,7 @@ class Restores:
             # Asked again after a load: it failed (a bad object was removed) or the request was
             # preempted. Saves are planned from the first block again, so what went missing is
             # written again rather than trusted to the record it was loaded from.
+            self._landing.pop(tr.req_id, None)
             r.restart()
             tr.saved = tr.saved_tail = 0
         if r.loads >= MAX_LOADS_PER_REQUEST:
@@ -334,6 +349,9 @@ class Restores:
         # otherwise queue a second one for the request).
         self._pending.append(LoadSpec(tr.req_id, hashes, tokens, local, tuple(list(b) for b in block_ids),
                                       mode=mode, token=token))
+        if r.asked_at is not None:
+            self._landing[tr.req_id] = (r.asked_at, restore_bytes(self.ctx.layout, tokens, local),
+                                        mode is not LoadMode.ASYNC)
         r.load()
         tr.saved = max(tr.saved, tokens // self.block_size * self.block_size)  # (a parent is block-aligned)
         self.counters.add(hit_tokens=num_external_tokens)
@@ -369,6 +387,7 @@ class Restores:
     def finished(self, tr: TrackedRequest) -> None:
         """The request finished (or was aborted): nothing of its restore is kept."""
         self.divergent.answered(tr.req_id)
+        self._landing.pop(tr.req_id, None)
         if tr.restore.take_back():
             self.handover.take_back(tr.req_id)
         tr.restore.finish()

@@ -210,6 +210,8 @@ class SchedulerSide:
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         chunks = [int(n) for n in per_request.values() if n > 1]
         self.costs.step_planned(tokens, sum(chunks), len(chunks))
+        if self.restores is not None:
+            self.restores.scheduled(per_request)
 
     def settle(self, report: SavesSettled) -> None:
         """Workers' reports of saves stored or dropped (``SavePlans.settle``), and of workers
