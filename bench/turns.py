@@ -56,9 +56,9 @@ lands before the next step is scheduled. ``async``, its ``AsyncScheduler`` with
 (``step_with_batch_queue``, two batches deep: a step is scheduled before the previous one's
 output lands, its sampled token a placeholder); ``--lockstep`` lands each step's output
 before the next is scheduled instead (every placeholder resolved at once, checked). With the
-batch queue the token a decode step consumes is not known when the step is planned, and the
-connector publishes no output boundary (its preflight says so): the async capture cells of
-``kept`` show what that costs.
+batch queue the token a decode step consumes is not known when the step is planned: the
+connector holds the output boundary all the same and names it when the request finishes
+(``output_boundaries: last``), so the async capture cells equal the sync ones.
 
 Modelled: vLLM's scheduling, KV cache manager (its prefix cache, align mode's state blocks,
 checkpoint offers, hash units) and request lifecycle (delayed frees of held saves included),
@@ -222,7 +222,10 @@ def turn_engine_class(h: ModuleType) -> type:
                 if held is None:
                     released.failed[sid] += 1
                     continue
-                if not self._publish(dataclasses.replace(held, hold=False)):
+                # (a hold planned before its tokens were known is named by its release)
+                named = dataclasses.replace(held, hold=False, deferred=False,
+                                            hashes=rel.hashes or held.hashes)
+                if not self._publish(named):
                     released.failed[sid] += 1
                 elif max(pl.tokens for pl in held.plans) > self.requests[rel.req_id].num_prompt_tokens:
                     self.outputs_published += 1

@@ -198,3 +198,28 @@ def test_other_policies_save_the_prompt_end_at_once_with_held_outputs() -> None:
         assert [p.tokens for spec in end for p in spec.plans] == expected
         held, = decode_to(s, req, 9)
         assert held.hold and held.parent == 4, capture
+
+
+def test_last_holds_an_output_boundary_whose_token_is_not_known_yet_and_names_it_at_finish() -> None:
+    """Async scheduling (vLLM's default on GPUs): the token a decode step consumes is still
+    being sampled when the step is planned. ``every`` publishes nothing then; ``last`` holds the
+    state all the same and names its boundary when the request finishes, every token known."""
+    s, req = side(True, OutputBoundaries.LAST)
+    step(s, 0, 4)
+    step(s, 4, 2)
+    req.all_token_ids += [50]  # token 7 (id 51) not known yet
+    held, = step(s, 7, 1)
+    assert held.hold and held.deferred and held.hashes == [] and [p.tokens for p in held.plans] == [8]
+    assert [b for _, b in held.plans[0].states] == [21] and held.parent == 4
+    req.all_token_ids += [51, 52]
+    req.status = SimpleNamespace(name="FINISHED_STOPPED")
+    assert s.request_finished(req, TABLES) is True
+    releases: list[Any] = []
+    step(s, 0, 0, releases=releases)
+    (rel,) = releases
+    assert rel.store and rel.hashes == chain_hashes([*PROMPT, 50, 51], BS)
+    assert s.saves is not None and s.saves.in_flight.names_any([rel.hashes[1]])
+    every, req = side(True, OutputBoundaries.EVERY)
+    step(every, 0, 4)
+    req.all_token_ids += [50]
+    assert step(every, 7, 1) == []  # (published as its step ends: its key is needed then)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, StateFamily, TensorSpec
-from prefixvault.vllm.config import ConnectorSettings
+from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.layout import CacheShape
 from prefixvault.vllm.preflight import can_cache, outputs_refused, preflight
 
@@ -31,6 +31,8 @@ def test_a_good_configuration_says_nothing() -> None:
     # async scheduling silences only output boundaries: said where they are asked for
     asynchronous = _with(config(), scheduler_config=SimpleNamespace(async_scheduling=True))
     assert preflight(asynchronous, HYBRID, ConnectorSettings(), "kv_both") == []
+    # ...and output_boundaries: last publishes them under it too (keyed at the request's end)
+    assert preflight(asynchronous, HYBRID, ConnectorSettings(capture_outputs=True), "kv_both") == []
 
 
 def test_each_bad_configuration_is_one_line_with_its_fix() -> None:
@@ -46,7 +48,8 @@ def test_each_bad_configuration_is_one_line_with_its_fix() -> None:
         (config(max_len=100_000), CacheShape(False, 2048),
          ConnectorSettings(), "kv_both", "smaller --block-size"),
         (_with(config(), scheduler_config=SimpleNamespace(async_scheduling=True)), HYBRID,
-         ConnectorSettings(capture_outputs=True), "kv_both", "--no-async-scheduling"),
+         ConnectorSettings(capture_outputs=True, output_boundaries=OutputBoundaries.EVERY), "kv_both",
+         "--no-async-scheduling"),
         (_with(config(), speculative_config=SimpleNamespace(method="ngram")), HYBRID,
          ConnectorSettings(capture_outputs=True), "kv_both", "only prompt boundaries"),
     ]

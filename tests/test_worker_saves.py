@@ -379,6 +379,23 @@ def test_a_held_save_stores_the_state_of_its_step_when_its_request_finishes(stag
     worker.close()
 
 
+@pytest.mark.parametrize("staging", [0, 1 << 20])
+def test_a_hold_whose_keys_come_with_its_release_is_stored_under_them(staging: int) -> None:
+    """Async scheduling: a held save planned before its tokens were known carries no hashes
+    (``SaveSpec.deferred``); its release names them, and the held state is stored under them."""
+    vault = Vault(MemoryStore(), layout())
+    worker, caches = engine(vault, staging=staging, hold=1 << 20)
+    deferred = dataclasses.replace(held(vault), hashes=[], deferred=True)
+    worker.step([deferred], [], step=1)
+    caches["s"][STATE_BLOCK] = 99.0  # decoding goes on past the boundary
+    worker.step([], [Release("r", True, vault.hashes(TOKENS))], step=9)
+    assert worker.take_sent() == {"r"}
+    assert settle(worker, {save_id(9, "r")}) == {save_id(9, "r")}
+    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS
+    restored(vault, worker, caches)  # the state held at its step, under the keys named at release
+    worker.close()
+
+
 def test_a_release_and_a_new_hold_of_the_same_request_in_one_step() -> None:
     """A request preempted while holding drops its hold; computed again, it may hold anew in
     the same step the drop reaches the workers: the drop goes first, the new hold stays."""

@@ -29,6 +29,16 @@ from prefixvault.vllm.worker_context import WorkerContext
 log = logging.getLogger("vllm.prefixvault")
 
 
+def _named(spec: SaveSpec, block_size: int) -> list[bytes]:
+    """The hashes a held save's objects are named by while it is held: its own, or for a
+    deferred one (its keys not known yet) one distinct stand-in per block, so that its objects
+    are told apart until its release names them."""
+    if not spec.deferred:
+        return spec.hashes
+    n = -(-max(p.tokens for p in spec.plans) // block_size)
+    return [i.to_bytes(16, "big") for i in range(n)]
+
+
 @dataclass(frozen=True, kw_only=True)
 class HeldSave:
     """A request's held save, until its request finishes."""
@@ -80,7 +90,8 @@ class Holds:
         """Copy a held save's states into the request's slot (taking one if it has none); its
         earlier hold is replaced. No slot free: the earlier hold, if any, stays."""
         assert self._ctx.vault is not None
-        objects, _ = self._ctx.vault.objects_of(self._ctx.rank, spec.hashes, spec.plans)
+        objects, _ = self._ctx.vault.objects_of(self._ctx.rank, _named(spec, self._ctx.layout.block_size),
+                                                spec.plans)
         states = [(ref, b) for ref, b in objects if ref.kind is ObjectKind.STATE]
         old = self._held.get(spec.req_id)
         slot = old.slot if old is not None else None
@@ -127,6 +138,8 @@ class Holds:
                 if held is not None:
                     self._give(held.slot)
                 continue
+            if held is not None and held.spec.deferred:
+                held = self._named(held, rel.hashes)
             sid = save_id(step, rel.req_id)
             try:
                 if held is None:  # its hold was dropped when made (no slot)
@@ -173,6 +186,19 @@ class Holds:
             self._give(slot)
             raise
         self._saves.enqueue(staged)
+
+    def _named(self, held: HeldSave, hashes: list[bytes]) -> HeldSave:
+        """A deferred hold (``SaveSpec.deferred``) keyed by the hashes its release names: its
+        states, held under stand-in keys, under their keys now."""
+        assert self._ctx.vault is not None
+        if not hashes:
+            raise ValueError(f"the release of request {held.spec.req_id}'s deferred hold names no hashes")
+        spec = dataclasses.replace(held.spec, hashes=list(hashes), deferred=False)
+        rank, plans = self._ctx.rank, held.spec.plans
+        before, _ = self._ctx.vault.objects_of(rank, _named(held.spec, self._ctx.layout.block_size), plans)
+        after, _ = self._ctx.vault.objects_of(rank, spec.hashes, plans)
+        keys = {a.key: b.key for (a, _), (b, _) in zip(before, after, strict=True)}
+        return HeldSave(spec=spec, slot=held.slot, payloads={keys[k]: v for k, v in held.payloads.items()})
 
     def fail_releases(self, releases: Sequence[Release], step: int) -> None:
         """After an error of ours in ``release`` (or with the worker off): drop the held saves

@@ -62,6 +62,10 @@ class SaveSpec:
     # of a tail inside the first block.
     tail: int = 0
     seed: bytes = b""
+    # A held save whose boundary's tokens were not known when its step was planned (async
+    # scheduling: the token a decode step consumes is still being sampled): ``hashes`` is empty,
+    # and the ``Release`` that stores it names them (every token is known once it finishes).
+    deferred: bool = False
 
     def sid(self, step: int) -> str:
         """Names this save of ``step``, the same on the scheduler and every rank (a request may
@@ -76,6 +80,7 @@ class Release:
 
     req_id: str
     store: bool
+    hashes: list[bytes] = field(default_factory=list)  # a deferred hold's (``SaveSpec.deferred``)
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import Any
 
 from prefixvault.layout import CacheLayout, StateFamily
 from prefixvault.vllm.compat import prefix_caching_advice
-from prefixvault.vllm.config import CapturePolicy, ConnectorSettings
+from prefixvault.vllm.config import CapturePolicy, ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.layout import CacheShape
 
 #: Block sizes at or above this many tokens make hits coarse for typical chat prompts.
@@ -58,7 +58,7 @@ def preflight(vllm_config: Any, shape: CacheShape, settings: ConnectorSettings, 
                        f"{max_len}: only the engine's own checkpoints are saved (about one per "
                        "prompt); use a shorter interval or capture 'steps'")
     if settings.capture_outputs and shape.has_state:
-        out += outputs_silenced(vllm_config)
+        out += outputs_silenced(vllm_config, settings.output_boundaries)
     if role == "kv_producer":
         out.append("kv_role is kv_producer: this engine saves but never restores; use kv_both "
                    "(or kv_consumer) on engines that should hit")
@@ -80,14 +80,18 @@ def preflight(vllm_config: Any, shape: CacheShape, settings: ConnectorSettings, 
     return out
 
 
-def outputs_silenced(vllm_config: Any) -> list[str]:
+def outputs_silenced(vllm_config: Any, boundaries: OutputBoundaries = OutputBoundaries.LAST) -> list[str]:
     """The settings under which ``capture_outputs`` publishes no output boundary (prompt
-    boundaries, each prompt's exact end included, are published all the same)."""
+    boundaries, each prompt's exact end included, are published all the same). Under async
+    scheduling ``output_boundaries: last`` still publishes them (held, keyed at the request's
+    end); ``every`` cannot (a boundary is stored as its step ends, its key not known yet)."""
     out = []
-    if getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) is True:
-        out.append("capture_outputs publishes no output boundary under async scheduling (the token "
-                   "a decode step consumes is not known when the step is planned); serve with "
-                   "--no-async-scheduling for them. Each prompt's exact end is still published")
+    asynchronous = getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) is True
+    if asynchronous and boundaries is OutputBoundaries.EVERY:
+        out.append("capture_outputs with output_boundaries: every publishes no output boundary under async "
+                   "scheduling (the token a decode step consumes is not known when the step is planned); "
+                   "use output_boundaries: last (the default), or serve with --no-async-scheduling. Each "
+                   "prompt's exact end is still published")
     if getattr(vllm_config, "speculative_config", None) is not None:
         out.append("capture_outputs publishes no output boundary from a step with draft tokens (a "
                    "rejected draft leaves a state past what the request keeps): with speculative "

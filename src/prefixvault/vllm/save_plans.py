@@ -16,6 +16,7 @@ read them) or dropped (``HoldDrop``).
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
@@ -131,8 +132,13 @@ class SavePlans:
         if start >= prompt_len and (not outputs or chunk.end % bs):
             return []
         known = tr.known(chunk.end) if outputs and chunk.end > prompt_len else prompt_len
-        if start >= known:
-            return []  # the tokens this step computes are not known yet (async scheduling)
+        deferred = False
+        if start >= known:  # the tokens this step computes are not known yet (async scheduling)
+            if not (self.hold_last and prompt_len <= start and known < chunk.end):
+                return []
+            # An output boundary held until its request finishes needs its key only then, when
+            # every token is known: the state is held now, the key named at release.
+            known, deferred = chunk.end, True
         tables = state.get_block_ids(tr.req_id)
         if tables is None:
             return []
@@ -145,8 +151,11 @@ class SavePlans:
         tr.last_capture = planned.last_capture
         captures, end = list(planned.captures), planned.end
         specs = []
+        if deferred and not (planned.hold and planned.candidates):
+            return []
         if planned.candidates:
-            specs += self._plan(tr, step, end, tables, captures, chunk, set(planned.candidates), planned.hold)
+            specs += self._plan(tr, step, end, tables, captures, chunk, set(planned.candidates), planned.hold,
+                                deferred)
         if planned.held_end:
             specs += self._plan(tr, step, end, tables, captures, chunk, {planned.held_end}, True)
         return specs
@@ -162,7 +171,7 @@ class SavePlans:
         return StepChunk(start, end, self.checkpoints.position(start, end, prefill_end))
 
     def _plan(self, tr: TrackedRequest, step: int, end: int, tables: Any, captures: list[StateCapture],
-              chunk: StepChunk, candidates: set[int], hold: bool) -> list[SaveSpec]:
+              chunk: StepChunk, candidates: set[int], hold: bool, deferred: bool = False) -> list[SaveSpec]:
         """Plan the saves of ``candidates`` since the request's last save: a save now, or its
         hold (``hold``: published, if at all, when the request finishes, ``release_hold``).
         Block-aligned boundaries go in one save; each tail boundary in one of its own (its
@@ -175,6 +184,9 @@ class SavePlans:
             self.counters.tally("refused", why)
         if not decision.publishable:
             return []
+        if hold and deferred:
+            tr.hold = SaveSpec(tr.req_id, [], list(decision.publishable), tr.saved, hold=True, deferred=True)
+            return [tr.hold]
         if hold:
             tr.hold = self._spec(tr, list(decision.publishable), tr.saved, hold=True)
             tr.saved_tail = max(tr.saved_tail, tr.hold.tail)
@@ -269,10 +281,18 @@ class SavePlans:
         if not all(kept(g, i, b) for p in spec.plans for g, i, b in p.blocks):
             self.drop_hold(tr, HoldDrop.BLOCKS_MOVED)
             return False
+        named: list[bytes] = []
+        if spec.deferred:  # keyed now: every token it holds is known once the request finished
+            top = max(p.tokens for p in spec.plans)
+            if tr.known(top) < top:
+                self.drop_hold(tr, HoldDrop.INTERNAL_ERROR)
+                return False
+            spec = dataclasses.replace(spec, hashes=self.ctx.chain(tr, top), deferred=False)
+            named = spec.hashes
         boundaries = [spec.hashes[-(-p.tokens // self.block_size) - 1] for p in spec.plans]  # (a tail's too)
         for h in boundaries:
             self.admission.admitted(h, Kind.SEQUENCE_END)
         self.counters.add(plans=len(spec.plans))
-        self._releases.append((Release(spec.req_id, True), boundaries))
+        self._releases.append((Release(spec.req_id, True, named), boundaries))
         tr.hold = None
         return True
