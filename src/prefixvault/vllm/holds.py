@@ -80,7 +80,7 @@ class Holds:
         """Copy a held save's states into the request's slot (taking one if it has none); its
         earlier hold is replaced. No slot free: the earlier hold, if any, stays."""
         assert self._ctx.vault is not None
-        objects, _ = self._ctx.vault.objects_of(self._ctx.rank, spec.hashes, spec.plans)
+        objects, _ = self._ctx.vault.objects_of(self._ctx.rank, spec.hashes, spec.plans, spec.salt)
         states = [(ref, b) for ref, b in objects if ref.kind is ObjectKind.STATE]
         old = self._held.get(spec.req_id)
         slot = old.slot if old is not None else None

@@ -39,6 +39,9 @@ class LoadSpec:
     # from the block this load fills (align mode's pre-copy runs before the load), this request's
     # own included.
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The request's cache salt: its tenant, whose key its objects are read with (``tenancy``);
+    # None: the namespace's. Never logged.
+    salt: str | None = field(default=None, repr=False)
 
     @property
     def in_step(self) -> bool:
@@ -62,6 +65,9 @@ class SaveSpec:
     # of a tail inside the first block.
     tail: int = 0
     seed: bytes = b""
+    # The request's cache salt: its tenant, whose key its objects and records are sealed with
+    # (``tenancy``); None: the namespace's. Never logged.
+    salt: str | None = field(default=None, repr=False)
 
     def sid(self, step: int) -> str:
         """Names this save of ``step``, the same on the scheduler and every rank (a request may
