@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 import time
@@ -620,11 +621,15 @@ def watch(
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object per pass")] = False,
     secret_file: SecretFileOpt = "",
     secret_env: SecretEnvOpt = "",
+    cache_salt_env: Annotated[str, typer.Option(
+        "--cache-salt-env", help="Environment variable holding one tenant's cache_salt: watch that "
+        "tenant's samples (needs the namespace's secret)")] = "",
 ) -> None:
     """Recompute consumers' verification samples cold; quarantine records that disagree.
 
     Samples of a namespace with a secret are sealed: only a watch given --namespace and its
-    secret reads them (others leave them alone)."""
+    secret reads them (others leave them alone). Those of a request with a cache_salt are its
+    tenant's: only a watch given that salt too reads them."""
     import logging
 
     from prefixvault.keys import check_namespace
@@ -643,12 +648,18 @@ def watch(
     except ValueError as e:
         raise _fail(str(e)) from None
     key = _namespace_key(namespace, secret_file, secret_env)
+    salt: str | None = None
+    if cache_salt_env:
+        salt = os.environ.get(cache_salt_env)
+        if salt is None or key is None:
+            raise _fail(f"--cache-salt-env: {cache_salt_env[:100]!r} is not set, or no namespace "
+                        "secret was given")
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     s = _open_existing(store, readonly=False)  # quarantine removes records
     out = Console(quiet=json_out)
     while True:
         try:
-            report = watch_once(s, cold, namespace or None, tolerance, timeout, key=key)
+            report = watch_once(s, cold, namespace or None, tolerance, timeout, key=key, salt=salt)
         except VerifyError as e:
             raise _fail(str(e)) from None
         out.print(f"checked {report.checked} samples: {report.agreed} agree with cold, "

@@ -20,6 +20,11 @@ Three forms; the header's version (and flag byte) says which one an object has:
   ``form_version``), so its sealed objects are never met under its keys and age out.
 
 A reader with a key accepts encrypted objects only; a reader without one, plain objects only.
+An object encrypted under a tenant's key (a request's ``cache_salt``: ``NamespaceKey.tenant``)
+carries the tenant flag (it is part of the associated data): a reader with the namespace's own
+key meets it as ``tenant`` (another's bytes, never removed for it), while under a key it named
+itself it fails its tag like any forgery. (The flag tells a store reader that a request had a
+salt, never which.)
 
 Why AES-GCM: decrypting and verifying must cost about a copy, since a load's decryption *is*
 its copy (``decode(..., out=)`` writes the plaintext where the caller wants it, and the local
@@ -65,6 +70,7 @@ _SUM = struct.Struct("<Q")
 _FLAGS_AT = 9
 FLAG_SEALED = 1
 FLAG_ENCRYPTED = 2
+FLAG_TENANT = 4  # with FLAG_ENCRYPTED: under a tenant's key, not the namespace's
 _PAYLOAD_SUM_AT = _FIELDS.size
 _HEADER_SUM_AT = HEADER_SIZE - _SUM.size
 NONCE_SIZE, TAG_SIZE = 12, 16
@@ -91,7 +97,16 @@ def form_version(key: NamespaceKey | None) -> int:
 PROVED_WRONG = frozenset({"format", "truncated", "header checksum", "payload checksum", "mac",
                           "identity", "length", "unsealed", "denied"})
 #: Reasons that name bytes of another writer's form: wrong only under the reader's own keys.
-_OTHER_FORM = frozenset({"version", "sealed", "unencrypted"})
+#: ``tenant``: a tenant's object met with the namespace's key (only an audit, which walks every
+#: key, meets one legitimately: it passes ``own_fingerprint=False`` for it, ``inventory``).
+_OTHER_FORM = frozenset({"version", "sealed", "unencrypted", "tenant"})
+
+
+def _forms() -> tuple[tuple[int, int], ...]:
+    """The (version, flags) pairs this release reads (read when called: tests play a later
+    release by changing ``VERSION``)."""
+    return ((VERSION, 0), (VERSION, FLAG_SEALED), (ENCRYPTED_VERSION, FLAG_ENCRYPTED),
+            (ENCRYPTED_VERSION, FLAG_ENCRYPTED | FLAG_TENANT))
 
 
 def proved_wrong(reason: str, own_fingerprint: bool) -> bool:
@@ -155,7 +170,7 @@ def is_sealed(blob: Buffer) -> bool:
     """Whether ``blob`` claims to need a namespace's key (encrypted, or sealed by an earlier
     release); proves nothing about who wrote it."""
     form = _form(memoryview(blob).cast("B"))
-    return form in ((ENCRYPTED_VERSION, FLAG_ENCRYPTED), (VERSION, FLAG_SEALED))
+    return form in _forms() and form != (VERSION, 0)
 
 
 def content_digest(header: ObjectHeader, payload: Buffer) -> bytes:
@@ -186,6 +201,10 @@ def _fields(header: ObjectHeader, version: int, flags: int) -> bytes:
 
 def _u8(data: Buffer) -> np.ndarray:
     return np.frombuffer(data, dtype=np.uint8)
+
+
+def _encrypted_flags(key: NamespaceKey) -> int:
+    return FLAG_ENCRYPTED | (FLAG_TENANT if key.is_tenant else 0)
 
 
 def _encrypt(key: NamespaceKey, head: bytearray, payload: Buffer, out: memoryview) -> None:
@@ -220,7 +239,7 @@ def encode_into(header: ObjectHeader, payload: Buffer, dst: memoryview,
         head[_PAYLOAD_SUM_AT : _PAYLOAD_SUM_AT + _SUM.size] = _SUM.pack(checksum(body))
         head[_HEADER_SUM_AT:] = _SUM.pack(checksum(memoryview(head)[:_HEADER_SUM_AT]))
     else:
-        head[: _FIELDS.size] = _fields(header, ENCRYPTED_VERSION, FLAG_ENCRYPTED)
+        head[: _FIELDS.size] = _fields(header, ENCRYPTED_VERSION, _encrypted_flags(key))
         _encrypt(key, head, view, body)
     dst[:HEADER_SIZE] = head
 
@@ -243,7 +262,7 @@ def encode(header: ObjectHeader, payload: Buffer, key: NamespaceKey | None = Non
     if key is None:
         return [encode_header(header, view), view]
     head = bytearray(HEADER_SIZE)
-    head[: _FIELDS.size] = _fields(header, ENCRYPTED_VERSION, FLAG_ENCRYPTED)
+    head[: _FIELDS.size] = _fields(header, ENCRYPTED_VERSION, _encrypted_flags(key))
     out = np.empty(len(view), dtype=np.uint8).data.cast("B")
     _encrypt(key, head, view, out)
     return [bytes(head), out]
@@ -291,9 +310,12 @@ def decode(
         raise IntegrityError("truncated", f"{len(view)} bytes, header needs {HEADER_SIZE}")
     form = _form(view)
     assert form is not None
-    if form not in ((VERSION, 0), (VERSION, FLAG_SEALED), (ENCRYPTED_VERSION, FLAG_ENCRYPTED)):
+    if form not in _forms():
         raise IntegrityError("format", f"version {form[0]} with flags {form[1]}")
     encrypted = form[0] == ENCRYPTED_VERSION
+    if key is not None and not key.is_tenant and form[1] & FLAG_TENANT:
+        raise IntegrityError("tenant", "object is encrypted for a tenant (a cache_salt) this reader "
+                             "does not hold")
     if key is None and form[1]:
         raise IntegrityError("sealed", "object is sealed with a namespace secret; none was given")
     if key is not None and not encrypted:

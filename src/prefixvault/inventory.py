@@ -2,7 +2,10 @@
 
 A namespace with a secret seals its objects: its layout, records and objects verify only with
 its key. Given the key, an audit checks it like any other; without, its records are reported
-unverifiable (never removed) and its layout is not trusted for anything.
+unverifiable (never removed) and its layout is not trusted for anything. The records and
+objects of a request with a ``cache_salt`` (a tenant, ``tenancy``) verify only with that
+tenant's key, which no audit holds: given the namespace's key, an audit reports them
+unverifiable and keeps them (their tenant's own loads still verify every object).
 """
 
 from __future__ import annotations
@@ -179,7 +182,8 @@ class _ScopeAudit:
                 try:
                     record = BoundaryRecord.decode(blob, self.vault.fingerprint, self.vault.key)
                 except IntegrityError as e:
-                    if proved_wrong(e.reason, own_fingerprint=self.own):
+                    # (a tenant's record, ``tenant``: its salt's, not the namespace's key's to judge)
+                    if proved_wrong(e.reason, own_fingerprint=self.own and e.reason != "tenant"):
                         self.report.findings.append(AuditFinding(rkey, f"unreadable record ({e})"))
                     else:  # another format, or sealed with a secret not given: not ours to judge
                         self.report.unverifiable.append(AuditFinding(rkey, f"cannot be read here ({e})"))
@@ -320,7 +324,7 @@ def _sound_alone(blob: bytes, fp: str, rest: list[str], key: str, vault: Vault |
     try:
         header, _ = decode(blob, key=ns_key)
     except IntegrityError as e:
-        own = vault is not None and vault.fingerprint.hex() == fp
+        own = vault is not None and vault.fingerprint.hex() == fp and e.reason != "tenant"
         return False if proved_wrong(e.reason, own_fingerprint=own) else None
     if (header.kind is not kind or header.fingerprint.hex() != fp or header.key_hash.hex() != rest[3]
             or str(header.group) != rest[1] or str(header.rank) != rest[2]):

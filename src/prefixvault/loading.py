@@ -6,7 +6,8 @@ with a secret: decrypted and its AES-GCM tag verified, as it is copied out of th
 against the deny-list, before its payload is handed out. Bad
 objects are counted by reason; those proved wrong are removed from the store (bytes of another
 format or key are someone else's, and stay; an object of another version under a key this
-reader named is proved wrong: ``codec.proved_wrong``).
+reader named is proved wrong: ``codec.proved_wrong``). Each object is opened with the key of the
+tenant its ref names (``ObjectRef.salt``): one load may serve the requests of several tenants.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from prefixvault.denysync import DenySync
 from prefixvault.hotset import HotSet
 from prefixvault.objects import ObjectNames, ObjectRef, chain_order
 from prefixvault.stores.base import Store, Take
-from prefixvault.tenancy import NamespaceKey
+from prefixvault.tenancy import NamespaceKey, TenantKeys
 
 #: Keys a vault remembers having read, to count bytes read again (``reread_bytes``).
 READS_SEEN = 1 << 16
@@ -51,7 +52,7 @@ class Loader:
 
     store: Store
     names: ObjectNames
-    key: NamespaceKey | None
+    tenants: TenantKeys  # the key of each ref's tenant
     counters: Counters  # get_*, hot_*, reread_bytes; what was refused (``rejected``)
     deny: DenySync
     hot: HotSet | None
@@ -96,8 +97,10 @@ class Loader:
         self.deny.refresh()
         keys = [r.key for r in refs]
         opened: dict[int, memoryview | Exception] = {}
-        if self.key is not None and not stored:
-            got = self.store.get_taken(keys, views, self._decrypting(headers, opened))
+        keyed = self.tenants.namespace_key is not None
+        if keyed and not stored:
+            sealers = [self.tenants.get(r.salt) for r in refs]
+            got = self.store.get_taken(keys, views, self._decrypting(headers, sealers, opened))
             for e in opened.values():
                 if isinstance(e, Exception) and not isinstance(e, IntegrityError):
                     raise e  # ours, kept from the store's read
@@ -115,7 +118,7 @@ class Loader:
             try:
                 if size != len(view):
                     raise IntegrityError("length", f"object has {size} bytes, expected {len(view)}")
-                if self.key is not None and not stored:
+                if keyed and not stored:
                     done = opened.get(i)
                     if isinstance(done, Exception) or done is None:
                         raise done or IntegrityError("length", "not read whole")
@@ -143,17 +146,17 @@ class Loader:
         payloads.update(hot)
         return Loaded(payloads, failed, objects)
 
-    def _decrypting(self, headers: Sequence[ObjectHeader],
+    def _decrypting(self, headers: Sequence[ObjectHeader], keys: Sequence[NamespaceKey | None],
                     opened: dict[int, memoryview | Exception]) -> Take:
-        """What a store calls with each object's bytes: verify and decrypt them into the
-        payload part of its buffer; the payload, or what failed, goes into ``opened``."""
-        key = self.key
+        """What a store calls with each object's bytes: verify and decrypt them (with its
+        tenant's key, ``keys``) into the payload part of its buffer; the payload, or what
+        failed, goes into ``opened``."""
 
         def take(i: int, src: memoryview, dst: memoryview) -> None:
             try:
                 if len(src) != len(dst):
                     raise IntegrityError("length", f"object has {len(src)} bytes, expected {len(dst)}")
-                opened[i] = decode(src, headers[i], key, out=dst[HEADER_SIZE:])[1]
+                opened[i] = decode(src, headers[i], keys[i], out=dst[HEADER_SIZE:])[1]
             except Exception as e:  # (a store's callback must not raise: settled after the read)
                 opened[i] = e
 
@@ -162,7 +165,7 @@ class Loader:
     def _open(self, ref: ObjectRef, header: ObjectHeader, data: memoryview) -> memoryview:
         """The payload of an object read whole, verified as every object is: its header, its
         identity (``header``), its checksum or tag, and the deny-list."""
-        _, payload = decode(data, header, self.key)
+        _, payload = decode(data, header, self.tenants.get(ref.salt))
         return self._checked(ref, header, payload)
 
     def _checked(self, ref: ObjectRef, header: ObjectHeader, payload: memoryview) -> memoryview:

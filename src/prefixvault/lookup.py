@@ -10,7 +10,9 @@ state, the first round trip also checks the tail index of every block boundary i
 prompt reaches are checked beside the other candidates' objects. A hit's record is
 read only where the deny-list names it: a replayed copy of a quarantined record is refused,
 removed, and the lookup answers again from what is left. Every object is verified where it is
-loaded, so junk at a record key costs a load that fails, never wrong bytes.
+loaded, so junk at a record key costs a load that fails, never wrong bytes. Each lookup
+names, and reads, what it asks with its own tenant's key (its prompt's cache salt,
+``tenancy``): a lookup of another tenant's prompt names other keys, and finds nothing.
 """
 
 from __future__ import annotations
@@ -92,15 +94,16 @@ class HitFinder:
     store: Store
     layout: CacheLayout
     keys: KeySpace
-    key: NamespaceKey | None
     counters: Counters  # lookup_asks, found_tokens, misses; refused records (``rejected``)
     deny: DenySync
     stored_layout: StoredLayout
 
-    def answer(self, asks: Sequence[Ask], later: list[Touch]) -> list[LookupResult]:
+    def answer(self, asks: Sequence[Ask], later: list[Touch],
+               sealers: Sequence[NamespaceKey | None]) -> list[LookupResult]:
         """The results of several lookups (``Ask``) in the round trips of one; what those
-        answered from their first round trip still have to touch is appended to ``later``."""
-        return self._verified(asks, self._lookup_rounds(asks, later), later)
+        answered from their first round trip still have to touch is appended to ``later``.
+        ``sealers``: each ask's tenant's key (what its hashes were keyed with)."""
+        return self._verified(asks, self._lookup_rounds(asks, later, sealers), later, sealers)
 
     def touch(self, touches: Sequence[Touch]) -> None:
         """Touch what lookups answered early use, all in one call (order kept); and, once the
@@ -110,11 +113,13 @@ class HitFinder:
             self.store.touch_many(keys, [t for _, ts in touches for t in ts])
         self.deny.refresh()
 
-    def _lookup_rounds(self, asks: Sequence[Ask], later: list[Touch]) -> list[LookupResult]:
+    def _lookup_rounds(self, asks: Sequence[Ask], later: list[Touch],
+                       sealers: Sequence[NamespaceKey | None]) -> list[LookupResult]:
         """The lookups' round trips, all asks together (their hits not yet verified): in each,
         one existence check (``touch_many``) for every lookup that asks one, and one read
         (``get_many``) for every lookup that reads."""
-        steps = [self._lookup_steps(h, n, m, later, p) for h, n, m, p in asks]
+        steps = [self._lookup_steps(h, n, m, later, p, k)
+                 for (h, n, m, p), k in zip(asks, sealers, strict=True)]
         results: list[LookupResult | None] = [None] * len(steps)
         pending: dict[int, Round] = {}
         for i, step in enumerate(steps):
@@ -145,7 +150,7 @@ class HitFinder:
         return [r for r in results if r is not None]
 
     def _verified(self, asks: Sequence[Ask], results: list[LookupResult],
-                  later: list[Touch]) -> list[LookupResult]:
+                  later: list[Touch], sealers: Sequence[NamespaceKey | None]) -> list[LookupResult]:
         """Refuse hits whose record is a copy of one a quarantine proved wrong. Only records the
         deny-list names are read (one batched read; none at all in the common case): a record
         is only a marker that a boundary's objects were all stored, and every object is
@@ -167,8 +172,8 @@ class HitFinder:
             blobs = dict(zip(unique, self.store.get_many(unique), strict=True))
             bad: dict[str, bool] = {}  # record key -> whether to remove it
             for i in listed:
-                why = self._record_problem(names[i], blobs[names[i]], results[i].boundary_hash
-                                           or asks[i][0][results[i].hit // bs - 1], results[i].hit)
+                named = results[i].boundary_hash or asks[i][0][results[i].hit // bs - 1]
+                why = self._record_problem(names[i], blobs[names[i]], named, results[i].hit, sealers[i])
                 if why is not None:
                     bad[names[i]] = why != "gone"
                     if why != "gone":
@@ -185,19 +190,21 @@ class HitFinder:
                     results[i] = self._result(0, results[i].longest, Miss.EVICTED)
                     self.counters.add(lookup_asks=1)
                 break
-            for i, r in zip(redo, self._lookup_rounds([asks[i] for i in redo], later), strict=True):
+            again = self._lookup_rounds([asks[i] for i in redo], later, [sealers[i] for i in redo])
+            for i, r in zip(redo, again, strict=True):
                 results[i] = r
         return results
 
-    def _record_problem(self, name: str, blob: bytes | None, boundary_hash: bytes, hit: int) -> str | None:
+    def _record_problem(self, name: str, blob: bytes | None, boundary_hash: bytes, hit: int,
+                        key: NamespaceKey | None) -> str | None:
         """Why the record ``blob`` stored at ``name`` cannot publish boundary ``hit`` named
         ``boundary_hash`` (None: it can)."""
         if blob is None:
             return "gone"  # removed since the existence check: evicted, or quarantined
         try:
-            record = BoundaryRecord.decode(blob, self.keys.fingerprint, self.key)
+            record = BoundaryRecord.decode(blob, self.keys.fingerprint, key)
             if self.deny.listed(name):
-                header, body = decode(blob, key=self.key)
+                header, body = decode(blob, key=key)
                 if self.deny.denied(name, header, body):
                     return "denied"
         except IntegrityError as e:
@@ -215,7 +222,7 @@ class HitFinder:
 
     def _lookup_steps(
         self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int, later: list[Touch],
-        prompt: PromptTokens | None = None,
+        prompt: PromptTokens | None, key: NamespaceKey | None,
     ) -> Generator[Round, list[Any], LookupResult]:
         """One lookup as the keys it checks or reads, round trip by round trip
         (``_lookup_rounds`` sends each answer back); returns its result.
@@ -242,7 +249,7 @@ class HitFinder:
         index_ks = range(min_tokens // bs, (tail_limit - 1) // bs + 1 if tail_limit > min_tokens else 0)
         if not candidates and not index_ks:
             return self._result(0, limit, Miss.LOCAL_HIT if limit else Miss.SHORT_PROMPT)
-        seed = prompt.extra.seed(self.key.hash_key if self.key is not None else b"") if prompt else b""
+        seed = prompt.extra.seed(key.hash_key if key is not None else b"") if prompt else b""
         parents = [hashes[k - 1] if k else seed for k in index_ks]
         hexes = [h.hex() for h in hashes[: max(limit, tail_limit) // bs]]
         rprefix = self.keys.record_prefix()
@@ -273,7 +280,7 @@ class HitFinder:
         tails: list[tuple[int, bytes]] = []  # (tokens, tail hash), the deepest first
         if indexed and prompt is not None:
             blobs = yield ("get", [self.keys.tail_index(p) for _, p in indexed], [])
-            tails = self._tails(indexed, blobs, prompt, min_tokens, tail_limit)
+            tails = self._tails(indexed, blobs, prompt, min_tokens, tail_limit, key)
         if not published and not tails:
             return self._result(0, limit, missed)
         top = published[0] // bs if published else 0
@@ -323,7 +330,8 @@ class HitFinder:
         return self._result(hit, limit, self._past_hit(probes, probed) if published else missed, name)
 
     def _tails(self, indexed: Sequence[tuple[int, bytes]], blobs: Sequence[bytes | None],
-               prompt: PromptTokens, min_tokens: int, tail_limit: int) -> list[tuple[int, bytes]]:
+               prompt: PromptTokens, min_tokens: int, tail_limit: int,
+               key: NamespaceKey | None) -> list[tuple[int, bytes]]:
         """The tail boundaries the indexes read list that are this prompt's (the tail hash its
         tokens give at that length), the ``TAIL_CANDIDATES`` deepest. An index that does not
         verify lists none."""
@@ -333,7 +341,7 @@ class HitFinder:
             if blob is None:
                 continue
             try:
-                index = TailIndex.decode(blob, self.keys.fingerprint, parent, bs, self.key)
+                index = TailIndex.decode(blob, self.keys.fingerprint, parent, bs, key)
             except IntegrityError as e:
                 self.counters.tally("rejected", f"tail index {e.reason}", 1)
                 continue

@@ -5,13 +5,15 @@ An object is the bytes of one KV block or one state, of one cache group on one r
 names its content (the chain hash of the block, or of the boundary for a state; for a tail
 boundary, its tail hash names both its state and its partly filled last block) within a
 namespace and a layout fingerprint, so the same key is the same bytes whoever computed them;
-its expected header is what a reader checks before it uses them (invariant 3).
+its expected header is what a reader checks before it uses them (invariant 3). A ref also
+carries the ``cache_salt`` of the request that names it: the tenant whose key its bytes are
+encrypted under (``tenancy``), so one load may read the objects of several tenants.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prefixvault.boundary import SavePlan, needed_blocks
 from prefixvault.codec import ObjectHeader, ObjectKind
@@ -30,6 +32,9 @@ class ObjectRef:
     key_hash: bytes
     tokens: int  # block end (BLOCK; a tail boundary for its partly filled block) or boundary (STATE)
     block_index: int  # index of the KV block, or of the block a state's boundary ends in
+    # The request's cache salt: which tenant's key seals the object (None: the namespace's).
+    # Never shown: a tenant's salt is its secret as much as the namespace's secret is.
+    salt: str | None = field(default=None, repr=False)
 
 
 def chain_order(ref: ObjectRef) -> tuple[int, bool]:
@@ -48,11 +53,13 @@ class ObjectNames:
     keys: KeySpace
 
     def needed(
-        self, hashes: Sequence[bytes], tokens: int, ranks: Iterable[int] | None = None, since: int = 0
+        self, hashes: Sequence[bytes], tokens: int, ranks: Iterable[int] | None = None, since: int = 0,
+        salt: str | None = None,
     ) -> list[ObjectRef]:
         """Every object (all groups, the given ranks) needed to resume at ``tokens``, named by
         ``hashes`` (the prefix's: ``keys.prefix_hashes``); KV blocks only from boundary ``since``
-        on (those before it are covered elsewhere: a parent record, or the engine's own cache)."""
+        on (those before it are covered elsewhere: a parent record, or the engine's own cache);
+        ``salt``: the request's cache salt (``ObjectRef.salt``)."""
         bs = self.layout.block_size
         n = -(-tokens // bs)
         if tokens <= 0 or n > len(hashes) or (tokens % bs and not self.layout.has_state):
@@ -62,15 +69,15 @@ class ObjectNames:
         for rank in range(self.layout.world_size) if ranks is None else ranks:
             for gi, group in enumerate(self.layout.groups):
                 if group.is_state:
-                    refs.append(self.state_ref(gi, rank, hashes[n - 1], n - 1, tokens))
+                    refs.append(self.state_ref(gi, rank, hashes[n - 1], n - 1, tokens, salt))
                 else:
                     need = needed_blocks(group, tokens, bs)
-                    refs.extend(self._block_ref(gi, rank, hashes, i, tokens)
+                    refs.extend(self._block_ref(gi, rank, hashes, i, tokens, salt)
                                 for i in range(max(first, need.start), need.stop))
         return refs
 
     def objects_of(
-        self, rank: int, hashes: Sequence[bytes], plans: Sequence[SavePlan]
+        self, rank: int, hashes: Sequence[bytes], plans: Sequence[SavePlan], salt: str | None = None
     ) -> tuple[list[tuple[ObjectRef, int]], list[list[str]]]:
         """The distinct objects ``plans`` store on ``rank``, each with the engine block it is
         read from, and each plan's object keys."""
@@ -80,37 +87,38 @@ class ObjectNames:
             keys: list[str] = []
             n = -(-plan.tokens // self.layout.block_size)
             for gi, i, block_id in plan.blocks:
-                ref = self._block_ref(gi, rank, hashes, i, plan.tokens)
+                ref = self._block_ref(gi, rank, hashes, i, plan.tokens, salt)
                 wanted.setdefault(ref.key, (ref, block_id))
                 keys.append(ref.key)
             for gi, block_id in plan.states:
-                ref = self.state_ref(gi, rank, hashes[n - 1], n - 1, plan.tokens)
+                ref = self.state_ref(gi, rank, hashes[n - 1], n - 1, plan.tokens, salt)
                 wanted[ref.key] = (ref, block_id)
                 keys.append(ref.key)
             per_plan.append(keys)
         return list(wanted.values()), per_plan
 
-    def _block_ref(self, group: int, rank: int, hashes: Sequence[bytes], i: int, boundary: int) -> ObjectRef:
+    def _block_ref(self, group: int, rank: int, hashes: Sequence[bytes], i: int, boundary: int,
+                   salt: str | None) -> ObjectRef:
         """Block ``i`` of the prefix ``hashes`` names, which resumes at ``boundary``: the block a
         tail boundary ends in is its partly filled one."""
         bs = self.layout.block_size
-        return self.block_ref(group, rank, hashes[i], i, boundary if i == boundary // bs else None)
+        return self.block_ref(group, rank, hashes[i], i, boundary if i == boundary // bs else None, salt)
 
     def block_ref(self, group: int, rank: int, block_hash: bytes, i: int,
-                  tail_end: int | None = None) -> ObjectRef:
+                  tail_end: int | None = None, salt: str | None = None) -> ObjectRef:
         """KV block ``i`` (named by its chain hash) of an attention group on ``rank``; with
         ``tail_end``, the block filled up to that tail boundary (named by its tail hash)."""
         end = tail_end if tail_end is not None else (i + 1) * self.layout.block_size
         return ObjectRef(self.keys.block(group, rank, block_hash), ObjectKind.BLOCK, group, rank,
-                         block_hash, end, i)
+                         block_hash, end, i, salt)
 
     def state_ref(self, group: int, rank: int, boundary_hash: bytes, i: int,
-                  tokens: int | None = None) -> ObjectRef:
+                  tokens: int | None = None, salt: str | None = None) -> ObjectRef:
         """The state of a state group on ``rank`` at the end of block ``i``, or at ``tokens``
         inside it (a tail boundary)."""
         end = tokens if tokens is not None else (i + 1) * self.layout.block_size
         return ObjectRef(self.keys.state(group, rank, boundary_hash), ObjectKind.STATE, group, rank,
-                         boundary_hash, end, i)
+                         boundary_hash, end, i, salt)
 
     def expected_header(self, ref: ObjectRef) -> ObjectHeader:
         """The header an object must carry to be used for ``ref``."""

@@ -7,6 +7,7 @@ record bytes and publish work grow with what a step computed, not with the promp
 put if absent, never overwritten; the layout object is touched after them, so it is never
 older than a record that needs it. A tail boundary's record is listed in the tail index of the
 block boundary before it (``tails``), once it is stored: a tail is found only once published.
+Records and tail indexes are encrypted with the key of the prefix's tenant (its cache salt).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from prefixvault.records import BoundaryRecord
 from prefixvault.stored_layout import StoredLayout
 from prefixvault.stores.base import Store
 from prefixvault.tails import TailIndex
-from prefixvault.tenancy import NamespaceKey
+from prefixvault.tenancy import NamespaceKey, TenantKeys
 
 
 @dataclass(frozen=True)
@@ -52,13 +53,13 @@ class Publisher:
     layout: CacheLayout
     keys: KeySpace
     names: ObjectNames
-    key: NamespaceKey | None
+    tenants: TenantKeys  # the key of each prefix's tenant
     counters: Counters  # records_*, and boundaries refused (``refused``)
     stored_layout: StoredLayout
 
     def publish_many(
         self, publishes: Sequence[tuple[Sequence[bytes], Iterable[RankAck], int]],
-        seeds: Sequence[bytes | None] | None = None,
+        seeds: Sequence[bytes | None] | None = None, salts: Sequence[str | None] | None = None,
     ) -> list[dict[int, Refusal | None]]:
         """Publish several prefixes at once, (hashes, acks, parent) each, in the round trips of
         one: one existence check for all of them, then one conditional put of all their records
@@ -75,13 +76,15 @@ class Publisher:
         ``hashes`` name each prefix (``keys.prefix_hashes``: a tail boundary's last hash is its
         tail hash; one prefix publishes at most one tail boundary, its longest). ``seeds``: each
         prefix's chain seed, which names the tail index of a tail in the first block (a tail
-        there without one is refused, ``not_aligned``). A ``parent`` is block-aligned."""
+        there without one is refused, ``not_aligned``). A ``parent`` is block-aligned. ``salts``:
+        each prefix's cache salt, its tenant (None for all: the namespace's key)."""
         bs = self.layout.block_size
         world = set(range(self.layout.world_size))
         outs: list[dict[int, Refusal | None]] = []
         plans: list[tuple[Sequence[bytes], list[int], int, dict[int, list[str]]]] = []
         keys: list[str] = []
-        for hashes, acks, parent in publishes:
+        for j, (hashes, acks, parent) in enumerate(publishes):
+            salt = salts[j] if salts is not None else None
             acked: dict[int, set[int]] = {}
             failed: set[int] = set()
             if parent % bs:
@@ -104,17 +107,18 @@ class Publisher:
                 for b in todo:
                     missing_ranks = sorted(world - acked[b])
                     if missing_ranks:
-                        checks[b] = [r.key for r in self.names.needed(hashes, b, missing_ranks, since=parent)]
+                        checks[b] = [r.key for r in self.names.needed(hashes, b, missing_ranks, parent, salt)]
                         keys.extend(checks[b])
             plans.append((hashes, todo, parent, checks))
         # One round trip: every parent record, and every object of a rank that did not ack.
         unique = list(dict.fromkeys(keys))
         present = dict(zip(unique, self.store.exists_many(unique), strict=True)) if unique else {}
         records: dict[str, bytes] = {}  # put in this order: a parent before the records naming it
-        tails: list[tuple[bytes, int, bytes]] = []  # (index parent, tokens past it, tail hash)
+        tails: list[tuple[bytes, int, bytes, NamespaceKey | None]] = []  # (index parent, past, name, key)
         for i, ((hashes, todo, parent, checks), out) in enumerate(zip(plans, outs, strict=True)):
             if not todo:
                 continue
+            key = self.tenants.get(salts[i] if salts is not None else None)
             parent_key = self.keys.record(hashes[parent // bs - 1]) if parent else ""
             # A parent published by an earlier save of this batch (the same request's previous
             # step) is as good as one already stored.
@@ -140,14 +144,14 @@ class Publisher:
                     out[b] = Refusal.NOT_ALIGNED
                     self.counters.tally("refused", Refusal.NOT_ALIGNED, 1)
                     continue
-                key, blob = self._record(hashes, b, parent)
-                if key in records:  # another prefix of this batch publishes the same boundary
+                name, blob = self._record(hashes, b, parent, key)
+                if name in records:  # another prefix of this batch publishes the same boundary
                     self.counters.add(records_existing=1)
                 else:
-                    records[key] = blob
+                    records[name] = blob
                 out[b] = None
                 if index is not None:
-                    tails.append((index, b % bs, hashes[-(-b // bs) - 1]))
+                    tails.append((index, b % bs, hashes[-(-b // bs) - 1], key))
                 else:
                     parent = b  # (a tail boundary is never a parent)
         if records:
@@ -159,39 +163,40 @@ class Publisher:
             self._index_tails(tails)
         return outs
 
-    def _index_tails(self, tails: Sequence[tuple[bytes, int, bytes]]) -> None:
+    def _index_tails(self, tails: Sequence[tuple[bytes, int, bytes, NamespaceKey | None]]) -> None:
         """List each published tail in its block boundary's index (one read and one write for
-        all of them): read, merge, replace. An index that does not verify is replaced."""
-        by_key: dict[str, tuple[bytes, list[tuple[int, bytes]]]] = {}
-        for parent, past, name in tails:
-            by_key.setdefault(self.keys.tail_index(parent), (parent, []))[1].append((past, name))
+        all of them): read, merge, replace. An index that does not verify is replaced. (An
+        index is its tenant's: the parent hash that names it is keyed by the tenant's key.)"""
+        by_key: dict[str, tuple[bytes, NamespaceKey | None, list[tuple[int, bytes]]]] = {}
+        for parent, past, name, key in tails:
+            by_key.setdefault(self.keys.tail_index(parent), (parent, key, []))[2].append((past, name))
         keys = list(by_key)
         updated: list[tuple[str, list[bytes]]] = []
         for k, blob in zip(keys, self.store.get_many(keys), strict=True):
-            parent, added = by_key[k]
+            parent, key, added = by_key[k]
             index = TailIndex(parent, ())
             if blob is not None:
                 try:
-                    index = TailIndex.decode(blob, self.keys.fingerprint, parent, self.layout.block_size,
-                                             self.key)
+                    index = TailIndex.decode(blob, self.keys.fingerprint, parent, self.layout.block_size, key)
                 except IntegrityError as e:
                     self.counters.tally("rejected", f"tail index {e.reason}", 1)
             new = index
             for past, name in added:
                 new = new.with_tail(past, name)
             if new != index:
-                updated.append((k, [new.encode(self.keys.fingerprint, self.key)]))
+                updated.append((k, [new.encode(self.keys.fingerprint, key)]))
         if updated:
             self.store.put_many(updated)
 
-    def _record(self, hashes: Sequence[bytes], tokens: int, parent: int) -> tuple[str, bytes]:
+    def _record(self, hashes: Sequence[bytes], tokens: int, parent: int,
+                key: NamespaceKey | None) -> tuple[str, bytes]:
         """The key and stored bytes of the record of boundary ``tokens`` extending ``parent``."""
         bs = self.layout.block_size
         n = -(-tokens // bs)
         record = BoundaryRecord(tokens, tuple(hashes[parent // bs : n]), self.layout.world_size, bs,
                                 producer_id(), parent=parent,
                                 parent_hash=hashes[parent // bs - 1] if parent else b"")
-        return self.keys.record(hashes[n - 1]), record.encode(self.keys.fingerprint, self.key)
+        return self.keys.record(hashes[n - 1]), record.encode(self.keys.fingerprint, key)
 
     def refuse(self, reason: Refusal, count: int = 1) -> None:
         """Count boundaries the boundary rule refused (for metrics)."""

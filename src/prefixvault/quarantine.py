@@ -38,13 +38,13 @@ class Quarantine:
     layout: CacheLayout
     keys: KeySpace
     names: ObjectNames
-    key: NamespaceKey | None
     deny: DenySync
 
-    def take_out(self, record_key: str) -> list[str]:
+    def take_out(self, record_key: str, key: NamespaceKey | None, salt: str | None) -> list[str]:
         """Take out the boundary whose record is ``record_key``: list the digests of its record
         and of its states in the deny-list, then remove them and its segment's KV blocks.
-        Returns the keys removed."""
+        ``key``: its tenant's (of ``salt``, the cache salt of the request that restored it);
+        the deny-list stays the namespace's. Returns the keys removed."""
         prefix = self.keys.record_prefix()
         hexed = record_key[len(prefix):] if record_key.startswith(prefix) else ""
         try:
@@ -58,8 +58,8 @@ class Quarantine:
         digests: list[tuple[str, bytes]] = []
         if blob is not None:
             try:
-                header, body = decode(blob, key=self.key)
-                record = BoundaryRecord.decode(blob, self.keys.fingerprint, self.key)
+                header, body = decode(blob, key=key)
+                record = BoundaryRecord.decode(blob, self.keys.fingerprint, key)
                 if record.boundary_hash != boundary or record.block_size != self.layout.block_size:
                     record = None
                 else:
@@ -71,20 +71,21 @@ class Quarantine:
         states = [(gi, r) for gi, g in enumerate(self.layout.groups) if g.is_state for r in ranks]
         if record is not None:
             t = record.tokens
-            refs.extend(self.names.state_ref(gi, r, boundary, (t - 1) // bs, t) for gi, r in states)
+            refs.extend(self.names.state_ref(gi, r, boundary, (t - 1) // bs, t, salt) for gi, r in states)
         else:  # the boundary's token count is unknown: its states say it
             keys = [self.keys.state(gi, r, boundary) for gi, r in states]
             for (gi, r), found in zip(states, self.store.get_many(keys), strict=True):
                 with contextlib.suppress(IntegrityError):
-                    h = decode(found, key=self.key)[0] if found is not None else None
+                    h = decode(found, key=key)[0] if found is not None else None
                     if h is not None and h.tokens > 0:
-                        refs.append(self.names.state_ref(gi, r, boundary, (h.tokens - 1) // bs, h.tokens))
+                        refs.append(self.names.state_ref(gi, r, boundary, (h.tokens - 1) // bs, h.tokens,
+                                                         salt))
         for ref, got in zip(refs, self.store.get_many([r.key for r in refs]), strict=True):
             if got is None:
                 continue
             header = self.names.expected_header(ref)
             try:
-                _, body = decode(got, header, self.key)
+                _, body = decode(got, header, key)
             except IntegrityError:
                 continue  # refused by every load anyway; removed below
             digests.append((ref.key, content_digest(header, body)))

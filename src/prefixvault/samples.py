@@ -11,7 +11,10 @@ A sample is a small JSON object under ``{ns}/{layout}/v/{id}``; it is never a hi
 never loaded into an engine. In a namespace with a secret it holds the tenant's prompt, so it
 is sealed: encrypted and authenticated with AES-256-GCM under the namespace's key. Only a
 watcher given that namespace and its secret reads it; a forged or altered one is unreadable
-(and can therefore never make a watcher quarantine a record).
+(and can therefore never make a watcher quarantine a record). A sample of a request with a
+``cache_salt`` is sealed under that tenant's key instead (``tenancy``), with a magic of its own:
+a watcher with the namespace's key leaves it alone (it cannot read it), and only one given the
+tenant's salt as well reads and judges it.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from prefixvault.tenancy import NamespaceKey
 SAMPLE_TOKENS = 8
 #: First bytes of a sealed sample (a plain one is JSON and starts with ``{``).
 SEALED_MAGIC = b"PVS1"
+#: First bytes of a sample sealed under a tenant's key (``NamespaceKey.tenant``).
+TENANT_MAGIC = b"PVT1"
 _AAD = b"prefixvault sample"
 
 
@@ -61,15 +66,20 @@ def sample_key(record_key: str) -> str:
     return f"{prefix}/v/{time.time_ns():x}-{os.getpid():x}-{os.urandom(4).hex()}"
 
 
+def _magic(key: NamespaceKey) -> bytes:
+    return TENANT_MAGIC if key.is_tenant else SEALED_MAGIC
+
+
 def seal(blob: bytes, key: NamespaceKey) -> bytes:
     nonce = os.urandom(12)
-    return SEALED_MAGIC + nonce + AESGCM(key.mac_key).encrypt(nonce, blob, _AAD)
+    return _magic(key) + nonce + AESGCM(key.mac_key).encrypt(nonce, blob, _AAD)
 
 
 def unseal(blob: bytes, key: NamespaceKey) -> bytes:
-    if not blob.startswith(SEALED_MAGIC):
-        raise ValueError("sample is not sealed")
-    body = blob[len(SEALED_MAGIC) :]
+    magic = _magic(key)
+    if not blob.startswith(magic):
+        raise ValueError("sample is not sealed with a key of this kind")
+    body = blob[len(magic) :]
     try:
         return AESGCM(key.mac_key).decrypt(body[:12], body[12:], _AAD)
     except InvalidTag:
@@ -86,16 +96,26 @@ def pending_samples(
 ) -> Iterator[tuple[str, VerifySample | None]]:
     """Every sample in the store (of one namespace if given); None for one that does not
     decode. With ``key`` (the namespace's) samples must be sealed with it; without, sealed
-    samples are left alone: they belong to a watcher that has the secret."""
+    samples are left alone: they belong to a watcher that has the secret. A tenant's samples
+    are left alone but by a watcher given that tenant's key, which reads only those that
+    unseal with it (the others may be another tenant's: it cannot tell a forgery from them)."""
     if key is not None and key.namespace != namespace:
         raise ValueError("a namespace key needs its namespace")
     keys = [k for k, _ in store.scan(f"{namespace}/" if namespace else "") if k.split("/")[2:3] == ["v"]]
     for name, blob in zip(keys, store.get_many(keys), strict=True):
         if blob is None:
             continue  # taken by another watcher
-        if key is None and blob.startswith(SEALED_MAGIC):
+        if blob.startswith(TENANT_MAGIC) != (key is not None and key.is_tenant) or \
+                (key is None and blob.startswith(SEALED_MAGIC)):
+            continue  # another tenant's, or the namespace's when a tenant's key was given
+        try:
+            opened = unseal(blob, key) if key else blob
+        except ValueError:
+            if key is not None and key.is_tenant:
+                continue
+            yield name, None
             continue
         try:
-            yield name, VerifySample.decode(unseal(blob, key) if key else blob)
+            yield name, VerifySample.decode(opened)
         except (ValueError, KeyError, TypeError):
             yield name, None

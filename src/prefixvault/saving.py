@@ -4,7 +4,8 @@ published from: invariant 1).
 
 One existence check and one batched put per call, whatever the number of prefixes: objects
 already stored are not written again (a state, or an object the deny-list names, is read and
-verified first), and bytes the deny-list names are never stored.
+verified first), and bytes the deny-list names are never stored. Each object is encrypted with
+the key of the tenant its ref names (``ObjectRef.salt``, ``tenancy``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from prefixvault.layout import CacheLayout
 from prefixvault.objects import ObjectNames, ObjectRef, chain_order
 from prefixvault.publishing import RankAck
 from prefixvault.stores.base import Buffer, Fill, Store
-from prefixvault.tenancy import NamespaceKey
+from prefixvault.tenancy import NamespaceKey, TenantKeys
 
 
 @dataclass(eq=False)
@@ -38,7 +39,7 @@ class Saver:
     store: Store
     layout: CacheLayout
     names: ObjectNames
-    key: NamespaceKey | None
+    tenants: TenantKeys  # the key of each ref's tenant
     counters: Counters  # put_*, and what was refused (``rejected``)
     deny: DenySync
 
@@ -48,6 +49,7 @@ class Saver:
         saves: Sequence[tuple[Sequence[bytes], Sequence[SavePlan]]],
         read: Callable[[ObjectRef, int], Buffer],
         read_into: Callable[[ObjectRef, int, memoryview], None] | None = None,
+        salts: Sequence[str | None] | None = None,
     ) -> list[list[RankAck]]:
         """Store this rank's objects for every plan of several prefixes, (hashes, plans) each:
         one existence check and one batch put for all their objects (the same key is the same
@@ -55,11 +57,12 @@ class Saver:
 
         ``read(ref, engine_block_id)`` returns the payload bytes of one object, gathered
         from the engine's cache; ``read_into`` (optional) gathers them into memory given,
-        which lets a store that lends registered memory put objects with no copy."""
+        which lets a store that lends registered memory put objects with no copy. ``salts``: each
+        prefix's cache salt (its tenant), None for all: the namespace's key."""
         wanted: dict[str, tuple[ObjectRef, int]] = {}
         per_save: list[list[list[str]]] = []
-        for hashes, plans in saves:
-            objects, per_plan = self.names.objects_of(rank, hashes, plans)
+        for j, (hashes, plans) in enumerate(saves):
+            objects, per_plan = self.names.objects_of(rank, hashes, plans, salts[j] if salts else None)
             for ref, block_id in objects:
                 wanted.setdefault(ref.key, (ref, block_id))
             per_save.append(per_plan)
@@ -99,19 +102,20 @@ class Saver:
         off = 0
         for (ref, block_id), header in zip(todo, headers, strict=True):
             size = HEADER_SIZE + header.length
+            key = self.tenants.get(ref.salt)
             if lent is not None and read_into is not None:  # build the object in place
                 into = lent[off + HEADER_SIZE : off + size]
                 read_into(ref, block_id, into)
                 payload: Buffer = into
                 denied = self.deny.denied(ref.key, header, payload)
                 if not denied:
-                    encode_into(header, payload, lent[off : off + size], self.key)
+                    encode_into(header, payload, lent[off : off + size], key)
                 parts: Sequence[Buffer] = [lent[off : off + size]]
                 off += size
             else:
                 payload = read(ref, block_id)
                 denied = self.deny.denied(ref.key, header, payload)
-                parts = encode(header, payload) if self.key is None else []
+                parts = encode(header, payload) if key is None else []
             if denied:  # this engine computed the bytes proved wrong again: no record follows
                 self.counters.add(put_denied=1)
                 self.counters.add(put_failed=1)
@@ -120,7 +124,7 @@ class Saver:
             if parts:
                 batch.append((ref.key, parts))
             else:
-                filled.append((ref.key, size, self._encrypting(header, payload)))
+                filled.append((ref.key, size, self._encrypting(header, payload, key)))
             sent.append((ref, header))
         # (one of the two at most: objects are encrypted by ``filled`` only where none is built in place)
         results = self.store.put_filled(filled) if filled else self.store.put_many(batch) if batch else []
@@ -134,9 +138,9 @@ class Saver:
                 self.counters.add(put_failed=1)
         return ok
 
-    def _encrypting(self, header: ObjectHeader, payload: Buffer) -> Fill:
+    @staticmethod
+    def _encrypting(header: ObjectHeader, payload: Buffer, key: NamespaceKey | None) -> Fill:
         """What writes ``payload``'s encrypted object into the memory a store gives."""
-        key = self.key
 
         def fill(dst: memoryview) -> None:
             encode_into(header, payload, dst, key)
@@ -162,7 +166,7 @@ class Saver:
                 continue
             header = self.names.expected_header(ref)
             try:
-                _, payload = decode(blob, header, self.key)
+                _, payload = decode(blob, header, self.tenants.get(ref.salt))
             except IntegrityError as e:
                 self.counters.tally("rejected", e.reason, 1)
                 bad.append(ref.key)

@@ -13,6 +13,13 @@ verified bytes. ``Vault`` is the one entry point adapters use; each idea lives i
 - ``quarantine`` and ``denysync``: bytes proved wrong are listed in the namespace's deny-list
   (``denylist``) and refused by loads, saves and lookups until they expire;
 - ``stored_layout``: the layout object audits read to check records without an engine.
+
+Tenants (``tenancy``): in a namespace with a secret, a request's ``cache_salt`` selects the key
+its hashes are keyed with and its objects, records, tail indexes and samples are encrypted
+with. Every entry point takes the tenant per call, as the salt: ``ExtraKeys.cache_salt`` where
+hashes are computed, ``salt``/``salts`` per lookup, save and publish, ``ObjectRef.salt`` per
+object loaded (a load may read several tenants' objects). The layout object and the deny-list
+stay the namespace's. Without a secret a salt only enters the hash chain (``ExtraKeys.seed``).
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ from prefixvault.records import RECORD_VERSION
 from prefixvault.saving import Saver
 from prefixvault.stored_layout import LAYOUT_VERIFY_S, StoredLayout
 from prefixvault.stores.base import Buffer, Store
-from prefixvault.tenancy import NamespaceKey
+from prefixvault.tenancy import NamespaceKey, TenantKeys
 
 __all__ = [
     "LAYOUT_VERIFY_S", "READS_SEEN", "RECORD_RETRIES", "SPECULATIVE_KEYS", "Loaded", "LookupResult",
@@ -79,8 +86,9 @@ class Vault:
     """The protocol for one layout in one namespace of one store.
 
     With ``key`` (the namespace's secret, derived) hashes are keyed and every object and
-    record is encrypted with it and must decrypt and verify with it. The parts share one store, one key
-    space, one set of counters and one deny-list; each is given what it uses."""
+    record is encrypted with it, or with its request's tenant's key (``key_for``), and must
+    decrypt and verify with that. The parts share one store, one key space, one set of
+    counters, one deny-list and one cache of tenant keys; each is given what it uses."""
 
     def __init__(self, store: Store, layout: CacheLayout, namespace: str = "default",
                  key: NamespaceKey | None = None, hot_bytes: int = 0) -> None:
@@ -96,19 +104,28 @@ class Vault:
         self.fingerprint = layout.fingerprint(formats=(codec.form_version(key), RECORD_VERSION))
         self.keys = KeySpace(namespace, self.fingerprint, key.tag if key is not None else "")
         self.key = key
-        self._hash_key = key.hash_key if key is not None else b""
+        self.tenants = TenantKeys(key)
         self.counters = VaultCounters()
         self.hot = HotSet(hot_bytes) if hot_bytes > 0 else None
         self._names = ObjectNames(layout, self.keys)
         self._deny = DenySync(store, self.keys, key, self.counters)
         self._stored_layout = StoredLayout(store, layout, self.fingerprint, self.keys.layout(), key,
                                            self.counters)
-        self._saver = Saver(store, layout, self._names, key, self.counters, self._deny)
-        self._publisher = Publisher(store, layout, self.keys, self._names, key, self.counters,
+        self._saver = Saver(store, layout, self._names, self.tenants, self.counters, self._deny)
+        self._publisher = Publisher(store, layout, self.keys, self._names, self.tenants, self.counters,
                                     self._stored_layout)
-        self._hits = HitFinder(store, layout, self.keys, key, self.counters, self._deny, self._stored_layout)
-        self._loader = Loader(store, self._names, key, self.counters, self._deny, self.hot)
-        self._quarantine = Quarantine(store, layout, self.keys, self._names, key, self._deny)
+        self._hits = HitFinder(store, layout, self.keys, self.counters, self._deny, self._stored_layout)
+        self._loader = Loader(store, self._names, self.tenants, self.counters, self._deny, self.hot)
+        self._quarantine = Quarantine(store, layout, self.keys, self._names, self._deny)
+
+    def key_for(self, salt: str | None) -> NamespaceKey | None:
+        """The key of the requests with cache salt ``salt``: its tenant's in a namespace with a
+        secret (derived once, kept), else the namespace's (None without a secret)."""
+        return self.tenants.get(salt)
+
+    def _hash_key(self, extra: ExtraKeys | None) -> bytes:
+        key = self.tenants.get(extra.cache_salt if extra is not None else None)
+        return key.hash_key if key is not None else b""
 
     @property
     def deny(self) -> DenyList:
@@ -120,59 +137,64 @@ class Vault:
     def hashes(
         self, token_ids: Sequence[int], extra: ExtraKeys | None = None, start: Sequence[bytes] = ()
     ) -> list[bytes]:
-        """Chain hashes of the full blocks of ``token_ids``."""
-        return chain_hashes(token_ids, self.layout.block_size, extra, start, self._hash_key)
+        """Chain hashes of the full blocks of ``token_ids`` (keyed with the key of the tenant
+        ``extra.cache_salt`` names)."""
+        return chain_hashes(token_ids, self.layout.block_size, extra, start, self._hash_key(extra))
 
     def prefix_hashes(
         self, token_ids: Sequence[int], extra: ExtraKeys | None = None, start: Sequence[bytes] = ()
     ) -> list[bytes]:
         """The hashes naming the prefix ``token_ids`` and its objects: its full blocks' chain
         hashes, then its tail hash where it ends inside a block (``keys.prefix_hashes``)."""
-        return prefix_hashes(token_ids, self.layout.block_size, extra, start, self._hash_key)
+        return prefix_hashes(token_ids, self.layout.block_size, extra, start, self._hash_key(extra))
 
     def seed(self, extra: ExtraKeys | None = None) -> bytes:
         """The chain's seed for ``extra``: what names the tails past block 0."""
-        return (extra or ExtraKeys()).seed(self._hash_key)
+        return (extra or ExtraKeys()).seed(self._hash_key(extra))
 
     def needed(self, hashes: Sequence[bytes], tokens: int, ranks: Iterable[int] | None = None,
-               since: int = 0) -> list[ObjectRef]:
-        """Every object needed to resume at ``tokens`` (KV blocks from ``since`` on)."""
-        return self._names.needed(hashes, tokens, ranks, since)
+               since: int = 0, salt: str | None = None) -> list[ObjectRef]:
+        """Every object needed to resume at ``tokens`` (KV blocks from ``since`` on), of the
+        tenant ``salt`` names."""
+        return self._names.needed(hashes, tokens, ranks, since, salt)
 
     def block_ref(self, group: int, rank: int, block_hash: bytes, i: int,
-                  tail_end: int | None = None) -> ObjectRef:
-        return self._names.block_ref(group, rank, block_hash, i, tail_end)
+                  tail_end: int | None = None, salt: str | None = None) -> ObjectRef:
+        return self._names.block_ref(group, rank, block_hash, i, tail_end, salt)
 
     def state_ref(self, group: int, rank: int, boundary_hash: bytes, i: int,
-                  tokens: int | None = None) -> ObjectRef:
-        return self._names.state_ref(group, rank, boundary_hash, i, tokens)
+                  tokens: int | None = None, salt: str | None = None) -> ObjectRef:
+        return self._names.state_ref(group, rank, boundary_hash, i, tokens, salt)
 
     def expected_header(self, ref: ObjectRef) -> ObjectHeader:
         return self._names.expected_header(ref)
 
-    def objects_of(self, rank: int, hashes: Sequence[bytes], plans: Sequence[SavePlan]
-                   ) -> tuple[list[tuple[ObjectRef, int]], list[list[str]]]:
-        return self._names.objects_of(rank, hashes, plans)
+    def objects_of(self, rank: int, hashes: Sequence[bytes], plans: Sequence[SavePlan],
+                   salt: str | None = None) -> tuple[list[tuple[ObjectRef, int]], list[list[str]]]:
+        return self._names.objects_of(rank, hashes, plans, salt)
 
     # -- save (one rank, ``saving``) and publish (``publishing``) ---------------------------------
 
     def save(self, rank: int, hashes: Sequence[bytes], plans: Sequence[SavePlan],
              read: Callable[[ObjectRef, int], Buffer],
-             read_into: Callable[[ObjectRef, int, memoryview], None] | None = None) -> list[RankAck]:
+             read_into: Callable[[ObjectRef, int, memoryview], None] | None = None,
+             salt: str | None = None) -> list[RankAck]:
         """Store this rank's objects for every plan; one ack per plan (``Saver.save_many``:
-        what ``read`` and ``read_into`` give). Objects already stored are not written again."""
-        return self.save_many(rank, [(hashes, plans)], read, read_into)[0]
+        what ``read`` and ``read_into`` give). Objects already stored are not written again.
+        ``salt``: the request's cache salt (its tenant)."""
+        return self.save_many(rank, [(hashes, plans)], read, read_into, [salt])[0]
 
     def save_many(self, rank: int, saves: Sequence[tuple[Sequence[bytes], Sequence[SavePlan]]],
                   read: Callable[[ObjectRef, int], Buffer],
-                  read_into: Callable[[ObjectRef, int, memoryview], None] | None = None
-                  ) -> list[list[RankAck]]:
+                  read_into: Callable[[ObjectRef, int, memoryview], None] | None = None,
+                  salts: Sequence[str | None] | None = None) -> list[list[RankAck]]:
         """``save`` for several prefixes, (hashes, plans) each, in one existence check and one
-        batch put; the acks of each, in order."""
-        return self._saver.save_many(rank, saves, read, read_into)
+        batch put; the acks of each, in order. ``salts``: each prefix's cache salt."""
+        return self._saver.save_many(rank, saves, read, read_into, salts)
 
     def publish(
-        self, hashes: Sequence[bytes], acks: Iterable[RankAck], parent: int = 0, seed: bytes | None = None
+        self, hashes: Sequence[bytes], acks: Iterable[RankAck], parent: int = 0, seed: bytes | None = None,
+        salt: str | None = None,
     ) -> dict[int, Refusal | None]:
         """Write the records of the acknowledged boundaries that every rank has stored.
 
@@ -180,16 +202,18 @@ class Vault:
         gathers them); a rank without an ok ack is checked in the store. ``parent`` is an
         earlier boundary of the same prefix whose record covers the KV blocks the saves skipped
         (``plan_saves(since=parent)``). Returns, per boundary, None if its record exists now,
-        else why not. ``seed``: the chain's seed, for a tail boundary in the first block."""
-        return self.publish_many([(hashes, acks, parent)], [seed])[0]
+        else why not. ``seed``: the chain's seed, for a tail boundary in the first block;
+        ``salt``: the request's cache salt (its tenant)."""
+        return self.publish_many([(hashes, acks, parent)], [seed], [salt])[0]
 
     def publish_many(
         self, publishes: Sequence[tuple[Sequence[bytes], Iterable[RankAck], int]],
-        seeds: Sequence[bytes | None] | None = None,
+        seeds: Sequence[bytes | None] | None = None, salts: Sequence[str | None] | None = None,
     ) -> list[dict[int, Refusal | None]]:
         """``publish`` for several prefixes, (hashes, acks, parent) each, in the round trips of
-        one (``seeds``: each prefix's chain seed, for a tail boundary in its first block)."""
-        return self._publisher.publish_many(publishes, seeds)
+        one (``seeds``: each prefix's chain seed, for a tail boundary in its first block;
+        ``salts``: each prefix's cache salt)."""
+        return self._publisher.publish_many(publishes, seeds, salts)
 
     def refuse(self, reason: Refusal, count: int = 1) -> None:
         """Count boundaries the boundary rule refused (for metrics)."""
@@ -205,14 +229,15 @@ class Vault:
     # -- lookup (``lookup``) ---------------------------------------------------------------------
 
     def lookup(self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int = 0,
-               prompt: PromptTokens | None = None) -> int:
+               prompt: PromptTokens | None = None, salt: str | None = None) -> int:
         """Tokens of the longest published, still complete boundary beyond ``min_tokens``; 0 if
-        none. With ``prompt`` (its tokens and extra keys), tail boundaries are looked up too."""
-        return self.lookup_explained(hashes, prompt_tokens, min_tokens, prompt).hit
+        none. With ``prompt`` (its tokens and extra keys), tail boundaries are looked up too.
+        ``salt``: the request's cache salt (or ``prompt``'s)."""
+        return self.lookup_explained(hashes, prompt_tokens, min_tokens, prompt, salt).hit
 
     def lookup_explained(
         self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int = 0,
-        prompt: PromptTokens | None = None,
+        prompt: PromptTokens | None = None, salt: str | None = None,
     ) -> LookupResult:
         """The hit, and why it is shorter than the longest prefix when it is (counted by reason).
 
@@ -221,11 +246,13 @@ class Vault:
         state, each round trip also asks for the KV block and the state just past the longest
         published boundary, so that a miss says whether the prefix's KV was stored further
         while no exact state was kept there."""
-        return self.lookup_many([(hashes, prompt_tokens, min_tokens)], prompts=[prompt])[0]
+        salts = None if salt is None else [salt]
+        return self.lookup_many([(hashes, prompt_tokens, min_tokens)], prompts=[prompt], salts=salts)[0]
 
     def lookup_many(self, asks: Sequence[tuple[Sequence[bytes], int, int]],
                     touch_later: list[Touch] | None = None,
-                    prompts: Sequence[PromptTokens | None] | None = None) -> list[LookupResult]:
+                    prompts: Sequence[PromptTokens | None] | None = None,
+                    salts: Sequence[str | None] | None = None) -> list[LookupResult]:
         """``lookup_explained`` for several prompts, (hashes, prompt tokens, min tokens) each,
         in the round trips of one: each round trip touches the keys of every lookup still
         going, so lookups that arrive together over a slow store cost two round trips, not two
@@ -233,10 +260,21 @@ class Vault:
 
         A lookup answered from that first round trip still touches what its hit uses, in a
         further call: made before this returns, or, with ``touch_later``, appended to it for
-        the caller to make after it has used the answers (``touch``)."""
+        the caller to make after it has used the answers (``touch``).
+
+        ``salts``: each ask's cache salt (its tenant), where it has no prompt to say it; an ask
+        with a prompt takes its prompt's (``extra.cache_salt``), and a salt given must agree."""
         later: list[Touch] = []
         full = [(h, n, m, prompts[i] if prompts is not None else None) for i, (h, n, m) in enumerate(asks)]
-        results = self._hits.answer(full, later)
+        keys = []
+        for i, (*_, prompt) in enumerate(full):
+            salt = salts[i] if salts is not None else None
+            if prompt is not None:
+                if salts is not None and salt != prompt.extra.cache_salt:
+                    raise ValueError("a lookup's salt and its prompt's cache salt differ")
+                salt = prompt.extra.cache_salt
+            keys.append(self.tenants.get(salt))
+        results = self._hits.answer(full, later, keys)
         if touch_later is not None:
             touch_later += later
         else:
@@ -264,11 +302,12 @@ class Vault:
 
     # -- bytes proved wrong (``quarantine``, ``denysync``) ---------------------------------------
 
-    def quarantine(self, record_key: str) -> list[str]:
+    def quarantine(self, record_key: str, salt: str | None = None) -> list[str]:
         """Take out a boundary proved wrong (``watch``): its record and the states at its
         boundary are listed in the deny-list, then removed, and its segment's KV blocks removed
-        unlisted (``quarantine``). Returns the keys removed."""
-        return self._quarantine.take_out(record_key)
+        unlisted (``quarantine``). ``salt``: the cache salt of the request whose sample proved it
+        wrong (its tenant's key reads its record). Returns the keys removed."""
+        return self._quarantine.take_out(record_key, self.tenants.get(salt), salt)
 
     def deny_key(self) -> str:
         return self._deny.store_key()

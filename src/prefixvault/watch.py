@@ -137,12 +137,16 @@ def _refusal(name: str, sample: VerifySample, scopes: _Scopes) -> str | None:
 def watch_once(store: Store, cold: str, namespace: str | None = None, tolerance: float = 0.05,
                timeout: float = 300, model: str | None = None,
                on_verdict: Callable[[Verdict], None] | None = None,
-               key: NamespaceKey | None = None) -> WatchReport:
-    """Check every pending sample once (with ``key``: of its namespace, sealed with it)."""
+               key: NamespaceKey | None = None, salt: str | None = None) -> WatchReport:
+    """Check every pending sample once (with ``key``: of its namespace, sealed with it; with
+    ``salt`` too: of that tenant, sealed with its key, ``tenancy``)."""
+    if salt is not None and key is None:
+        raise ValueError("a cache salt selects a tenant of a namespace with a secret: give its key")
     model = model or served_models(cold)[0]
     report = WatchReport()
     scopes = _Scopes(store, key)
-    for name, sample in pending_samples(store, namespace, key):
+    sealer = key.tenant(salt) if key is not None and salt is not None else key
+    for name, sample in pending_samples(store, namespace, sealer):
         if sample is None:
             report.unreadable += 1
             store.delete_many([name])
@@ -160,7 +164,7 @@ def watch_once(store: Store, cold: str, namespace: str | None = None, tolerance:
         else:
             vault = scopes.vault(_scope(name))
             if vault is not None:
-                removed = vault.quarantine(sample.record)
+                removed = vault.quarantine(sample.record, salt)
             else:  # no layout that verifies: its objects cannot be named, the record still goes
                 store.delete_many([sample.record])
                 removed = [sample.record]

@@ -589,9 +589,10 @@ class Engine:
         def read(ref: Any, block_id: int) -> bytes:
             return bytes(vault.layout.groups[ref.group].nbytes(ref.rank))
 
-        acks = vault.save_many(0, [(s.hashes, s.plans) for s in saves], read)
+        salts = [s.salt for s in saves]  # (each request's tenant, as ``WorkerSide`` passes them)
+        acks = vault.save_many(0, [(s.hashes, s.plans) for s in saves], read, salts=salts)
         outcomes = vault.publish_many([(s.hashes, a, s.parent) for s, a in zip(saves, acks, strict=True)],
-                                      seeds=[s.seed or None for s in saves])
+                                      seeds=[s.seed or None for s in saves], salts=salts)
         settled = SavesSettled()
         for spec, results in zip(saves, outcomes, strict=True):
             req = self.requests[spec.req_id]
@@ -622,7 +623,8 @@ class Engine:
         objects = self.handoff.take(load.req_id, load.token, step) if handed and self.handoff else None
         p.check(objects is not None, f"{where}: its objects were not handed over")
         if objects is not None and load.hashes:
-            refs = self.vault.needed(load.hashes, load.tokens, ranks=[0], since=load.local_tokens)
+            refs = self.vault.needed(load.hashes, load.tokens, ranks=[0], since=load.local_tokens,
+                                     salt=load.salt)
             p.check(all(r.key in objects and len(self.vault.open_sealed(r, objects[r.key]))
                         == self.vault.layout.groups[r.group].nbytes(0) for r in refs),
                     f"{where}: objects missing or of the wrong size")

@@ -80,6 +80,62 @@ def test_concurrent_requests_sharing_prefixes(engines: Engines, geo: Geometry, b
 
 
 @_geo(list(GEOMETRIES))
+@pytest.mark.parametrize("in_step", [True, False], ids=["in-step", "beside"])
+def test_salted_requests_are_tenants_of_a_keyed_namespace(engines: Engines, geo: Geometry, in_step: bool,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 48: in a namespace with a secret, each cache salt is a tenant. One engine saves
+    and publishes prompts of two salts and of none; a fresh engine on the store restores each
+    under its own salt only (the lookups, read ahead and hand-over in the step verified with
+    the tenant's key: ``LoadSpec.salt``), nothing under another salt or none. And a party
+    holding the namespace's secret but no salt (an unsalted request, an audit) reads none of
+    the salted requests' stored bytes: each verifies under its own tenant's key only."""
+    from prefixvault.codec import IntegrityError, decode
+    from prefixvault.keys import ExtraKeys
+
+    monkeypatch.setenv("PV_CONTRACT_SECRET", "contract-secret-0123456789abcdef")
+    keyed = {"restore_in_step": in_step, "namespace_secret_env": "PV_CONTRACT_SECRET"}
+    bs = geo.block_size
+    mine, theirs, plain = prompts(bs + 5, 3 * bs + 3, 3 * bs + 3, 3 * bs + 3)
+    a = engines(geo, budget=2 * bs, extra=keyed)
+    a.run({0: [make_request("alice", mine, geo, cache_salt="alice"),
+               make_request("bob", theirs, geo, cache_salt="bob"),
+               make_request("plain", plain, geo)]})
+    b = engines(geo, a.store, budget=2 * bs, extra=keyed)
+    b.run({0: [make_request("alice-again", mine, geo, cache_salt="alice"),
+               make_request("alice-as-bob", mine, geo, cache_salt="bob"),
+               make_request("alice-unsalted", mine, geo),
+               make_request("bob-again", theirs, geo, cache_salt="bob"),
+               make_request("plain-again", plain, geo)]})
+    found = {x.req_id: max(y.answer[0] or 0 for y in b.asks if y.req_id == x.req_id) for x in b.asks}
+    assert found["alice-again"] > 0 and found["bob-again"] > 0 and found["plain-again"] > 0, found
+    assert found["alice-as-bob"] == 0 and found["alice-unsalted"] == 0, found
+    assert b.loads["alice-again"] >= 1 and b.loads["bob-again"] >= 1
+    vault = b.vault
+    assert vault.key is not None
+    names = [k for k, _ in vault.store.scan(vault.keys.prefix) if k.split("/")[2] in ("b", "s", "r", "t")]
+    blobs = dict(zip(names, vault.store.get_many(names), strict=True))
+
+    def readable(key: Any) -> set[str]:
+        out = set()
+        for name, blob in blobs.items():
+            try:
+                decode(blob or b"", key=key)
+                out.add(name)
+            except IntegrityError:
+                pass
+        return out
+
+    # alice's objects and records, named by her chain (what a reader who knows her salt names)
+    chain = {h.hex() for h in vault.hashes(mine, ExtraKeys(cache_salt="alice"))}
+    hers = {n for n in names if n.rsplit("/", 1)[1] in chain}
+    assert hers, "alice's request stored nothing"
+    assert not readable(vault.key) & hers, "the namespace's key reads alice's bytes"
+    tenants = {who: readable(vault.key_for(who)) for who in ("alice", "bob")}
+    assert tenants["alice"] >= hers and tenants["bob"] and readable(vault.key)
+    assert len(readable(vault.key)) + len(tenants["alice"]) + len(tenants["bob"]) == len(names)
+
+
+@_geo(list(GEOMETRIES))
 def test_a_prefix_restored_once_is_a_local_hit_for_the_requests_after_it(engines: Engines,
                                                                          geo: Geometry) -> None:
     """Issue 33: vLLM's own prefix cache (retention interval 0, its default) kept no state at a

@@ -91,7 +91,7 @@ class Holds:
         earlier hold is replaced. No slot free: the earlier hold, if any, stays."""
         assert self._ctx.vault is not None
         objects, _ = self._ctx.vault.objects_of(self._ctx.rank, _named(spec, self._ctx.layout.block_size),
-                                                spec.plans)
+                                                spec.plans, spec.salt)
         states = [(ref, b) for ref, b in objects if ref.kind is ObjectKind.STATE]
         old = self._held.get(spec.req_id)
         slot = old.slot if old is not None else None
@@ -194,9 +194,10 @@ class Holds:
         if not hashes:
             raise ValueError(f"the release of request {held.spec.req_id}'s deferred hold names no hashes")
         spec = dataclasses.replace(held.spec, hashes=list(hashes), deferred=False)
-        rank, plans = self._ctx.rank, held.spec.plans
-        before, _ = self._ctx.vault.objects_of(rank, _named(held.spec, self._ctx.layout.block_size), plans)
-        after, _ = self._ctx.vault.objects_of(rank, spec.hashes, plans)
+        rank, plans, salt = self._ctx.rank, held.spec.plans, held.spec.salt
+        stand_ins = _named(held.spec, self._ctx.layout.block_size)
+        before, _ = self._ctx.vault.objects_of(rank, stand_ins, plans, salt)
+        after, _ = self._ctx.vault.objects_of(rank, spec.hashes, plans, salt)
         keys = {a.key: b.key for (a, _), (b, _) in zip(before, after, strict=True)}
         return HeldSave(spec=spec, slot=held.slot, payloads={keys[k]: v for k, v in held.payloads.items()})
 

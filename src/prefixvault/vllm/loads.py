@@ -80,7 +80,8 @@ def load_targets(ctx: WorkerContext, spec: LoadSpec) -> tuple[list[ObjectRef], l
     state: the boundary's block); None if vLLM gave no block for one."""
     assert ctx.vault is not None
     bs = ctx.layout.block_size
-    refs = ctx.vault.needed(spec.hashes, spec.tokens, ranks=[ctx.rank], since=spec.local_tokens)
+    refs = ctx.vault.needed(spec.hashes, spec.tokens, ranks=[ctx.rank], since=spec.local_tokens,
+                            salt=spec.salt)
     targets = []
     for r in refs:
         table = spec.block_ids[r.group]

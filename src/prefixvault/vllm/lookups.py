@@ -129,7 +129,7 @@ class Lookups:
         touches: list[tuple[list[str], list[bool]]] = []
         # (raises: the lane fails the batch)
         t0 = time.monotonic()
-        found = self.vault.lookup_many(asks, touch_later=touches, prompts=prompts)
+        found = self.vault.lookup_many(asks, touch_later=touches, prompts=prompts)  # (salts: the prompts')
         if self.costs is not None:
             self.costs.looked_up(time.monotonic() - t0)
         ahead = []
@@ -162,7 +162,7 @@ class Lookups:
             since = job.read_from if result.hit > job.read_from else job.min_tokens
             try:
                 named = [*hashes[: result.hit // bs], *([result.boundary_hash] if result.hit % bs else [])]
-                refs = self.vault.needed(named, result.hit, ranks=[0], since=since)
+                refs = self.vault.needed(named, result.hit, ranks=[0], since=since, salt=job.extra.cache_salt)
             except Exception as e:  # ours: no read ahead for it
                 self.guard.failed("lookup", e)
                 continue

@@ -39,6 +39,9 @@ class LoadSpec:
     # from the block this load fills (align mode's pre-copy runs before the load), this request's
     # own included.
     state_copies: list[tuple[int, int]] = field(default_factory=list)
+    # The request's cache salt: its tenant, whose key its objects are read with (``tenancy``);
+    # None: the namespace's. Never logged.
+    salt: str | None = field(default=None, repr=False)
 
     @property
     def in_step(self) -> bool:
@@ -66,6 +69,9 @@ class SaveSpec:
     # scheduling: the token a decode step consumes is still being sampled): ``hashes`` is empty,
     # and the ``Release`` that stores it names them (every token is known once it finishes).
     deferred: bool = False
+    # The request's cache salt: its tenant, whose key its objects and records are sealed with
+    # (``tenancy``); None: the namespace's. Never logged.
+    salt: str | None = field(default=None, repr=False)
 
     def sid(self, step: int) -> str:
         """Names this save of ``step``, the same on the scheduler and every rank (a request may

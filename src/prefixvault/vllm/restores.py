@@ -314,7 +314,8 @@ class Restores:
         being built, if they were read ahead: the mailbox token (0: the load is asynchronous)."""
         if tr.restore.read_ahead is None:
             return 0
-        refs = self.vault.needed(self.ctx.chain(tr, hit), hit, ranks=[0], since=start)
+        refs = self.vault.needed(self.ctx.chain(tr, hit), hit, ranks=[0], since=start,
+                                 salt=tr.extra.cache_salt)
         return self.handover.hand_over(tr.req_id, tr.restore.read_ahead, refs, self._step + 1)
 
     # -- vLLM allocates -------------------------------------------------------------------------------
@@ -348,7 +349,7 @@ class Restores:
         # Invariant: the load is queued last; nothing after it raises (``fail_load`` would
         # otherwise queue a second one for the request).
         self._pending.append(LoadSpec(tr.req_id, hashes, tokens, local, tuple(list(b) for b in block_ids),
-                                      mode=mode, token=token))
+                                      mode=mode, token=token, salt=tr.extra.cache_salt))
         if r.asked_at is not None:
             self._landing[tr.req_id] = (r.asked_at, restore_bytes(self.ctx.layout, tokens, local),
                                         mode is not LoadMode.ASYNC)
@@ -377,7 +378,7 @@ class Restores:
             handed = local == phase.start
             self._pending.append(LoadSpec(req_id, hashes, phase.hit, local, tables,
                                           mode=LoadMode.HANDED_OVER if handed else LoadMode.READ_IN_STEP,
-                                          token=phase.token if handed else 0))
+                                          token=phase.token if handed else 0, salt=tr.extra.cache_salt))
         else:
             self._pending.append(LoadSpec(req_id, [], num_external_tokens, 0, ()))
         if tr is not None:  # asked again, it is computed: no loop of failing loads

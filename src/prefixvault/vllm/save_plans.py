@@ -185,7 +185,8 @@ class SavePlans:
         if not decision.publishable:
             return []
         if hold and deferred:
-            tr.hold = SaveSpec(tr.req_id, [], list(decision.publishable), tr.saved, hold=True, deferred=True)
+            tr.hold = SaveSpec(tr.req_id, [], list(decision.publishable), tr.saved, hold=True, deferred=True,
+                               salt=tr.extra.cache_salt)
             return [tr.hold]
         if hold:
             tr.hold = self._spec(tr, list(decision.publishable), tr.saved, hold=True)
@@ -218,7 +219,8 @@ class SavePlans:
         top = max(p.tokens for p in plans)
         tail = top if top % self.block_size else 0
         seed = self.ctx.vault.seed(tr.extra) if tail else b""
-        return SaveSpec(tr.req_id, self.ctx.chain(tr, top), plans, parent, hold=hold, tail=tail, seed=seed)
+        return SaveSpec(tr.req_id, self.ctx.chain(tr, top), plans, parent, hold=hold, tail=tail, seed=seed,
+                        salt=tr.extra.cache_salt)
 
     def kinds(self, tr: TrackedRequest, prompt_len: int) -> Callable[[int], Kind]:
         """What a boundary of this request is: vLLM's prompt checkpoint (the last block

@@ -128,7 +128,7 @@ class Saves:
         (on a device, still in flight: ``wait_copied``); None if dropped. Objects in ``held``
         are not copied: their payloads are the held bytes."""
         assert self._ctx.vault is not None and self._staging is not None
-        objects, _ = self._ctx.vault.objects_of(self._ctx.rank, spec.hashes, spec.plans)
+        objects, _ = self._ctx.vault.objects_of(self._ctx.rank, spec.hashes, spec.plans, spec.salt)
         by_group: dict[int, list[tuple[ObjectRef, int]]] = {}
         payloads: dict[str, memoryview] = {}
         for ref, block_id in objects:
@@ -192,7 +192,7 @@ class Saves:
         A store problem costs future hits, never this request: counted, logged, not raised."""
         assert self._ctx.vault is not None
         try:
-            acks = self._ctx.vault.save(self._ctx.rank, spec.hashes, spec.plans, read, read_into)
+            acks = self._ctx.vault.save(self._ctx.rank, spec.hashes, spec.plans, read, read_into, spec.salt)
         except Exception as e:
             self._ctx.counters.add(save_errors=1)
             report(self._ctx.guard, "worker", e, f"the save of request {spec.req_id}")
@@ -214,7 +214,8 @@ class Saves:
             payloads.update(job.payloads)
         specs = [job.spec for job in batch]
         all_acks = self._ctx.vault.save_many(self._ctx.rank, [(s.hashes, s.plans) for s in specs],
-                                         lambda ref, _block: payloads[ref.key])
+                                         lambda ref, _block: payloads[ref.key],
+                                         salts=[s.salt for s in specs])
         self._finish_saves(batch, self._publish(specs, all_acks, raise_store_errors=True))
 
     def _drop_saves(self, batch: list[StagedSave], reason: Failure, error: BaseException | None) -> None:
@@ -255,7 +256,8 @@ class Saves:
         try:
             outcomes = self._ctx.vault.publish_many([(spec.hashes, acks, spec.parent)
                                                      for spec, acks in zip(specs, all_acks, strict=True)],
-                                                    seeds=[spec.seed or None for spec in specs])
+                                                    seeds=[spec.seed or None for spec in specs],
+                                                    salts=[spec.salt for spec in specs])
         except Exception as e:  # a store problem costs future hits, never a request
             if raise_store_errors:
                 raise

@@ -262,4 +262,4 @@ class SchedulerSide:
             self.guard.failed("sample", e)
             return
         assert self._samples is not None
-        self._samples.put(sample, request.request_id)
+        self._samples.put(sample, request.request_id, tr.extra.cache_salt)

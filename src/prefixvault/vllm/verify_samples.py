@@ -31,11 +31,13 @@ class SampleWriter:
         self.vault = vault
         self.guard = guard
         self._count_error = count_error
-        self.lane: Lane[tuple[VerifySample, str]] = Lane(
+        self.lane: Lane[tuple[VerifySample, str, str | None]] = Lane(
             "sample", self._write, self._drop, capacity=capacity or MAX_PENDING_SAMPLES, guard=guard)
 
-    def put(self, sample: VerifySample, req_id: str) -> None:
-        refused = self.lane.put((sample, req_id))
+    def put(self, sample: VerifySample, req_id: str, salt: str | None = None) -> None:
+        """Queue ``sample`` of request ``req_id``; ``salt``: its cache salt, whose tenant's key
+        seals it."""
+        refused = self.lane.put((sample, req_id, salt))
         if refused is not None:  # the store not keeping up, or the connector closing
             self._count_error(1)
             log.debug("prefixvault: verification sample for request %s dropped (%s)", req_id, refused.value)
@@ -48,12 +50,12 @@ class SampleWriter:
                         "answer within %g s); the store is left open for the one being written", timeout)
         return done
 
-    def _write(self, batch: list[tuple[VerifySample, str]]) -> None:
+    def _write(self, batch: list[tuple[VerifySample, str, str | None]]) -> None:
         """Each sample written on its own (a failed one is counted: the store's failure as a
         warning, ours with its traceback once per type)."""
-        for sample, req_id in batch:
+        for sample, req_id, salt in batch:
             try:
-                if write_sample(self.vault.store, sample, self.vault.key):
+                if write_sample(self.vault.store, sample, self.vault.key_for(salt)):
                     continue
                 log.warning("prefixvault: verification sample for request %s not written", req_id)
             except StoreError as e:
@@ -62,6 +64,6 @@ class SampleWriter:
                 self.guard.failed("sample", e)
             self._count_error(1)
 
-    def _drop(self, batch: list[tuple[VerifySample, str]], reason: Failure,
+    def _drop(self, batch: list[tuple[VerifySample, str, str | None]], reason: Failure,
               error: BaseException | None) -> None:
         self._count_error(len(batch))
