@@ -58,10 +58,12 @@ class Coverage:
             if kinds is not None and self.layout.groups[gi].kind not in kinds:
                 continue
             need = self.needs(gi, boundary)
-            for i in holes[bisect_left(holes, need.start) : bisect_left(holes, need.stop)]:
-                out.append((gi, rank, i))
-                if limit is not None and len(out) >= limit:
-                    return out
+            lo, hi = bisect_left(holes, need.start), bisect_left(holes, need.stop)
+            if limit is not None:  # (only what is returned is read: a walk over every boundary
+                hi = min(hi, lo + limit - len(out))  # of a long prompt stays linear)
+            out.extend((gi, rank, holes[j]) for j in range(lo, hi))
+            if limit is not None and len(out) >= limit:
+                return out
         return out
 
     def resumable(self, boundary: int) -> bool:
