@@ -525,6 +525,32 @@ def test_a_request_that_cannot_pay_for_a_round_trip_is_computed_without_a_lookup
 
 
 @_geo([GEOMETRIES[0]])
+def test_a_hit_whose_load_would_end_after_computing_it_is_computed(engines: Engines, geo: Geometry) -> None:
+    """``restore_when: faster`` after the lookup: a store measured to load a byte per 1000 s
+    (restores otherwise free) is looked up, and its hit is computed instead of loaded: a miss,
+    ``not_worth_it``, judged ``load_not_worth_it``, and no load."""
+    bs = geo.block_size
+    first = prompts(41, 2 * bs + 5)[0]
+    a = engines(geo, budget=2 * bs)
+    a.run({0: [make_request("a", first, geo)]})
+    b = engines(geo, a.store, budget=2 * bs, extra={"restore_when": "faster", "restore_in_step": False})
+    b.run({0: [make_request("warm", prompts(42, 3 * bs)[0], geo)]})  # prefill steps: measured
+    scheduler = b.connector.scheduler
+    costs = scheduler.costs
+    costs.explore_s = math.inf
+    for _ in range(50):
+        costs.restored(0.0, 0, in_step=False)
+    costs.loaded(1, 1000.0)
+    lookups = scheduler.counters.lookups
+    b.run({0: [make_request("b", first + prompts(43, 9)[0], geo)]})
+    assert scheduler.counters.lookups == lookups + 1, "not looked up"
+    answers = [x.answer for x in b.asks if x.req_id == "b"]  # (None: the lookup not in yet)
+    assert b.loads["b"] == 0 and answers[-1] == (0, False) and all(n in (None, 0) for n, _ in answers)
+    assert scheduler.counters.judged.get("load_not_worth_it") == 1
+    assert b.vault.counters.misses.get("not_worth_it", 0) == 1
+
+
+@_geo([GEOMETRIES[0]])
 def test_a_reset_of_the_engines_cache_restores_and_saves_nothing_stored_before(engines: Engines,
                                                                               geo: Geometry) -> None:
     """vLLM's ``reset_prefix_cache(reset_connector=True)`` (``/reset_prefix_cache``, as after an
