@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prefixvault.stores import _arena
-from prefixvault.stores._index import INDEX_NAME, META_NAMES, SCHEMA, SCHEMA_VERSION, add_pools, state_bytes
+from prefixvault.stores._index import (
+    INDEX_NAME,
+    META_NAMES,
+    SCHEMA,
+    SCHEMA_VERSION,
+    add_pools,
+    count_namespaces,
+    state_bytes,
+)
 from prefixvault.stores._writers import WRITERS_DIR
 from prefixvault.stores.base import StoreError, StoreUnavailable
 
@@ -54,7 +62,8 @@ def check_meta(path: Path, meta: dict[str, int]) -> None:
 
 @dataclass(frozen=True)
 class StateBudget:
-    """The most bytes recurrent states may take: a size, or a share of the capacity."""
+    """The most bytes recurrent states (``states=``), or each namespace (``namespace_share=``),
+    may take: a size, or a share of the capacity."""
 
     nbytes: int | None = None
     share: float | None = None
@@ -63,42 +72,48 @@ class StateBudget:
         return self.nbytes if self.nbytes is not None else int(capacity * (self.share or 0.0))
 
 
-def apply_state_budget(conn: sqlite3.Connection, path: Path, states: StateBudget | None) -> None:
-    """Set the states' budget as given (``states`` None: keep the one there) and resolve it
-    against the capacity as it is now: a share of it, or a size held to it. A size larger than
-    the capacity is an error when given; a capacity that shrinks under it later holds it only
-    while it is smaller."""
-    if states is not None:
+#: The budgets an index keeps: meta rows ``{kind}_share_ppm`` or ``{kind}_size`` (as given) and
+#: ``{kind}_budget`` (resolved), and the URI parameter that sets each.
+BUDGETS = {"state": "states", "ns": "namespace_share"}
+
+
+def apply_budget(conn: sqlite3.Connection, path: Path, given: StateBudget | None, kind: str = "state") -> int:
+    """Set a budget (``kind``: ``state`` or ``ns``) as given (None: keep the one there) and
+    resolve it against the capacity as it is now: a share of it, or a size held to it; return
+    it (0: none). A size larger than the capacity is an error when given; a capacity that
+    shrinks under it later holds it only while it is smaller."""
+    if given is not None:
         capacity = int(conn.execute("SELECT value FROM meta WHERE name = 'capacity'").fetchone()[0])
-        if states.resolve(capacity) > capacity:
-            raise StoreError(f"local store {path}: states={states.resolve(capacity)} bytes is more than "
-                             f"its capacity ({capacity} bytes)")
-        conn.execute("DELETE FROM meta WHERE name IN ('state_share_ppm', 'state_size')")
-        if states.share is not None:
-            conn.execute("INSERT INTO meta (name, value) VALUES ('state_share_ppm', ?)",
-                         (round(states.share * 1e6),))
+        if given.resolve(capacity) > capacity:
+            raise StoreError(f"local store {path}: {BUDGETS[kind]}={given.resolve(capacity)} bytes is more "
+                             f"than its capacity ({capacity} bytes)")
+        conn.execute(f"DELETE FROM meta WHERE name IN ('{kind}_share_ppm', '{kind}_size')")
+        if given.share is not None:
+            conn.execute("INSERT INTO meta (name, value) VALUES (?, ?)",
+                         (f"{kind}_share_ppm", round(given.share * 1e6)))
         else:
-            conn.execute("INSERT INTO meta (name, value) VALUES ('state_size', ?)", (states.nbytes or 0,))
-    given = kept_state_budget(conn)
+            conn.execute("INSERT INTO meta (name, value) VALUES (?, ?)", (f"{kind}_size", given.nbytes or 0))
+    kept = kept_budget(conn, kind)
     capacity = int(conn.execute("SELECT value FROM meta WHERE name = 'capacity'").fetchone()[0])
-    budget = 0 if given is None else min(given.resolve(capacity), capacity)
-    conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('state_budget', ?)", (budget,))
+    budget = 0 if kept is None else min(kept.resolve(capacity), capacity)
+    conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES (?, ?)", (f"{kind}_budget", budget))
+    return budget
 
 
-def kept_state_budget(conn: sqlite3.Connection) -> StateBudget | None:
-    """The budget an index holds, as it was given; None if none."""
+def kept_budget(conn: sqlite3.Connection, kind: str = "state") -> StateBudget | None:
+    """The budget (``kind``: ``state`` or ``ns``) an index holds, as it was given; None if none."""
     meta = dict(conn.execute("SELECT name, value FROM meta").fetchall())
-    if "state_share_ppm" in meta:
-        return StateBudget(share=int(meta["state_share_ppm"]) / 1e6)
-    if int(meta.get("state_size", 0) or 0):
-        return StateBudget(nbytes=int(meta["state_size"]))
+    if f"{kind}_share_ppm" in meta:
+        return StateBudget(share=int(meta[f"{kind}_share_ppm"]) / 1e6)
+    if int(meta.get(f"{kind}_size", 0) or 0):
+        return StateBudget(nbytes=int(meta[f"{kind}_size"]))
     return None
 
 
 def create_or_check(conn: sqlite3.Connection, path: Path, capacity: int | None,
-                    states: StateBudget | None = None) -> None:
-    """Create the index's tables and meta rows, or check those there; apply a new capacity
-    and states' budget (``states`` None: keep the one there)."""
+                    states: StateBudget | None = None, namespaces: StateBudget | None = None) -> None:
+    """Create the index's tables and meta rows, or check those there; apply a new capacity,
+    states' budget and namespaces' bound (None: keep the one there)."""
     conn.execute("BEGIN IMMEDIATE")
     try:
         for statement in SCHEMA.split(";"):
@@ -143,9 +158,11 @@ def create_or_check(conn: sqlite3.Connection, path: Path, capacity: int | None,
         if kept < _arena.SLAB_MIN:
             log.warning("local store %s: its capacity is %d bytes: it keeps no object larger than that",
                         path, kept)
-        apply_state_budget(conn, path, states)
+        apply_budget(conn, path, states, "state")
         held = state_bytes(conn)  # counted afresh at every writer's open
         conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('state_bytes', ?)", (held,))
+        if apply_budget(conn, path, namespaces, "ns"):
+            count_namespaces(conn)  # so are the namespaces', while they are bounded
         conn.execute("COMMIT")
     except BaseException:
         if conn.in_transaction:
@@ -220,11 +237,13 @@ def check_index_files(root: Path) -> None:
         raise damaged(root, f"{name} is {what}")
 
 
-def set_aside(root: Path) -> tuple[Path, int, int | None, StateBudget | None]:
+def set_aside(root: Path) -> tuple[Path, int, int | None, StateBudget | None, StateBudget | None]:
     """Move a damaged index aside and remove the slab files it named: (where the index went,
-    slab files removed, the old capacity and states' budget where they could still be read)."""
+    slab files removed, the old capacity, states' budget and namespaces' bound where they
+    could still be read)."""
     capacity: int | None = None
     states: StateBudget | None = None
+    namespaces: StateBudget | None = None
     index_is_file = os.path.isfile(root / INDEX_NAME) and not os.path.islink(root / INDEX_NAME)
     with contextlib.suppress(sqlite3.Error, TypeError, ValueError, KeyError):
         if not index_is_file:
@@ -233,7 +252,8 @@ def set_aside(root: Path) -> tuple[Path, int, int | None, StateBudget | None]:
         try:
             row = conn.execute("SELECT value FROM meta WHERE name = 'capacity'").fetchone()
             capacity = int(row[0]) if row else None
-            states = kept_state_budget(conn)
+            states = kept_budget(conn, "state")
+            namespaces = kept_budget(conn, "ns")
         finally:
             conn.close()
     aside = root / f"{INDEX_NAME}.damaged-{int(time.time())}"
@@ -249,7 +269,7 @@ def set_aside(root: Path) -> tuple[Path, int, int | None, StateBudget | None]:
         if entry.name.startswith("slab-"):
             _arena.remove_file(Path(entry.path))
             removed += 1
-    return aside, removed, capacity, states
+    return aside, removed, capacity, states, namespaces
 
 
 def prepare(path: Path, shared: bool = False) -> None:

@@ -6,7 +6,10 @@ a small object inline; a slot is free, being written (claimed by a writer) or li
 (an object of the same size class, a whole slab of another class, or an inline object),
 keeping the counters of the ``meta`` table. Recurrent states (keys of class ``s``) may have a
 budget of their own: a state that would take the states past it evicts the least recently
-used state, never a KV block, so states can never crowd out more than their budget.
+used state, never a KV block, so states can never crowd out more than their budget. Every
+namespace (a key's first segment) may have a bound of its own, the same for each: a namespace
+that would pass it evicts its own least recently used objects, and while bounds are set no
+put evicts another namespace's object, so one tenant filling the store cannot crowd out another.
 Generations are never reused, so a reader can always tell whether a slot changed under it.
 """
 
@@ -24,7 +27,7 @@ from typing import NamedTuple
 
 from prefixvault.stores import _arena
 from prefixvault.stores._writers import WRITERS_DIR, owner_alive
-from prefixvault.stores.base import STATE_CLASS, key_class
+from prefixvault.stores.base import STATE_CLASS, key_class, namespace_of
 
 INDEX_NAME = "index.db"
 #: Rows the index's meta table must hold.
@@ -33,8 +36,10 @@ META_NAMES = ("schema", "capacity", "slab_size", "inline_bytes", "next_gen", "ev
 #: bytes states may take now (0 or absent: no budget of their own), resolved at every writer's
 #: open from how it was given: ``state_share_ppm`` (a share of the capacity) or ``state_size``
 #: (a size, held to the capacity); ``state_bytes`` what they take (counted afresh whenever a
-#: writer opens the store, kept by every transaction after).
-META_OPTIONAL = ("state_budget", "state_share_ppm", "state_size", "state_bytes")
+#: writer opens the store, kept by every transaction after). ``ns_budget``, ``ns_share_ppm`` and
+#: ``ns_size`` are the same for every namespace's bound (see ``NS_HELD``).
+META_OPTIONAL = ("state_budget", "state_share_ppm", "state_size", "state_bytes",
+                 "ns_budget", "ns_share_ppm", "ns_size")
 SCHEMA_VERSION = 1
 #: Filesystem space the store never fills with objects: room for the index and its log.
 FS_RESERVE = 2 << 20
@@ -93,6 +98,38 @@ STATES, OTHER = 1, 0
 #: its bytes when it lives inline.
 _HELD = "CASE WHEN k.slab IS NULL THEN k.size ELSE s.nbytes / s.nslots END"
 _HELD_FROM = "keys k LEFT JOIN slabs s ON s.id = k.slab"
+
+
+def ns_of(column: str) -> str:
+    """A key's namespace in SQL: the text before its first ``/`` ("" without one), as
+    ``namespace_of``; written the same way everywhere, so SQLite uses ``keys_ns``."""
+    return f"substr({column}, 1, instr({column}, '/') - 1)"
+
+
+NS_OF_KEY = ns_of("key")
+#: Namespaces' bounds (``ns_budget`` > 0 in meta). Invariant: while a bound is set, ``ns_held``
+#: holds, for every namespace with keys, the space (``_HELD``) its keys take, and no namespace's
+#: exceeds ``ns_budget`` after a transaction that put one of its keys; a put evicts only keys of
+#: its own namespace (by recency, on ``keys_ns``), or a slab no other namespace has a key in,
+#: else it is refused. The rows are counted afresh whenever a writer opens the store with a
+#: bound (an index made before bounds, or rows added by a writer of an earlier version, get
+#: them there) and kept by every transaction after; without a bound they are neither read
+#: nor kept. Nothing of it is needed to read: a store made before, or a read-only open, works.
+NS_HELD = f"""
+CREATE TABLE IF NOT EXISTS ns_held (ns TEXT PRIMARY KEY, bytes INTEGER NOT NULL) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS keys_ns ON keys ({NS_OF_KEY}, last_used);
+"""
+
+
+def count_namespaces(conn: sqlite3.Connection) -> None:
+    """Count every namespace's space afresh into ``ns_held`` (inside the caller's
+    transaction; the table and index made first)."""
+    for statement in NS_HELD.split(";"):
+        if statement.strip():
+            conn.execute(statement)
+    conn.execute("DELETE FROM ns_held")
+    conn.execute(f"INSERT INTO ns_held (ns, bytes) SELECT {NS_OF_KEY}, COALESCE(SUM({_HELD}), 0)"
+                 f" FROM {_HELD_FROM} GROUP BY 1")
 
 
 def pool_of(key: str) -> int:
@@ -196,6 +233,9 @@ class Transaction:
         self.state_budget = int(meta.get("state_budget", 0))
         self._states: int | None = int(meta["state_bytes"]) if "state_bytes" in meta else None
         self._batch: set[str] = set()  # states put in this transaction: never evicted for each other
+        self.ns_budget = int(meta.get("ns_budget", 0))
+        self._ns: dict[str, int] = {}  # namespace -> space held (``ns_held``, as kept here)
+        self._fresh: set[str] = set()  # keys put in this transaction: never evicted for each other
         self.slab_bytes = int(conn.execute("SELECT COALESCE(SUM(nbytes), 0) FROM slabs").fetchone()[0])
         # The filesystem may hold less than the capacity: never plan to use more than it has,
         # and leave room for the index (and its write-ahead log) to grow.
@@ -231,10 +271,17 @@ class Transaction:
         if self._states is not None:
             self.conn.execute("INSERT OR REPLACE INTO meta (name, value) VALUES ('state_bytes', ?)",
                               (self._states,))
+        if self.ns_budget and self._ns:
+            self.conn.executemany("INSERT OR REPLACE INTO ns_held (ns, bytes) VALUES (?, ?)",
+                                  list(self._ns.items()))
 
     def recount_states(self) -> None:
-        """Count the states' space afresh from their keys (after rows were dropped by hand)."""
+        """Count the states' space (and, with bounds, the namespaces') afresh from their keys
+        (after rows were dropped by hand)."""
         self._states = state_bytes(self.conn)
+        if self.ns_budget:
+            count_namespaces(self.conn)
+            self._ns.clear()
 
     def gen(self) -> int:
         self.next_gen += 1
@@ -262,20 +309,21 @@ class Transaction:
         """The space a slot of class ``cls`` takes in a slab made now."""
         return _arena.slab_bytes(cls, self.slab_size) // _arena.slots_per_slab(cls, self.slab_size)
 
-    def fit_state(self, nbytes: int) -> bool:
+    def fit_state(self, nbytes: int, ns: str | None = None) -> bool:
         """Evict the least recently used states until one taking ``nbytes`` fits their
         budget; False if it cannot: it alone is larger, or only states put earlier in this
         transaction (its own batch, which ranks them more recent) would have to go. Without a
-        budget, always True."""
+        budget, always True. With namespaces' bounds only states of ``ns`` go."""
         if not self.state_budget:
             return True
         if nbytes > self.state_budget:
             return False
         keep = sorted(self._batch)
+        scope, where = ((ns,), f" AND {NS_OF_KEY} = ?") if self.scoped and ns is not None else ((), "")
         while self.states_held + nbytes > self.state_budget:
             row = self.conn.execute(
-                f"SELECT key FROM keys WHERE pool = ? AND key NOT IN ({marks(len(keep))})"
-                " ORDER BY last_used, gen LIMIT 1", (STATES, *keep)
+                f"SELECT key FROM keys WHERE pool = ? AND key NOT IN ({marks(len(keep))}){where}"
+                " ORDER BY last_used, gen LIMIT 1", (STATES, *keep, *scope)
             ).fetchone()
             if row is None:  # only this batch's states are left (or the count is off: recount)
                 self._states = None
@@ -283,6 +331,57 @@ class Transaction:
             self.remove(row[0])
             self.evictions += 1
         return True
+
+    # -- namespaces' bounds ----------------------------------------------------------
+
+    @property
+    def scoped(self) -> bool:
+        """Whether a put may evict only its own namespace's objects (bounds are set)."""
+        return self.ns_budget > 0
+
+    def ns_held(self, ns: str) -> int:
+        if ns not in self._ns:
+            row = self.conn.execute("SELECT bytes FROM ns_held WHERE ns = ?", (ns,)).fetchone()
+            self._ns[ns] = 0 if row is None else int(row[0])
+        return self._ns[ns]
+
+    def _ns_moved(self, key: str, nbytes: int) -> None:
+        """A key taking ``nbytes`` came (positive) or went (negative)."""
+        if self.ns_budget:
+            ns = namespace_of(key)
+            self._ns[ns] = self.ns_held(ns) + nbytes
+
+    def _recount_ns(self, ns: str) -> int:
+        row = self.conn.execute(f"SELECT COALESCE(SUM({_HELD}), 0) FROM {_HELD_FROM} WHERE {NS_OF_KEY} = ?",
+                                (ns,)).fetchone()
+        self._ns[ns] = int(row[0])
+        return self._ns[ns]
+
+    def fit_namespace(self, ns: str, nbytes: int) -> bool:
+        """Evict the namespace's own least recently used objects until ``nbytes`` more fit its
+        bound; False if it cannot (larger than the bound, or only objects put earlier in this
+        transaction would have to go). Without bounds, always True."""
+        if not self.ns_budget:
+            return True
+        if nbytes > self.ns_budget:
+            return False
+        while self.ns_held(ns) + nbytes > self.ns_budget:
+            mine = sum(1 for k in self._fresh if namespace_of(k) == ns)
+            rows = self.conn.execute(f"SELECT key FROM keys WHERE {NS_OF_KEY} = ? ORDER BY last_used, gen"
+                                     " LIMIT ?", (ns, mine + 1)).fetchall()
+            victim = next((k for (k,) in rows if k not in self._fresh), None)
+            if victim is None:  # only this batch's objects are left (or the count is off: recount)
+                return self._recount_ns(ns) + nbytes <= self.ns_budget
+            self.remove(victim)
+            self.evictions += 1
+        return True
+
+    def fit_namespaces(self) -> None:
+        """Bring every namespace within a bound made smaller (at a writer's open)."""
+        if self.ns_budget:
+            for (ns,) in self.conn.execute("SELECT ns FROM ns_held WHERE bytes > ?",
+                                           (self.ns_budget,)).fetchall():
+                self.fit_namespace(ns, 0)
 
     # -- recency ---------------------------------------------------------------------
 
@@ -310,7 +409,9 @@ class Transaction:
             return False
         size, slab, slot, gen, pool, held = row
         self._held(pool, -int(held or 0))  # NULL (a slab the index lost) counts 0, as in the recount
+        self._ns_moved(key, -int(held or 0))
         self._batch.discard(key)
+        self._fresh.discard(key)
         self.conn.execute("DELETE FROM keys WHERE key = ?", (key,))
         if slab is None:
             self.inline_bytes -= size
@@ -326,16 +427,24 @@ class Transaction:
         if if_absent and self.exists(key):
             return False
         pool = pool_of(key)
+        ns = namespace_of(key)
         when = self.now if at is None else at
         if pool == STATES:  # room among the states first: a state never evicts anything else
             self.remove(key)
-            if not self.fit_state(len(data)):
+            if not self.fit_state(len(data), ns):
                 return False
+        if self.scoped:  # then within its namespace's bound (a value larger than it keeps the old)
+            if len(data) > self.ns_budget:
+                return False
+            self.remove(key)
+            if not self.fit_namespace(ns, len(data)):
+                return False
+        scope = ns if self.scoped else None
         old = self.conn.execute("SELECT size FROM keys WHERE key = ? AND slab IS NULL", (key,)).fetchone()
-        if len(data) > self.capacity or not self.make_room(len(data) - (int(old[0]) if old else 0)):
+        if len(data) > self.capacity or not self.make_room(len(data) - (int(old[0]) if old else 0), scope):
             return False
         self.remove(key)
-        if not self.make_room(len(data)):  # only if the old value was itself evicted just now
+        if not self.make_room(len(data), scope):  # only if the old value was itself evicted just now
             return False
         self.conn.execute(
             "INSERT INTO keys (key, size, cls, slab, slot, gen, last_used, data, pool)"
@@ -344,8 +453,11 @@ class Transaction:
         )
         self.inline_bytes += len(data)
         self._held(pool, len(data))
+        self._ns_moved(key, len(data))
         if pool == STATES:
             self._batch.add(key)
+        if self.scoped:
+            self._fresh.add(key)
         return True
 
     def publish(self, key: str, size: int, claim: Claim, if_absent: bool = False,
@@ -361,11 +473,12 @@ class Transaction:
             return False
         self.remove(key)
         pool = pool_of(key)
+        ns = namespace_of(key)
         when = self.now if at is None else at
-        share = self.slot_share(claim.slab) if pool == STATES else 0
+        share = self.slot_share(claim.slab) if pool == STATES or self.scoped else 0
         # Other writers' states may have come since the claim, or this batch's own earlier
-        # (more recent) states: never evict those for this one.
-        if pool == STATES and not self.fit_state(share):
+        # (more recent) states: never evict those for this one. The same within a namespace.
+        if (pool == STATES and not self.fit_state(share, ns)) or not self.fit_namespace(ns, share):
             self.release([claim])
             return False
         self.conn.execute(
@@ -374,8 +487,11 @@ class Transaction:
             (key, size, claim.cls, claim.slab, claim.slot, claim.gen, when, pool),
         )
         self._held(pool, share)
+        self._ns_moved(key, share)
         if pool == STATES:
             self._batch.add(key)
+        if self.scoped:
+            self._fresh.add(key)
         self.conn.execute(
             "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ?",
             (LIVE, claim.slab, claim.slot),
@@ -390,15 +506,21 @@ class Transaction:
 
     # -- slots -----------------------------------------------------------------------
 
-    def claim(self, cls: int, owner: str, inflight: set[int], pool: int = OTHER) -> Claim | None:
+    def claim(self, cls: int, owner: str, inflight: set[int], pool: int = OTHER,
+              ns: str = "") -> Claim | None:
         """A slot of class ``cls`` for this writer, evicting if needed; None if no room, or
         if the store should grow and no spare slab file is at hand (then ``wanted`` says
         which size to make, outside the transaction, before asking again). A state first
-        makes room within the states' budget (its slot may then be one a state just left)."""
+        makes room within the states' budget (its slot may then be one a state just left),
+        and an object of a bounded namespace ``ns`` within its bound; with bounds set, only
+        ``ns``'s objects are evicted for it."""
         self.wanted = 0
         # The share a new slab's slot takes: a state that cannot fit that way evicts nothing.
-        if pool == STATES and not self.fit_state(self.new_slot_share(cls)):
+        if pool == STATES and not self.fit_state(self.new_slot_share(cls), ns):
             return None
+        if not self.fit_namespace(ns, self.new_slot_share(cls)):
+            return None
+        scope = ns if self.scoped else None
         found = self._free_slot(cls)
         if found is None and not self.reclaimed:
             self.reclaim(owner, inflight)
@@ -415,9 +537,9 @@ class Transaction:
                 continue
             # Evict whichever is least recently used: an object of this class (its slot),
             # a whole slab of another class, or a small inline object (room to grow).
-            key = self._oldest_key(cls)
-            slab = self._oldest_slab(exclude_cls=cls)
-            inline = None if self.no_grow else self._oldest_inline()
+            key = self._oldest_key(cls, scope)
+            slab = self._oldest_slab(cls, scope)
+            inline = None if self.no_grow else self._oldest_inline(scope)
             reusable = slab is not None and slab[2] == need and cls <= self.slab_size
             if slab is not None and not reusable and self.no_grow:
                 slab = None  # dropping it would not let us grow anyway
@@ -488,28 +610,39 @@ class Transaction:
             [(slab_id, i, cls, FREE) for i in range(nslots)],
         )
 
-    def _oldest_key(self, cls: int) -> tuple[str, int, int, float] | None:
-        row = self.conn.execute(
-            "SELECT key, slab, slot, last_used FROM keys WHERE cls = ? ORDER BY last_used, gen LIMIT 1",
-            (cls,),
-        ).fetchone()
+    def _oldest_key(self, cls: int, ns: str | None = None) -> tuple[str, int, int, float] | None:
+        """The least recently used object of class ``cls`` (of namespace ``ns``, if given)."""
+        if ns is None:
+            row = self.conn.execute(
+                "SELECT key, slab, slot, last_used FROM keys WHERE cls = ? ORDER BY last_used, gen LIMIT 1",
+                (cls,),
+            ).fetchone()
+        else:
+            row = self.conn.execute(
+                f"SELECT key, slab, slot, last_used FROM keys WHERE {NS_OF_KEY} = ? AND cls = ?"
+                " ORDER BY last_used, gen LIMIT 1", (ns, cls),
+            ).fetchone()
         return None if row is None else (row[0], row[1], row[2], row[3])
 
-    def _oldest_slab(self, exclude_cls: int) -> tuple[int, int, int, float] | None:
-        """The slab whose newest object is oldest, among slabs no writer is filling."""
+    def _oldest_slab(self, exclude_cls: int, ns: str | None = None) -> tuple[int, int, int, float] | None:
+        """The slab whose newest object is oldest, among slabs no writer is filling (and, with
+        ``ns``, that hold no other namespace's object)."""
+        foreign = (f" AND NOT EXISTS (SELECT 1 FROM keys o WHERE o.slab = s.id"
+                   f" AND {ns_of('o.key')} != ?)") if ns is not None else ""
         row = self.conn.execute(
             "SELECT s.id, s.cls, s.nbytes,"
             " COALESCE((SELECT MAX(k.last_used) FROM keys k WHERE k.slab = s.id), -1.0) AS lu"
             " FROM slabs s WHERE s.cls != ?"
-            " AND NOT EXISTS (SELECT 1 FROM slots t WHERE t.slab = s.id AND t.state = ?)"
+            f" AND NOT EXISTS (SELECT 1 FROM slots t WHERE t.slab = s.id AND t.state = ?){foreign}"
             " ORDER BY lu, s.id LIMIT 1",
-            (exclude_cls, WRITING),
+            (exclude_cls, WRITING, *(() if ns is None else (ns,))),
         ).fetchone()
         return None if row is None else (row[0], row[1], row[2], row[3])
 
-    def _oldest_inline(self) -> tuple[str, float] | None:
+    def _oldest_inline(self, ns: str | None = None) -> tuple[str, float] | None:
+        where, args = ("", ()) if ns is None else (f" AND {NS_OF_KEY} = ?", (ns,))
         row = self.conn.execute(
-            "SELECT key, last_used FROM keys WHERE cls = 0 ORDER BY last_used, gen LIMIT 1"
+            f"SELECT key, last_used FROM keys WHERE cls = 0{where} ORDER BY last_used, gen LIMIT 1", args
         ).fetchone()
         return None if row is None else (row[0], row[1])
 
@@ -517,6 +650,8 @@ class Transaction:
         row = self.conn.execute("SELECT pool FROM keys WHERE key = ?", (key,)).fetchone()
         if row is not None and row[0] == STATES:
             self._held(STATES, -self.slot_share(slab))
+        if row is not None:
+            self._ns_moved(key, -self.slot_share(slab))
         self.conn.execute("DELETE FROM keys WHERE key = ?", (key,))
         self.conn.execute(
             "UPDATE slots SET state = ?, owner = NULL WHERE slab = ? AND slot = ?",
@@ -525,11 +660,18 @@ class Transaction:
         self.evictions += 1
 
     def _states_in(self, slab_id: int) -> None:
-        """The states of a slab are about to go."""
+        """The objects of a slab are about to go: their space leaves the states' count and
+        their namespaces'."""
         row = self.conn.execute(
             "SELECT COUNT(*) FROM keys WHERE slab = ? AND pool = ?", (slab_id, STATES)).fetchone()
         if row[0]:
             self._held(STATES, -int(row[0]) * self.slot_share(slab_id))
+        if self.ns_budget:
+            share = self.slot_share(slab_id)
+            rows = self.conn.execute(f"SELECT {NS_OF_KEY}, COUNT(*) FROM keys WHERE slab = ? GROUP BY 1",
+                                     (slab_id,)).fetchall()
+            for ns, n in rows:
+                self._ns[ns] = self.ns_held(ns) - int(n) * share
 
     def _empty_slab(self, slab_id: int) -> None:
         self._states_in(slab_id)
@@ -562,13 +704,14 @@ class Transaction:
         self.epoch += 1
         self.doomed.append(_arena.slab_path(self.root, slab_id))
 
-    def make_room(self, nbytes: int) -> bool:
-        """Evict until ``nbytes`` more fit: the older of the oldest inline object and slab."""
+    def make_room(self, nbytes: int, ns: str | None = None) -> bool:
+        """Evict until ``nbytes`` more fit: the older of the oldest inline object and slab
+        (with ``ns``, only that namespace's objects and slabs no other namespace uses)."""
         if nbytes > self.capacity:
             return False
         while self.used + nbytes > self.capacity:
-            inline = self._oldest_inline()
-            slab = self._oldest_slab(exclude_cls=0)
+            inline = self._oldest_inline(ns)
+            slab = self._oldest_slab(0, ns)
             if inline is None and slab is None:
                 return False
             if inline is not None and (slab is None or inline[1] <= slab[3]):

@@ -62,6 +62,16 @@ def key_class(key: str) -> str:
     return parts[2] if len(parts) > 3 else ""
 
 
+def namespace_of(key: str) -> str:
+    """A key's namespace: the text before its first ``/`` ("" for a key without one).
+
+    The vault writes every key as ``namespace/layout/...`` (``keys.KeySpace``); a store that
+    bounds each namespace's space (the local store's ``namespace_share=``) reads it here. A
+    ``cache_salt`` does not show in a key (it is hashed into it): salts are not told apart."""
+    head, sep, _ = key.partition("/")
+    return head if sep else ""
+
+
 def redact(uri: str) -> str:
     """``uri`` fit for a message, a log line or a label: a password in it becomes ``***``.
 

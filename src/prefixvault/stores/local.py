@@ -72,6 +72,7 @@ from prefixvault.stores.base import (
     check_distinct,
     check_key,
     medium_of_path,
+    namespace_of,
 )
 from prefixvault.units import parse_size
 
@@ -127,8 +128,9 @@ class IndexRepair:
                 f"slots freed: {self.slots_freed}  stray files removed: {self.strays_removed}")
 
 
-def _state_budget(text: str) -> StateBudget:
-    """``states=``: a size (``8GiB``) or a share of the capacity (``25%``); ``0`` for none."""
+def _state_budget(text: str, name: str = "states") -> StateBudget:
+    """``states=`` or ``namespace_share=``: a size (``8GiB``) or a share of the capacity
+    (``25%``); ``0`` for none."""
     try:
         if text.endswith("%"):
             share = float(text[:-1]) / 100
@@ -137,7 +139,7 @@ def _state_budget(text: str) -> StateBudget:
             return StateBudget(share=share)
         return StateBudget(nbytes=parse_size(text))
     except ValueError as exc:
-        raise StoreError(f"bad local store parameter states={text[:100]!r}: {exc} "
+        raise StoreError(f"bad local store parameter {name}={text[:100]!r}: {exc} "
                          "(use a size such as 8GiB, or a share of the capacity such as 25%)") from None
 
 
@@ -172,13 +174,17 @@ class LocalStore(Store):
     """Slab arena plus SQLite index in one directory; safe across processes and threads."""
 
     def __init__(self, path: Path | str, capacity: int | None = None, *, existing: bool = False,
-                 readonly: bool = False, shared: bool = False, states: StateBudget | None = None) -> None:
+                 readonly: bool = False, shared: bool = False, states: StateBudget | None = None,
+                 namespace_share: StateBudget | None = None) -> None:
         """``existing``: never create a store, never change its capacity (maintenance);
         ``readonly``: also never write (read commands: stats, audit without repair);
         ``shared``: a store for several users of one group (files 0660) instead of its owner
         alone (files 0600, a directory of its own that nobody else can write);
         ``states``: the most the recurrent states may take (None: keep what the store has;
-        ``StateBudget(0)``: no budget of their own, they share the capacity with the rest)."""
+        ``StateBudget(0)``: no budget of their own, they share the capacity with the rest);
+        ``namespace_share``: the most each namespace's objects may take, the same for each (None:
+        keep what the store has; ``StateBudget(0)``: none); with it, a put evicts only objects of
+        its own namespace, so one tenant filling the store leaves the others' objects alone."""
         self.path = Path(path).expanduser().absolute()
         self.uri = f"local://{self.path}"
         self._medium = medium_of_path(str(self.path))
@@ -191,7 +197,7 @@ class LocalStore(Store):
             with contextlib.suppress(OSError):
                 self._mode = 0o600 | (os.stat(self.path / INDEX_NAME).st_mode & 0o060)
             capacity = None
-            states = None
+            states = namespace_share = None
         else:
             if capacity is not None and capacity <= 0:
                 raise StoreError(f"local store {self.path}: capacity={capacity} keeps nothing; give a "
@@ -218,17 +224,17 @@ class LocalStore(Store):
             if readonly:
                 self._check_index()
             else:
-                self._init_index(capacity, states)
+                self._init_index(capacity, states, namespace_share)
 
     @classmethod
     def from_params(cls, path: Path, params: dict[str, str], existing: bool = False,
                     readonly: bool = False) -> LocalStore:
-        """Open from URI parameters: ``capacity``, ``states`` (a size or ``N%`` of the
-        capacity) and ``shared`` (``1``: several users)."""
-        unknown = sorted(set(params) - {"capacity", "shared", "states"})
+        """Open from URI parameters: ``capacity``, ``states`` and ``namespace_share`` (each a
+        size or ``N%`` of the capacity) and ``shared`` (``1``: several users)."""
+        unknown = sorted(set(params) - {"capacity", "shared", "states", "namespace_share"})
         if unknown:
             raise StoreError(f"unknown local store parameter(s): {', '.join(unknown)} "
-                             "(known: capacity, states, shared)")
+                             "(known: capacity, states, namespace_share, shared)")
         shared = params.get("shared", "0")
         if shared not in ("0", "1"):
             raise StoreError(f"bad local store parameter shared={shared[:100]!r}: use 0 or 1")
@@ -239,8 +245,10 @@ class LocalStore(Store):
             except ValueError as exc:
                 raise StoreError(f"bad local store capacity: {exc}") from None
         states = _state_budget(params["states"]) if params.get("states") else None
+        share = params.get("namespace_share")
+        namespaces = _state_budget(share, "namespace_share") if share else None
         return cls(path, capacity, existing=existing, readonly=readonly, shared=shared == "1",
-                   states=states)
+                   states=states, namespace_share=namespaces)
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.path)!r})"
@@ -342,7 +350,8 @@ class LocalStore(Store):
         self._maps.retain(live)
         self._epoch = epoch
 
-    def _init_index(self, capacity: int | None, states: StateBudget | None) -> None:
+    def _init_index(self, capacity: int | None, states: StateBudget | None,
+                    namespaces: StateBudget | None = None) -> None:
         # Switching a fresh index to WAL while another process does the same can fail at
         # once with "database is locked" (SQLite does not wait there), so first opens queue
         # on an flock.
@@ -354,7 +363,7 @@ class LocalStore(Store):
             fcntl.flock(fd, fcntl.LOCK_EX)
             with self._lock:
                 _directory.own_index_files(self.path, self._mode)  # before SQLite makes its log files
-                _directory.create_or_check(self._db(), self.path, capacity, states)
+                _directory.create_or_check(self._db(), self.path, capacity, states, namespaces)
                 _directory.own_index_files(self.path, self._mode)
         finally:
             os.close(fd)
@@ -367,6 +376,7 @@ class LocalStore(Store):
                 if tx.used > tx.capacity:
                     tx.make_room(0)
                 tx.fit_state(0)  # a budget made smaller
+                tx.fit_namespaces()  # a bound made smaller
 
         # On a full filesystem the store still opens (and serves reads) even if nothing
         # could be freed: the next put that finds room tidies up.
@@ -381,11 +391,11 @@ class LocalStore(Store):
     @classmethod
     def rebuild(cls, path: Path | str) -> tuple[Path, int]:
         """Start a damaged store afresh: its index is moved aside (returned) and its slab files
-        removed (counted); a new, empty index keeps the old capacity and states' budget where
-        they can be read."""
+        removed (counted); a new, empty index keeps the old capacity, states' budget and
+        namespaces' bound where they can be read."""
         root = Path(path).expanduser().absolute()
-        aside, removed, capacity, states = _directory.set_aside(root)
-        cls(root, capacity, states=states).close()
+        aside, removed, capacity, states, namespaces = _directory.set_aside(root)
+        cls(root, capacity, states=states, namespace_share=namespaces).close()
         return aside, removed
 
     def check_integrity(self) -> None:
@@ -850,7 +860,8 @@ class LocalStore(Store):
                     for i, cls in enumerate(classes):
                         if cls == 0 or i in claims or (if_absent and tx.exists(keys[i])):
                             continue
-                        claim = tx.claim(cls, owner, self._inflight, pool_of(keys[i]))
+                        claim = tx.claim(cls, owner, self._inflight, pool_of(keys[i]),
+                                         namespace_of(keys[i]))
                         if claim is not None:
                             claims[i] = claim
                         elif tx.wanted:
