@@ -436,7 +436,9 @@ class GroupIO:
                             lay.tensor.index_copy_(0, idx, _from_bytes(part, lay.tensor))
                         off += lay.page
             finally:  # landed, or failed with nothing of ours still writing into the blocks
-                side.synchronize()
+                landed = ops.event(blocking=True)  # an event wait: sleeps, and is no stream sync
+                landed.record(side)
+                landed.synchronize()
 
 
 def _as_bytes(blocks: torch.Tensor, page: int) -> torch.Tensor:
