@@ -13,6 +13,14 @@ included. Then, through the worker's own registration (``group_ios``):
 - exact: object sizes are vLLM's; gathers equal the logical bytes read through the views;
   after every scatter the *whole* buffer equals one written through the views (no stray byte);
 - cross_backend: objects saved with kernel blocks restore byte for byte without them;
+- worker: ``WorkerSide`` itself (vLLM is not imported), driven through a stand-in for the hooks
+  Model Runner V2 calls, in its order (``Runner``; every other step with a drafter's forward
+  before ``wait_for_save``): save -> stage -> store -> publish on a store in the run (memory,
+  local), then load -> scatter into another engine's blocks, byte for byte; on CUDA also on
+  Qwen3-Next-80B's geometry (a whole 8192-token step's save), with the forward a CUDA graph on
+  the compute stream, the hooks under ``torch.cuda.set_sync_debug_mode("error")``, the engine's
+  stream held per step across all groups (``engine_held_ms_per_step``) and the restore's
+  bandwidth against a plain pinned copy;
 - CUDA only: ordering against work queued on the engine's stream (a save sees the forward's
   bytes and not a later overwrite; a load from another thread lands after the work queued
   before its mark), the pinned staging path (really pinned, really asynchronous), bandwidth
@@ -29,6 +37,7 @@ import argparse
 import functools
 import json
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -39,8 +48,16 @@ import numpy as np
 import torch
 
 from prefixvault.blockio import DEVICE_BUFFER_BYTES, GroupIO
+from prefixvault.boundary import StateCapture, plan_saves
+from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, StateFamily, TensorSpec
 from prefixvault.staging import StagingRing
+from prefixvault.stores.base import Store
+from prefixvault.stores.local import LocalStore
+from prefixvault.stores.memory import MemoryStore
+from prefixvault.vault import Vault
 from prefixvault.vllm.kernel_blocks import group_ios, rebuild
+from prefixvault.vllm.metadata import LoadSpec, SaveSpec
+from prefixvault.vllm.worker import WorkerSide
 
 ROOT = Path(__file__).resolve().parents[1]
 GOAL = 0.8  # bandwidth against a plain pinned copy of the same bytes (reported, not a failure)
@@ -300,6 +317,214 @@ def check_bandwidth(engine: Engine) -> dict[str, Any]:
             "device_buffer_bytes": DEVICE_BUFFER_BYTES}
 
 
+
+# -- the real worker, through the hooks Model Runner V2 calls ------------------------------------
+
+
+def fixture_layout(config: dict[str, Any]) -> CacheLayout:
+    """A layout whose objects are the fixture's (one uint8 tensor per group, as many bytes)."""
+    groups = []
+    for g in config["groups"]:
+        spec = [TensorSpec((int(g["object_bytes"]),), "uint8")]
+        if g["kind"] == "state":
+            groups.append(CacheGroup.uniform(GroupKind.STATE, spec, family=StateFamily.GDN))
+        else:
+            groups.append(CacheGroup.uniform(GroupKind.FULL_ATTENTION, spec))
+    return CacheLayout(model="gpu_check", block_size=int(config["block_size"]), groups=tuple(groups))
+
+
+def open_store(kind: str, tmp: Path) -> Store:
+    return MemoryStore() if kind == "memory" else LocalStore(tmp / "store", capacity=4 << 30)
+
+
+class Runner:
+    """A stand-in for vLLM 0.34's Model Runner V2 around one worker, calling the connector's
+    worker hooks in its order (``v1/worker/gpu/kv_connector.py``, ``model_runner.py``): the
+    forward on the compute stream (on CUDA a CUDA graph replayed: it rewrites every block of the
+    engine and multiplies matrices), ``start_load_kv`` (``WorkerSide.load``), a drafter's
+    forward where there is one, ``wait_for_save`` (``WorkerSide.step``), then
+    ``get_finished`` and the worker's metadata (``take_finished``, ``take_settled``). On CUDA
+    the hooks run under ``torch.cuda.set_sync_debug_mode("error")``: a hidden host
+    synchronisation raises (and, inside the worker, is counted as its error)."""
+
+    def __init__(self, engine: Engine, worker: WorkerSide) -> None:
+        self.engine, self.worker = engine, worker
+        self.device = engine.raw.device
+        self.cuda = self.device.type == "cuda"
+        self.inc = torch.ones(1, dtype=torch.uint8, device=self.device)
+        self.held_ms: list[float] = []
+        self.settled: set[str] = set()
+        self.finished: set[str] = set()
+        self.failed: set[str] = set()
+        self.sync_errors: list[str] = []
+        self.graph: Any = None
+        if self.cuda:
+            self.a = torch.randn(2048, 2048, device=self.device, dtype=torch.bfloat16)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self._forward()  # warm
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self._forward()
+            torch.cuda.synchronize(self.device)
+
+    def _forward(self) -> None:
+        self.engine.raw.add_(self.inc)  # every block of the step (and the others) rewritten
+        if self.cuda:
+            b = self.a
+            for _ in range(8):
+                b = b @ self.a
+
+    def forward(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self._forward()
+
+    def hook(self, name: str, fn: Callable[[], Any]) -> Any:
+        if not self.cuda:
+            return fn()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fn()
+        except RuntimeError as e:
+            self.sync_errors.append(f"{name}: {e}")
+            return None
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    def step(self, n: int, saves: list[SaveSpec], loads: list[LoadSpec], drafter: bool) -> None:
+        self.forward()
+        self.hook("start_load_kv", lambda: self.worker.load(loads, n))
+        if drafter:
+            self.forward()  # the drafter's forward, queued before wait_for_save
+        e0 = e1 = None
+        if self.cuda:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+        self.hook("wait_for_save", lambda: self.worker.step(saves, [], n))
+        if e1 is not None:
+            e1.record()  # behind the engine's wait for the step's device-side gathers
+        finished = self.hook("get_finished", self.worker.take_finished)
+        if finished:
+            self.finished |= finished[0]
+            self.failed |= finished[1]
+        settled = self.hook("worker_meta", self.worker.take_settled) or []
+        self.settled.update(sid for sid, _ in settled)
+        if e0 is not None and e1 is not None and saves:
+            e1.synchronize()
+            self.held_ms.append(e0.elapsed_time(e1))
+
+
+def check_worker(config: dict[str, Any], device: torch.device, store_kind: str, tmp: Path,
+                 steps: int = 3) -> dict[str, Any]:
+    """``WorkerSide`` end to end on the fixture's views: each step saves one request's blocks of
+    a whole prefill step (every attention block of ~8192 tokens, or what the engine has, and
+    every state group's state at its end) through the runner's hooks, alternately with and
+    without a drafter; then a second engine loads every saved boundary into other blocks,
+    which must hold the bytes the first engine's blocks held right after that step's forward.
+    Also: how long the engine's stream is held per step (CUDA), and a restore's bandwidth
+    against a plain pinned copy of as many bytes."""
+    layout = fixture_layout(config)
+    store = open_store(store_kind, tmp)
+    vault = Vault(store, layout)
+    bs, nb = layout.block_size, int(config["num_blocks"])
+    states = [g for g, grp in enumerate(layout.groups) if grp.is_state]
+    # blocks one step saves (block 0 is vLLM's null block: never a request's)
+    per_step = max(1, min(8192 // bs, (nb - 1) // steps - len(states)))
+    producer = Engine(config, device, 20)
+    save_bytes = per_step * sum(io.object_bytes for g, io in enumerate(producer.ios) if g not in states) + \
+        sum(producer.ios[g].object_bytes for g in states)
+    staging = 2 * save_bytes + (1 << 20)
+    names = producer.groups
+
+    def worker_for(engine: Engine) -> WorkerSide:
+        w = WorkerSide(layout, vault, 0, names, staging_bytes=staging, num_blocks=nb,
+                       save_device_bytes=save_bytes)
+        w.register_kv_caches(engine.views)
+        return w
+
+    worker = worker_for(producer)
+    runner = Runner(producer, worker)
+    rows: list[dict[str, Any]] = []  # per step: request, tokens, hashes, tables, snapshots
+    free = iter(range(1, nb))
+    for n in range(1, steps + 1):
+        tokens = [n * 1_000_000 + t for t in range(per_step * bs)]
+        blocks = [next(free) for _ in range(per_step)]
+        state_blocks = {g: next(free) for g in states}
+        tables = {g: blocks for g in range(len(layout.groups)) if g not in states}
+        caps = [StateCapture(g, len(tokens), b, n) for g, b in state_blocks.items()]
+        plan = plan_saves(layout, len(tokens), tables, caps, step=n)
+        spec = SaveSpec(f"r{n}", vault.hashes(tokens), list(plan.publishable))
+        runner.step(n, [spec], [], drafter=n % 2 == 0)
+        snap = {g: logical(producer.views, names[g], blocks if g not in states else [state_blocks[g]], nb)
+                for g in range(len(layout.groups))}  # the bytes right after this step's forward
+        rows.append({"spec": spec, "tokens": tokens, "snap": snap, "sid": spec.sid(n)})
+    deadline = time.monotonic() + 120
+    while {r["sid"] for r in rows} - runner.settled and time.monotonic() < deadline:
+        runner.step(steps + 1, [], [], drafter=False)  # idle steps: the worker reports settled saves
+        time.sleep(0.01)
+    published = [vault.lookup(r["spec"].hashes, len(r["tokens"]) + 1) for r in rows]
+    ok_published = published == [len(r["tokens"]) for r in rows]
+    # restore into a second engine, other blocks
+    consumer = Engine(config, device, 21)
+    loader = worker_for(consumer)
+    crun = Runner(consumer, loader)
+    exact = True
+    restore_s = 0.0
+    restore_bytes = 0
+    for i, r in enumerate(rows):
+        order = list(range(nb - 1, 0, -1))
+        ids = order[i * (per_step + len(states)) : (i + 1) * (per_step + len(states))]
+        blocks, state_ids = ids[:per_step], ids[per_step:]
+        tables = tuple(blocks if g not in states else [0] * (per_step - 1) + [state_ids[states.index(g)]]
+                       for g in range(len(layout.groups)))
+        load = LoadSpec(f"l{i}", r["spec"].hashes, len(r["tokens"]), 0, tables)
+        sync(device)
+        t0 = time.perf_counter()
+        crun.step(100 + i, [], [load], drafter=False)
+        while f"l{i}" not in crun.finished and time.perf_counter() - t0 < 60:
+            d, f = loader.take_finished()
+            crun.finished |= d
+            crun.failed |= f
+            time.sleep(0.0005)
+        sync(device)
+        restore_s += time.perf_counter() - t0
+        restore_bytes += sum(int(t.numel()) for t in r["snap"].values())
+        exact = exact and f"l{i}" in crun.finished and not crun.failed and all(
+            torch.equal(logical(consumer.views, names[g], blocks if g not in states else
+                                [state_ids[states.index(g)]], nb), r["snap"][g])
+            for g in range(len(layout.groups)))
+    plain = host(1, restore_bytes // len(rows), device)
+    dev = torch.empty_like(plain, device=device)
+    plain_s = best_ms(functools.partial(dev.copy_, plain, non_blocking=True), device) / 1e3 \
+        if device.type == "cuda" else float("nan")
+    errors = (worker.counters.save_errors + loader.counters.load_failures + worker.guard.total
+              + loader.guard.total + len(runner.sync_errors) + len(crun.sync_errors))
+    worker.close()
+    loader.close()
+    store.close()
+    held = runner.held_ms
+    row: dict[str, Any] = {
+        "config": producer.name(), "store": store_kind, "steps": steps,
+        "objects_per_step": per_step + len(states),
+        "save_mib_per_step": round(save_bytes / 2**20, 1), "save_device_mib": round(save_bytes / 2**20, 1),
+        "published": ok_published, "restored_exact": exact,
+        "save_errors": worker.counters.save_errors, "save_dropped": dict(worker.counters.save_dropped),
+        "load_failures": loader.counters.load_failures,
+        "internal_errors": worker.guard.total + loader.guard.total,
+        "sync_errors": runner.sync_errors + crun.sync_errors,
+        "engine_held_ms": [round(x, 3) for x in held],
+        "engine_held_ms_max": round(max(held), 3) if held else None,
+        "restore_gbs": round(restore_bytes / restore_s / 1e9, 2),
+        "plain_h2d_gbs": round(restore_bytes / len(rows) / plain_s / 1e9, 2) if plain_s == plain_s else None,
+    }
+    row["ok"] = ok_published and exact and errors == 0
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--views", type=Path, default=ROOT / "tests" / "data" / "vllm_views.json")
@@ -371,6 +596,31 @@ def main() -> int:
                 failed.append(f"cross_backend {row['from']} -> {row['to']}")
     result["cross_backend"] = cross
 
+    worker_rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu_check") as tmp:
+        runs = [(c, store) for c in fixture["configs"] if c["geometry"] == "small" and c["layout"] == "LBNHC"
+                and c["kernel_block_size"] in (c["block_size"], 16) for store in ("memory", "local")]
+        if cuda:
+            runs += [(c, "memory") for c in fixture["configs"] if c["geometry"] == "qwen3next80b_tp1"
+                     and c["layout"] == "LBNHC" and c["kernel_block_size"] == c["block_size"]]
+        for k, (config, store) in enumerate(runs):
+            label = f"worker {config['geometry']}/kbs{config['kernel_block_size']}/{store}"
+            steps = 2 if config["geometry"] == "qwen3next80b_tp1" else 3
+            run_worker = functools.partial(check_worker, config, device, store, Path(tmp) / str(k), steps)
+            row = guarded(label, run_worker)
+            if row is not None:
+                print(f"{label}: {row}", flush=True)
+                worker_rows.append(row)
+                if not row["ok"]:
+                    failed.append(label)
+    result["worker"] = worker_rows
+    result["worker_ok"] = bool(worker_rows) and all(r["ok"] for r in worker_rows)
+    big_rows = [r for r in worker_rows if r["config"].startswith("qwen3next80b_tp1")]
+    if big_rows:  # the figure of deliverable 1: the whole step's save, every group
+        result["engine_held_ms_per_step"] = big_rows[0]["engine_held_ms_max"]
+        result["restore_gbs"] = big_rows[0]["restore_gbs"]
+        result["restore_plain_h2d_gbs"] = big_rows[0]["plain_h2d_gbs"]
+
     if cuda:
         def lbnhc(geometry: str) -> dict[str, Any] | None:  # the H100/H200 default
             return next((c for c in fixture["configs"] if c["geometry"] == geometry and c["layout"] == "LBNHC"
@@ -404,7 +654,9 @@ def main() -> int:
         result["max_memory_allocated_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
     else:
         skipped += ["ordering (CUDA streams and events)", "staging (pinned memory, asynchronous copies)",
-                    "bandwidth and engine_held_ms (CUDA)"]
+                    "bandwidth and engine_held_ms (CUDA)",
+                    "worker on qwen3next80b_tp1, CUDA graph forward, sync debug mode, "
+                    "engine_held_ms_per_step and restore bandwidth (CUDA)"]
     result["skipped"] = skipped
     result["failed"] = failed
     result["seconds"] = round(time.monotonic() - t_start, 1)

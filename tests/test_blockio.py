@@ -128,7 +128,7 @@ def test_on_cuda_the_groups_share_one_bounded_buffer_per_direction_allocated_at_
     assert ios[0].pieces(BLOCKS) == 1
     ids = [3, 1, 7]
     out = torch.empty(3, ios[0].object_bytes, dtype=torch.uint8, pin_memory=True)
-    ios[0].piece_rows = 1  # three pieces through the one buffer
+    ios[0].piece_rows = 1  # a load in three pieces through the one buffer
     ios[0].gather(ids, out).wait()
     assert torch.equal(out, expected([t.cpu() for t in big], ids))
     ios[0].scatter([0, 2, 4], out, after=ios[0].mark())

@@ -52,12 +52,22 @@ def test_the_fixture_rebuilds_into_block_io_of_the_sizes_vllm_says() -> None:
 
 def test_the_device_check_runs_and_checks_bytes_on_cpu() -> None:
     """bench/gpu_check.py runs on a CUDA machine without vLLM; here it must at least pass on
-    CPU, on the small geometry, and say which CUDA-only parts it skipped."""
+    CPU, on the small geometry, with vLLM made unimportable (the worker is driven with torch
+    alone), and say which CUDA-only parts it skipped."""
     import os
     import subprocess
     import sys
 
-    cmd = [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu", "--only", "small"]
+    no_vllm = ("import runpy, sys\n"
+               "class NoVLLM:\n"
+               "    def find_spec(self, name, path=None, target=None):\n"
+               "        if name == 'vllm' or name.startswith('vllm.'):\n"
+               "            raise ModuleNotFoundError(f'No module named {name!r}', name='vllm')\n"
+               "sys.meta_path.insert(0, NoVLLM())\n"
+               "sys.argv = sys.argv[1:]\n"
+               "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    cmd = [sys.executable, "-c", no_vllm, str(ROOT / "bench" / "gpu_check.py"), "--device", "cpu",
+           "--only", "small"]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
@@ -66,3 +76,6 @@ def test_the_device_check_runs_and_checks_bytes_on_cpu() -> None:
     assert len(out["exact"]) == 8 and len(out["cross_backend"]) == 4
     assert all(r["ok"] for r in out["cross_backend"])
     assert any("ordering" in s for s in out["skipped"])
+    assert out["worker_ok"] and {(r["config"], r["store"]) for r in out["worker"]} == {
+        (c, s) for c in ("small/LBNHC/kbs64", "small/LBNHC/kbs16") for s in ("memory", "local")}
+    assert all(r["published"] and r["restored_exact"] for r in out["worker"])

@@ -13,93 +13,250 @@ to manager blocks first). This module needs nothing else, and imports no vLLM: t
 runs in the connector and in ``bench/gpu_check.py`` on a machine without vLLM.
 
 On CUDA, copies run on side streams, one per direction (gathers come from the engine's
-thread, scatters from a load thread: they never share a stream or a buffer). A gather waits
-for the work already queued on the engine's stream (the forward that wrote the blocks), copies
-the blocks into a device buffer (one ``index_select`` per layer), then into pinned host memory
-in one transfer; the engine's stream waits only for the device-side gather of the last piece,
-so the blocks can be reused by the next step while that piece's transfer to the host goes on.
-The caller waits for the returned ``Done`` before it reads the host bytes (a save thread, not
-the step). A scatter first waits for an event the engine thread recorded when it handed the
-load over (``mark``: vLLM may still have work queued on the blocks, such as zeroing them),
-copies the host bytes to the device and into the blocks (``index_copy_``) and returns once they
-landed. Whatever goes wrong, a copy returns or raises only once nothing it queued on its side
-stream is still running: the caller may then hand its host memory out again, and vLLM may
-recompute into the blocks.
+thread, scatters from a load thread: they never share a stream or a buffer). The gathers of one
+step, every cache group's, go together (``SaveBatch``): once the engine's forward is queued, the
+side stream waits for it, copies every block the step saves into the save device buffer (one
+``index_select`` per layer and group), records **one** event the engine's stream waits on, and
+only then queues the transfers to pinned host memory. The engine thus waits for device-side
+copies only, never for a transfer over PCIe; the save lane waits for the transfers (``Done``)
+before it reads the host bytes. A scatter first waits for an event the engine thread recorded
+when it handed the load over (``mark``: vLLM may still have work queued on the blocks, such as
+zeroing them), copies the host bytes to the device and into the blocks (``index_copy_``) and
+returns once they landed. Whatever goes wrong, a copy returns or raises only once nothing it
+queued on its side stream is still running: the caller may then hand its host memory out
+again, and vLLM may recompute into the blocks.
 
 Device memory (vLLM sizes its KV cache before any connector copies, so ours must be small and
 known at start): the cache groups of one worker share one side stream and one device buffer
-per direction (``CopyStreams``), allocated once when the caches are registered. Each buffer is
-``DEVICE_BUFFER_BYTES`` (32 MiB), or one object of the worker's largest group where that is
-larger: 64 MiB of device memory per worker in all for a model such as Qwen3-Next-80B (objects
-of 12.75 MiB). Larger copies go through the buffer in pieces; the engine's stream is then held
-for the transfers of all pieces but the last.
+per direction (``CopyStreams``), allocated once when the caches are registered.
+
+- Save: one step's save (``save_bytes``, which the connector derives from the step's token
+  budget: ``prefixvault.vllm.config.save_device_bytes``), at least one object of the largest
+  group. A step that saves more (several requests' states, say) goes in rounds through the
+  buffer, and the engine then waits for the transfers of every round but the last. The next
+  step's gathers follow the previous step's transfers on the side stream (one buffer): they
+  have the whole forward to end.
+- Load: ``DEVICE_BUFFER_BYTES`` (32 MiB), or one object of the largest group where that is
+  larger; larger loads go in pieces.
+
+Every stream, event and copy the CUDA path queues goes through ``StreamOps`` (``CUDA_OPS``): a
+test gives CPU tensors a recorder in its place and reads the order of what was queued.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-#: Device buffer of one worker per direction (save, load), shared by all its cache groups; a
-#: buffer holds at least one object of the largest group.
+#: Load device buffer of one worker, shared by all its cache groups (and the save buffer's size
+#: where the caller names none); a buffer holds at least one object of the largest group.
 DEVICE_BUFFER_BYTES = 32 << 20
 
 
-class Done:
-    """A copy that may still be running; ``wait()`` returns once its bytes are in place."""
+class StreamOps:
+    """What the stream path of block I/O queues, as CUDA does it. The one seam between the
+    copies' order and the device: a subclass may record each call (on CPU tensors) instead."""
 
-    def __init__(self, event: Any = None) -> None:
+    def stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def current(self, device: torch.device) -> Any:
+        """The engine's stream: the calling thread's current one on ``device``."""
+        return torch.cuda.current_stream(device)
+
+    def event(self, blocking: bool = False) -> Any:
+        return torch.cuda.Event(blocking=blocking)
+
+    @contextlib.contextmanager
+    def on(self, stream: Any, device: torch.device) -> Iterator[None]:
+        """Queue on ``stream``, with ``device`` current (a lane thread must not touch device 0)."""
+        with torch.cuda.device(device), torch.cuda.stream(stream):
+            yield
+
+    def empty(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def index(self, ids: Sequence[int], device: torch.device) -> torch.Tensor:
+        """Block ids on the device, without a host synchronisation."""
+        return torch.tensor(list(ids), dtype=torch.long, pin_memory=True).to(device, non_blocking=True)
+
+    def gather(self, dest: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, page: int, group: int) -> None:
+        """Device-side: blocks ``idx`` of one layer into ``dest`` (uint8 [n, page])."""
+        dest.copy_(_as_bytes(src.index_select(0, idx), page))
+
+    def to_host(self, dest: torch.Tensor, src: torch.Tensor, group: int) -> None:
+        """Device to host, asynchronous (``dest`` pinned)."""
+        dest.copy_(src, non_blocking=True)
+
+    def to_device(self, dest: torch.Tensor, src: torch.Tensor) -> None:
+        dest.copy_(src, non_blocking=src.is_pinned())
+
+
+CUDA_OPS = StreamOps()
+
+
+class Done:
+    """A copy that may still be running; ``wait()`` returns once its bytes are in place (and
+    raises if the copy failed)."""
+
+    def __init__(self, event: Any = None, batch: SaveBatch | None = None) -> None:
         self._event = event
+        self._batch = batch
 
     def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
+        event = self._event if self._batch is None else self._batch.landed()
+        if event is not None:
+            event.synchronize()
 
 
 class CopyStream:
-    """One direction's side stream and device buffer (CUDA only). Copies are queued on it one
-    after another (under ``lock``), so every group of a worker can use the same buffer: stream
-    order keeps a piece's bytes until its last reader ran."""
+    """One direction's side stream and device buffer. Copies are queued on it one after
+    another (under ``lock``), so every group of a worker can use the same buffer: stream order
+    keeps a piece's bytes until its last reader ran."""
 
-    def __init__(self, device: torch.device, nbytes: int) -> None:
+    def __init__(self, device: torch.device, nbytes: int, ops: StreamOps = CUDA_OPS) -> None:
         self.device = device
-        self.stream: Any = torch.cuda.Stream(device)
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.ops = ops
+        self.stream: Any = ops.stream(device)
+        self.buffer = ops.empty(nbytes, device)
         self.lock = threading.Lock()
 
     def rows(self, object_bytes: int) -> int:
         """Objects of ``object_bytes`` one piece holds (at least one)."""
         return max(1, int(self.buffer.numel()) // max(object_bytes, 1))
 
-    def view(self, n: int, object_bytes: int) -> torch.Tensor:
-        return self.buffer[: n * object_bytes].view(n, object_bytes)
+    def view(self, n: int, object_bytes: int, offset: int = 0) -> torch.Tensor:
+        return self.buffer[offset : offset + n * object_bytes].view(n, object_bytes)
 
 
 @dataclass(frozen=True)
 class CopyStreams:
-    """The save and load copy streams of one worker's groups on one CUDA device."""
+    """The save and load copy streams of one worker's groups on one device."""
 
     save: CopyStream
     load: CopyStream
 
     @classmethod
-    def allocate(cls, device: torch.device, object_bytes: Iterable[int],
-                 budget: int = DEVICE_BUFFER_BYTES) -> CopyStreams:
-        """Both directions' buffers, now: ``budget`` bytes each, or one object of the largest
-        group where that is more (an out-of-memory shows at start, not at the first save)."""
-        if device.type != "cuda":
-            raise ValueError(f"prefixvault: side streams and device buffers are for CUDA, not {device}")
-        size = max([budget, *object_bytes])
-        return cls(CopyStream(device, size), CopyStream(device, size))
+    def allocate(cls, device: torch.device, object_bytes: Iterable[int], budget: int = DEVICE_BUFFER_BYTES,
+                 save_bytes: int | None = None, ops: StreamOps | None = None) -> CopyStreams:
+        """Both directions' buffers, now (an out-of-memory shows at start, not at the first
+        save): ``save_bytes`` (else ``budget``) for saves, ``budget`` for loads, each at least
+        one object of the largest group. ``ops``: CUDA's own, the only device with streams."""
+        if ops is None:
+            if device.type != "cuda":
+                raise ValueError(f"prefixvault: side streams and device buffers are for CUDA, not {device}")
+            ops = CUDA_OPS
+        largest = max([0, *object_bytes])
+        save = max(budget if save_bytes is None else save_bytes, largest)
+        return cls(CopyStream(device, save, ops), CopyStream(device, max(budget, largest), ops))
 
     @property
     def nbytes(self) -> int:
         return int(self.save.buffer.numel() + self.load.buffer.numel())
+
+
+class SaveBatch:
+    """The gathers of one step, every cache group's, queued as one: every device-side gather
+    first, then one event the engine's stream waits on, then every transfer to the host.
+
+    Made and ``issue``d on the engine's thread (the engine's stream is that thread's current
+    stream). Invariant: ``_parts`` only grows until issued; issued once; ``_issued`` is set
+    once issued or failed, and ``_landed`` (or ``_error``) is final from then on. A ``Done``
+    of the batch waited for on another thread (the save lane) waits until the engine's thread
+    issued it; on the engine's thread it issues what is queued so far."""
+
+    def __init__(self, streams: CopyStreams) -> None:
+        self.streams = streams
+        self._owner = threading.get_ident()
+        self._parts: list[tuple[GroupIO, list[int], torch.Tensor]] = []
+        self._issued = threading.Event()
+        self._landed: Any = None
+        self._error: BaseException | None = None
+        #: Rounds through the save buffer (1 when the step's save fits it) and bytes copied, once issued.
+        self.rounds = 0
+        self.nbytes = 0
+
+    def add(self, io: GroupIO, block_ids: list[int], out: torch.Tensor) -> Done:
+        if self._issued.is_set():
+            raise RuntimeError("prefixvault: a gather added to a step's save already issued")
+        self._parts.append((io, block_ids, out))
+        return Done(batch=self)
+
+    def landed(self) -> Any:
+        """The event after every transfer to the host (None: nothing was queued)."""
+        if not self._issued.is_set() and threading.get_ident() == self._owner:
+            self.issue()
+        self._issued.wait()
+        if self._error is not None:
+            raise RuntimeError(f"prefixvault: a step's gathers failed: {self._error!r}") from self._error
+        return self._landed
+
+    def issue(self) -> None:
+        """Queue every gather added (on the engine's thread); the engine's stream waits for the
+        device-side ones only. Raises only once nothing it queued is still running."""
+        if self._issued.is_set():
+            return
+        copies = self.streams.save
+        ops, side, device = copies.ops, copies.stream, copies.device
+        try:
+            if not self._parts:
+                return
+            engine = ops.current(device)
+            with copies.lock, ops.on(side, device):
+                try:
+                    self._queue(copies, engine)
+                except BaseException:
+                    side.synchronize()  # nothing left writing into the hosts' memory
+                    raise
+        except BaseException as e:
+            self._error = e
+            raise
+        finally:
+            self._issued.set()
+
+    def _queue(self, copies: CopyStream, engine: Any) -> None:
+        ops, side, device = copies.ops, copies.stream, copies.device
+        capacity = int(copies.buffer.numel())
+        side.wait_stream(engine)  # the forward that wrote these blocks
+        used = 0
+        transfers: list[tuple[torch.Tensor, torch.Tensor, int]] = []  # (host rows, device rows, group)
+        self.rounds = 1
+        for io, block_ids, out in self._parts:
+            ob = io.object_bytes
+            start = 0
+            while start < len(block_ids):
+                if capacity - used < ob:  # buffer full: this round's transfers first (the engine waits)
+                    for dest, src, group in transfers:
+                        ops.to_host(dest, src, group)
+                    transfers, used = [], 0
+                    self.rounds += 1
+                n = min(len(block_ids) - start, (capacity - used) // ob)
+                ids = block_ids[start : start + n]
+                buf = copies.view(n, ob, used)
+                idx = ops.index(ids, device)
+                off = 0
+                for lay in io.layers:
+                    src = lay.flat if lay.flat is not None else lay.tensor
+                    ops.gather(buf[:, off : off + lay.page], src, idx, lay.page, io.group)
+                    off += lay.page
+                transfers.append((out[start : start + n], buf, io.group))
+                used += n * ob
+                self.nbytes += n * ob
+                start += n
+        gathered = ops.event()
+        gathered.record(side)
+        engine.wait_event(gathered)  # the engine may reuse the blocks once every one is read
+        for dest, src, group in transfers:
+            ops.to_host(dest, src, group)
+        landed = ops.event(blocking=True)  # a waiting save thread sleeps, not spins
+        landed.record(side)
+        self._landed = landed
 
 
 @dataclass(frozen=True)
@@ -129,9 +286,9 @@ class GroupIO:
     bytes, scatter host bytes back into blocks."""
 
     def __init__(self, layers: Sequence[torch.Tensor], names: Sequence[str] | None = None,
-                 streams: CopyStreams | None = None) -> None:
+                 streams: CopyStreams | None = None, group: int = 0) -> None:
         """``streams``: the side streams and device buffers this group shares with the worker's
-        other groups (CUDA); without, the group gets its own."""
+        other groups (CUDA: without, the group gets its own); ``group``: its index, for logs."""
         if not layers:
             raise ValueError("prefixvault: a cache group without layers")
         names = list(names or [str(i) for i in range(len(layers))])
@@ -140,36 +297,35 @@ class GroupIO:
         if len(devices) != 1:
             raise ValueError(f"prefixvault: one cache group's layers are on several devices: {devices}")
         self.device: torch.device = next(iter(devices))
+        self.group = group
         self.num_blocks = min(t.shape[0] for t in layers)
         self.object_bytes = sum(lay.page for lay in self.layers)
-        self._cuda = self.device.type == "cuda"
-        self._streams: CopyStreams | None = None
-        #: Objects per piece through the device buffer (a test may lower it to force pieces).
-        self.piece_rows = 1
-        if self._cuda:
-            if streams is None:
-                streams = CopyStreams.allocate(self.device, [self.object_bytes])
-            if streams.save.device != self.device:
-                raise ValueError(f"prefixvault: copy streams on {streams.save.device} for a group on "
-                                 f"{self.device}")
-            self._streams = streams
-            self.piece_rows = min(streams.save.rows(self.object_bytes), streams.load.rows(self.object_bytes))
+        if streams is None and self.device.type == "cuda":
+            streams = CopyStreams.allocate(self.device, [self.object_bytes])
+        if streams is not None and streams.save.device != self.device:
+            raise ValueError(f"prefixvault: copy streams on {streams.save.device} for a group on "
+                             f"{self.device}")
+        # Copies through side streams (CUDA, or a test's recorder), else straight on this thread.
+        self._streams: CopyStreams | None = streams
+        #: Objects per piece of a load through the device buffer (a test may lower it to force pieces).
+        self.piece_rows = 1 if streams is None else streams.load.rows(self.object_bytes)
 
     def mark(self) -> Any:
         """On the engine's thread: an event after the work queued so far on its stream (None
-        off CUDA), for ``scatter(after=...)``."""
-        if not self._cuda:
+        without streams), for ``scatter(after=...)``."""
+        if self._streams is None:
             return None
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        ops = self._streams.load.ops
+        event = ops.event()
+        event.record(ops.current(self.device))
         return event
 
     def pieces(self, n: int) -> int:
-        """How many pieces a copy of ``n`` objects goes in (through the device buffer; one
-        off CUDA, where blocks are copied straight to and from host memory)."""
+        """How many pieces a load of ``n`` objects goes in (through the device buffer; one
+        without streams, where blocks are copied straight from host memory)."""
         if self._streams is None or n <= 0:
             return 1 if n > 0 else 0
-        rows = max(1, min(self.piece_rows, self._streams.save.rows(self.object_bytes)))
+        rows = max(1, min(self.piece_rows, self._streams.load.rows(self.object_bytes)))
         return -(-n // rows)
 
     @property
@@ -188,17 +344,31 @@ class GroupIO:
 
     # -- gather: blocks -> host ------------------------------------------------------------------
 
-    def gather(self, block_ids: Sequence[int], out: torch.Tensor) -> Done:
+    def save_batch(self) -> SaveBatch | None:
+        """A batch for one step's gathers on this group's streams (None without streams: every
+        gather is then done at once)."""
+        return None if self._streams is None else SaveBatch(self._streams)
+
+    def gather(self, block_ids: Sequence[int], out: torch.Tensor, batch: SaveBatch | None = None) -> Done:
         """Copy blocks ``block_ids`` (one object each) into ``out`` (host, uint8 [n, object
         bytes]; pinned, on CUDA, for the transfer to overlap). Wait for the result before
-        reading ``out``; the blocks themselves may be overwritten as soon as this returns."""
+        reading ``out``. With ``batch`` (of this group's streams), the copy is queued with the
+        step's others when the batch is issued, and the blocks may be overwritten once it is;
+        without, it is queued now, and they may be overwritten as soon as this returns."""
         self._check(block_ids, out)
         if not block_ids:
             return Done()
-        if not self._cuda:
+        if self._streams is None:
             self._gather_host(block_ids, out)
             return Done()
-        return self._gather_cuda(block_ids, out)
+        if batch is not None:
+            if batch.streams is not self._streams:
+                raise ValueError("prefixvault: a gather batched on another worker's streams")
+            return batch.add(self, list(block_ids), out)
+        alone = SaveBatch(self._streams)
+        done = alone.add(self, list(block_ids), out)
+        alone.issue()
+        return done
 
     def _gather_host(self, block_ids: Sequence[int], out: torch.Tensor) -> None:
         off = 0
@@ -215,40 +385,6 @@ class GroupIO:
                 dest.copy_(_as_bytes(lay.tensor.index_select(0, idx), lay.page))
             off += lay.page
 
-    def _gather_cuda(self, block_ids: Sequence[int], out: torch.Tensor) -> Done:
-        assert self._streams is not None
-        copies = self._streams.save
-        engine = torch.cuda.current_stream(self.device)
-        side = copies.stream
-        rows = max(1, min(self.piece_rows, copies.rows(self.object_bytes)))
-        gathered: Any = None
-        with copies.lock, torch.cuda.device(self.device), torch.cuda.stream(side):
-            try:
-                side.wait_stream(engine)  # the forward that wrote these blocks
-                for start in range(0, len(block_ids), rows):
-                    ids = block_ids[start : start + rows]
-                    idx = torch.tensor(ids, dtype=torch.long, pin_memory=True)
-                    idx = idx.to(self.device, non_blocking=True)
-                    buf = copies.view(len(ids), self.object_bytes)
-                    off = 0
-                    for lay in self.layers:
-                        src = lay.flat if lay.flat is not None else lay.tensor
-                        buf[:, off : off + lay.page].copy_(_as_bytes(src.index_select(0, idx), lay.page))
-                        off += lay.page
-                    if start + rows >= len(block_ids):  # every block read: the engine may go on
-                        gathered = torch.cuda.Event()
-                        gathered.record(side)
-                    out[start : start + len(ids)].copy_(buf, non_blocking=True)  # before buf is reused
-                landed = torch.cuda.Event(blocking=True)  # a waiting save thread sleeps, not spins
-                landed.record(side)
-            except BaseException:
-                side.synchronize()  # nothing left writing into ``out`` once the caller sees this
-                raise
-        # The next forward may overwrite the blocks only after the device-side gathers (not
-        # the last transfer to the host, which the caller waits for).
-        engine.wait_event(gathered)
-        return Done(landed)
-
     # -- scatter: host -> blocks -----------------------------------------------------------------
 
     def scatter(self, block_ids: Sequence[int], src: torch.Tensor, after: Any = None) -> None:
@@ -259,7 +395,7 @@ class GroupIO:
         self._check(block_ids, src)
         if not block_ids:
             return
-        if not self._cuda:
+        if self._streams is None:
             off = 0
             idx: torch.Tensor | None = None
             src_np = src.numpy()
@@ -274,25 +410,23 @@ class GroupIO:
                     lay.tensor.index_copy_(0, idx, _from_bytes(part.contiguous(), lay.tensor))
                 off += lay.page
             return
-        self._scatter_cuda(block_ids, src, after)
+        self._scatter_streams(block_ids, src, after)
 
-    def _scatter_cuda(self, block_ids: Sequence[int], src: torch.Tensor, after: Any) -> None:
+    def _scatter_streams(self, block_ids: Sequence[int], src: torch.Tensor, after: Any) -> None:
         assert self._streams is not None
         copies = self._streams.load
-        side = copies.stream
+        ops, side = copies.ops, copies.stream
         rows = max(1, min(self.piece_rows, copies.rows(self.object_bytes)))
-        pinned = src.is_pinned()
         # The device context: a load thread that never chose one must not touch device 0.
-        with copies.lock, torch.cuda.device(self.device), torch.cuda.stream(side):
+        with copies.lock, ops.on(side, self.device):
             try:
                 if after is not None:
                     side.wait_event(after)
                 for start in range(0, len(block_ids), rows):
                     ids = block_ids[start : start + rows]
-                    idx = torch.tensor(ids, dtype=torch.long, pin_memory=True)
-                    idx = idx.to(self.device, non_blocking=True)
+                    idx = ops.index(ids, self.device)
                     buf = copies.view(len(ids), self.object_bytes)
-                    buf.copy_(src[start : start + len(ids)], non_blocking=pinned)
+                    ops.to_device(buf, src[start : start + len(ids)])
                     off = 0
                     for lay in self.layers:
                         part = buf[:, off : off + lay.page].contiguous()
@@ -302,7 +436,9 @@ class GroupIO:
                             lay.tensor.index_copy_(0, idx, _from_bytes(part, lay.tensor))
                         off += lay.page
             finally:  # landed, or failed with nothing of ours still writing into the blocks
-                side.synchronize()
+                landed = ops.event(blocking=True)  # an event wait: sleeps, and is no stream sync
+                landed.record(side)
+                landed.synchronize()
 
 
 def _as_bytes(blocks: torch.Tensor, page: int) -> torch.Tensor:

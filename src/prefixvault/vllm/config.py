@@ -232,6 +232,8 @@ def in_step_refused(settings: ConnectorSettings, device: str) -> str | None:
 #: Bounds of the staging budget ``save_staging_mib: auto`` sizes (per worker, pinned on a GPU).
 AUTO_STAGING_MIN = 256 << 20
 AUTO_STAGING_MAX = 4 << 30
+#: The save device buffer at most (``save_device_bytes``), outside vLLM's KV cache budget.
+SAVE_DEVICE_MAX = 1 << 30
 
 
 def staging_bytes(settings: ConnectorSettings, layout: CacheLayout, vllm_config: Any) -> int:
@@ -242,6 +244,13 @@ def staging_bytes(settings: ConnectorSettings, layout: CacheLayout, vllm_config:
     and counted (``save_dropped:too_large``)."""
     if settings.save_staging_mib is not None:
         return settings.save_staging_mib << 20
+    return min(max(2 * step_save_bytes(layout, vllm_config), AUTO_STAGING_MIN), AUTO_STAGING_MAX)
+
+
+def step_save_bytes(layout: CacheLayout, vllm_config: Any) -> int:
+    """Bytes of the save a prefill step makes on the largest rank: every block its token budget
+    (``max_num_batched_tokens``) touches, and one boundary's states at the chunk's end and one
+    at a checkpoint."""
     tokens = int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", 0) or 0)
     blocks = max(tokens, layout.block_size) // layout.block_size + 1
     step = 0
@@ -249,7 +258,15 @@ def staging_bytes(settings: ConnectorSettings, layout: CacheLayout, vllm_config:
         attention = sum(g.nbytes(rank) for g in layout.groups if not g.is_state)
         states = sum(g.nbytes(rank) for g in layout.groups if g.is_state)
         step = max(step, blocks * attention + 2 * states)
-    return min(max(2 * step, AUTO_STAGING_MIN), AUTO_STAGING_MAX)
+    return step
+
+
+def save_device_bytes(layout: CacheLayout, vllm_config: Any) -> int:
+    """The device buffer one worker's saves go through on CUDA: one prefill step's save
+    (``step_save_bytes``; a step's gathers all land in it before the engine goes on), at most
+    ``SAVE_DEVICE_MAX``. A step saving more goes in rounds (the engine then waits for the
+    earlier rounds' transfers to the host)."""
+    return min(step_save_bytes(layout, vllm_config), SAVE_DEVICE_MAX)
 
 
 def _text(extra: dict[str, Any], key: str) -> None:

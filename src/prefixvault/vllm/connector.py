@@ -46,6 +46,7 @@ from prefixvault.vllm.config import (
     hot_set_bytes,
     in_step_refused,
     restores_in_step,
+    save_device_bytes,
     staging_bytes,
 )
 from prefixvault.vllm.layout import Unsupported, build_layout, cache_shape
@@ -161,7 +162,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                                      hold_bytes=self.settings.save_hold_mib << 20 if hold_outputs else 0,
                                      drain_timeout=self.settings.save_drain_timeout,
                                      load_timeout=self.settings.load_timeout, load_in_step=in_step,
-                                     num_blocks=int(kv_cache_config.num_blocks), guard=self.guard)
+                                     num_blocks=int(kv_cache_config.num_blocks), guard=self.guard,
+                                     save_device_bytes=save_device_bytes(self.layout, vllm_config))
 
     @property
     def scheduler(self) -> SchedulerSide | None:

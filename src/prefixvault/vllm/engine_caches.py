@@ -7,7 +7,8 @@ refused. Saves and holds read objects out of blocks here, loads write them in.
 
 Memory on a CUDA engine, all allocated at registration (vLLM has sized its KV cache by then: an
 allocation that fails shows at start, and nothing grows later): the copy buffers of
-``prefixvault.blockio`` (``DEVICE_BUFFER_BYTES`` per direction, shared by the groups), host
+``prefixvault.blockio``, shared by the groups (for saves, one step's save, ``save_device_bytes``;
+for loads, ``DEVICE_BUFFER_BYTES``), host
 memory the other parts keep for copies (``host_buffer``: pinned, so a device's copies overlap)
 and one pinned load buffer of ``LOAD_STAGING_BYTES`` (32 MiB, or one object of the largest group
 where that is larger), reused by every load: a load larger than it is written in pieces.
@@ -15,14 +16,15 @@ where that is larger), reused by every load: a load larger than it is written in
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from prefixvault.blockio import Done, GroupIO
+from prefixvault.blockio import Done, GroupIO, SaveBatch, StreamOps
 from prefixvault.layout import CacheLayout
 from prefixvault.vault import ObjectRef
 from prefixvault.vllm.kernel_blocks import group_ios
@@ -39,9 +41,10 @@ class EngineCaches:
     tensor then (each raises)."""
 
     def __init__(self, layout: CacheLayout, rank: int, layer_groups: Sequence[Sequence[str]],
-                 num_blocks: int | None) -> None:
+                 num_blocks: int | None, save_device_bytes: int | None = None) -> None:
         """``num_blocks``: the engine's manager blocks (``KVCacheConfig.num_blocks``); a layer
-        with more (kernel blocks) is viewed as that many manager blocks."""
+        with more (kernel blocks) is viewed as that many manager blocks. ``save_device_bytes``:
+        the save device buffer (one step's save; ``blockio.CopyStreams.allocate``)."""
         self.layout = layout
         self.rank = rank
         self.layer_groups = [list(g) for g in layer_groups]
@@ -51,6 +54,11 @@ class EngineCaches:
         # Loads into CUDA caches go through this pinned buffer, one load at a time (under the lock).
         self._load_buffer: Any = None
         self._load_lock = threading.Lock()
+        self.save_device_bytes = save_device_bytes
+        #: Copies through side streams of these instead of CUDA's (a test's recorder, on CPU).
+        self.stream_ops: StreamOps | None = None
+        # The open step's gathers (``one_step``), issued together when it ends; engine thread only.
+        self._batch: SaveBatch | None = None
 
     # -- registration -----------------------------------------------------------------------------
 
@@ -60,7 +68,8 @@ class EngineCaches:
         import torch
 
         self.ios = []
-        ios = group_ios(kv_caches, self.layer_groups, self.num_blocks)
+        ios = group_ios(kv_caches, self.layer_groups, self.num_blocks, save_bytes=self.save_device_bytes,
+                        ops=self.stream_ops)
         if len(ios) != len(self.layout.groups):
             raise ValueError(f"prefixvault: {len(ios)} cache groups registered, layout has "
                              f"{len(self.layout.groups)}")
@@ -125,10 +134,25 @@ class EngineCaches:
         """Copy one object's payload out of the engine's blocks into ``dest``."""
         self.ios[ref.group].gather([block_id], _host(dest, 1)).wait()
 
+    @contextlib.contextmanager
+    def one_step(self) -> Iterator[None]:
+        """The saves of one step (engine thread): their gathers (``copy_out``), every group's,
+        are queued together when it ends, so that the engine's stream waits once, for the
+        device-side copies only (``blockio.SaveBatch``). Without streams each is done at once."""
+        batch = self.ios[0].save_batch() if self.ios else None
+        self._batch = batch
+        try:
+            yield
+        finally:
+            self._batch = None
+            if batch is not None:
+                batch.issue()
+
     def copy_out(self, group: int, block_ids: Sequence[int], dest: memoryview) -> Done:
         """Copy blocks of one group into ``dest``, one object after another, in one gather; on
-        a device it may still be running: wait for the ``Done`` before reading ``dest``."""
-        return self.ios[group].gather(list(block_ids), _host(dest, len(block_ids)))
+        a device it may still be running (queued when the step ends, inside ``one_step``): wait
+        for the ``Done`` before reading ``dest``."""
+        return self.ios[group].gather(list(block_ids), _host(dest, len(block_ids)), self._batch)
 
     # -- copies in (loads) ------------------------------------------------------------------------
 

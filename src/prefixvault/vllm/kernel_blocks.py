@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from prefixvault.blockio import DEVICE_BUFFER_BYTES, CopyStreams, GroupIO
+from prefixvault.blockio import DEVICE_BUFFER_BYTES, CopyStreams, GroupIO, StreamOps
 
 
 def manager_view(t: torch.Tensor, num_blocks: int | None, name: str) -> torch.Tensor:
@@ -51,10 +51,13 @@ def manager_view(t: torch.Tensor, num_blocks: int | None, name: str) -> torch.Te
 
 
 def group_ios(kv_caches: Mapping[str, Any], layer_groups: Sequence[Sequence[str]],
-              num_blocks: int | None = None, budget: int = DEVICE_BUFFER_BYTES) -> list[GroupIO]:
+              num_blocks: int | None = None, budget: int = DEVICE_BUFFER_BYTES,
+              save_bytes: int | None = None, ops: StreamOps | None = None) -> list[GroupIO]:
     """Block I/O for every cache group, from the views vLLM registered (kernel-block views
     regrouped to ``num_blocks`` manager blocks). On CUDA the groups share one side stream and
-    one device buffer per direction, allocated here. Any problem is one ``ValueError``."""
+    one device buffer per direction, allocated here: ``save_bytes`` (one step's save) for saves,
+    ``budget`` for loads (``CopyStreams.allocate``). ``ops``: copies through side streams of
+    these (a test's recorder on CPU tensors) instead of CUDA's. Any problem is one ``ValueError``."""
     groups: list[tuple[list[torch.Tensor], list[str]]] = []
     for gi, names in enumerate(layer_groups):
         missing = [n for n in names if n not in kv_caches]
@@ -74,14 +77,14 @@ def group_ios(kv_caches: Mapping[str, Any], layer_groups: Sequence[Sequence[str]
     if len(devices) > 1:
         raise ValueError(f"prefixvault: cache tensors on several devices: {sorted(map(str, devices))}")
     streams: CopyStreams | None = None
-    if devices and next(iter(devices)).type == "cuda":
+    if devices and (next(iter(devices)).type == "cuda" or ops is not None):
         pages = [sum(t[0].numel() * t.element_size() for t in tensors) for tensors, _ in groups]
         try:
-            streams = CopyStreams.allocate(next(iter(devices)), pages, budget)
+            streams = CopyStreams.allocate(next(iter(devices)), pages, budget, save_bytes, ops)
         except torch.cuda.OutOfMemoryError as e:
-            need = 2 * max([budget, *pages])
+            need = max([budget if save_bytes is None else save_bytes, *pages]) + max([budget, *pages])
             raise ValueError(f"prefixvault: no device memory for the copy buffers ({need} bytes): {e}") from e
-    ios = [GroupIO(tensors, names, streams) for tensors, names in groups]
+    ios = [GroupIO(tensors, names, streams, gi) for gi, (tensors, names) in enumerate(groups)]
     if num_blocks is not None:
         for gi, io in enumerate(ios):
             if io.num_blocks != num_blocks:

@@ -1,14 +1,41 @@
-"""What the scheduler side tells the workers each step (pickled to every rank)."""
+"""What the scheduler side tells the workers each step (pickled to every rank).
+
+The one module of the worker's that names vLLM: without vLLM installed (a device machine
+running ``bench/gpu_check.py``) its two base classes are stood in for, so ``WorkerSide`` and
+everything it imports can be driven with torch alone."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
 from enum import Enum
-
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata, KVConnectorWorkerMetadata
+from typing import TYPE_CHECKING
 
 from prefixvault.boundary import SavePlan
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorMetadata,
+        KVConnectorWorkerMetadata,
+    )
+else:
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+            KVConnectorMetadata,
+            KVConnectorWorkerMetadata,
+        )
+    except ModuleNotFoundError as e:  # no vLLM at all: the worker driven by bench/gpu_check.py
+        if e.name != "vllm":
+            raise
+
+        class KVConnectorMetadata:
+            """Stands in for vLLM's base class where vLLM is not installed."""
+
+        class KVConnectorWorkerMetadata:
+            """Stands in for vLLM's base class where vLLM is not installed."""
+
+            def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+                return self
 
 
 class LoadMode(Enum):

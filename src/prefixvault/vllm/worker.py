@@ -47,14 +47,15 @@ class WorkerSide:
         self, layout: CacheLayout, vault: Vault | None, rank: int, layer_groups: Sequence[Sequence[str]],
         staging_bytes: int = 0, drain_timeout: float = 30.0, hold_bytes: int = 0,
         num_blocks: int | None = None, guard: Guard | None = None, load_timeout: float = 5.0,
-        load_in_step: bool = False,
+        load_in_step: bool = False, save_device_bytes: int | None = None,
     ) -> None:
         """``num_blocks``: the engine's manager blocks (``KVCacheConfig.num_blocks``); a layer
         with more (kernel blocks) is viewed as that many manager blocks. ``guard``: where errors
         of ours (not the store's) are counted and logged, the connector's own. ``load_timeout``:
         the fixed part of a load's deadline (its bytes add to it). ``load_in_step``:
         ``take_finished`` waits for the loads queued since the last call up to
-        ``IN_STEP_WAIT_S`` (``restore_in_step``)."""
+        ``IN_STEP_WAIT_S`` (``restore_in_step``). ``save_device_bytes``: the device buffer one
+        step's gathers go through on CUDA (``config.save_device_bytes``)."""
         self.guard = guard or Guard()
         self.layout = layout
         self.rank = rank
@@ -62,7 +63,7 @@ class WorkerSide:
         self._vault = vault
         self._drain_timeout = drain_timeout
         self._disabled: str | None = None  # why the worker touches no cache tensor (``disable``)
-        self.caches = EngineCaches(layout, rank, layer_groups, num_blocks)
+        self.caches = EngineCaches(layout, rank, layer_groups, num_blocks, save_device_bytes)
         ctx = WorkerContext(layout=layout, rank=rank, vault=vault, caches=self.caches, counters=self.counters,
                             guard=self.guard)
         self.saves = Saves(ctx, staging_bytes=staging_bytes, drain_timeout=drain_timeout)
@@ -128,11 +129,12 @@ class WorkerSide:
             self.holds.release(releases, step)
         if not saves or self._vault is None:
             return
-        for spec in saves:
-            if spec.hold:
-                self.holds.hold(spec, spec.sid(step))
-            else:
-                self.saves.save(spec, spec.sid(step))
+        with self.caches.one_step():  # every save's gathers queued together: the engine waits once
+            for spec in saves:
+                if spec.hold:
+                    self.holds.hold(spec, spec.sid(step))
+                else:
+                    self.saves.save(spec, spec.sid(step))
 
     def load(self, specs: Sequence[LoadSpec], step: int = 0) -> None:
         """Write the synchronous loads of ``step`` now (vLLM calls this before the step's

@@ -1,0 +1,155 @@
+"""A step's save holds the engine's stream for device-side copies only: every cache group's
+gather is queued before the first transfer to the host, and the engine waits for one event
+per step, recorded before any transfer. Stream operations recorded on CPU stand-ins
+(``scenarios.stream_log``), with the bytes checked too."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+from test_vault import BS, layout
+from test_worker_saves import STATE_BLOCK, TOKENS, restored, settle, spec
+
+from prefixvault.scenarios.cache_layouts import attention_layers, state_layers
+from prefixvault.scenarios.stream_log import Op, RecordingOps, engine_waits, held_for_transfers
+from prefixvault.stores.memory import MemoryStore
+from prefixvault.vault import Vault
+from prefixvault.vllm.kernel_blocks import group_ios
+from prefixvault.vllm.metadata import save_id
+from prefixvault.vllm.worker import WorkerSide
+
+BLOCKS = 12
+
+
+def expected(layers: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    return torch.stack([torch.cat([t[b].contiguous().view(torch.uint8).reshape(-1) for t in layers])
+                        for b in block_ids])
+
+
+def three_groups(ops: RecordingOps, save_bytes: int | None = None) -> tuple[list, list[list[torch.Tensor]]]:
+    g = torch.Generator().manual_seed(5)
+    groups = [attention_layers("LBNHC", 2, BLOCKS, 2, 4, 8, torch.bfloat16, generator=g),
+              state_layers(2, BLOCKS, (16,), generator=g), state_layers(3, BLOCKS, (8,), generator=g)]
+    caches = {f"g{gi}l{li}": t for gi, layers in enumerate(groups) for li, t in enumerate(layers)}
+    names = [[f"g{gi}l{li}" for li in range(len(layers))] for gi, layers in enumerate(groups)]
+    return group_ios(caches, names, BLOCKS, save_bytes=save_bytes, ops=ops), groups
+
+
+def first(ops: list[Op], what: str) -> int:
+    return next(i for i, op in enumerate(ops) if op.what == what)
+
+
+def last(ops: list[Op], what: str) -> int:
+    return max(i for i, op in enumerate(ops) if op.what == what)
+
+
+def test_every_groups_gather_is_queued_before_any_transfer_and_the_engine_waits_once() -> None:
+    ops = RecordingOps()
+    ios, groups = three_groups(ops)
+    ids = [[3, 1, 7, 0], [5], [2, 9]]
+    outs = [torch.zeros(len(b), io.object_bytes, dtype=torch.uint8) for io, b in zip(ios, ids, strict=True)]
+    batch = ios[0].save_batch()
+    assert batch is not None
+    done = [io.gather(b, out, batch) for io, b, out in zip(ios, ids, outs, strict=True)]
+    assert ops.log == []  # nothing queued before the step's saves are all known
+    batch.issue()
+    log = ops.take()
+    assert {op.group for op in log if op.what == "gather"} == {0, 1, 2}
+    assert last(log, "gather") < first(log, "to_host")
+    waits = engine_waits(log)
+    assert len(waits) == 1
+    recorded = next(i for i, op in enumerate(log) if op.what == "record" and op.event == waits[0].event)
+    assert last(log, "gather") < recorded < first(log, "to_host")
+    assert not held_for_transfers(log) and batch.rounds == 1
+    for d in done:
+        d.wait()
+    for layers, b, out in zip(groups, ids, outs, strict=True):
+        assert torch.equal(out, expected(layers, b))
+
+
+def test_a_save_larger_than_the_device_buffer_goes_in_rounds_and_still_one_wait() -> None:
+    """The buffer bound holds: past it the engine waits for the earlier rounds' transfers."""
+    ops = RecordingOps()
+    ios, groups = three_groups(ops, save_bytes=1)  # one object of the largest group
+    batch = ios[0].save_batch()
+    assert batch is not None and ios[0]._streams is not None
+    assert ios[0]._streams.save.buffer.numel() == max(io.object_bytes for io in ios)
+    outs = [torch.zeros(2, io.object_bytes, dtype=torch.uint8) for io in ios]
+    for io, out in zip(ios, outs, strict=True):
+        io.gather([4, 8], out, batch)
+    batch.issue()
+    log = ops.take()
+    assert batch.rounds > 1 and len(engine_waits(log)) == 1 and held_for_transfers(log)
+    for layers, out in zip(groups, outs, strict=True):
+        assert torch.equal(out, expected(layers, [4, 8]))
+
+
+def test_the_save_lane_waits_until_the_engines_thread_issued_the_step() -> None:
+    ops = RecordingOps()
+    ios, groups = three_groups(ops)
+    batch = ios[1].save_batch()
+    assert batch is not None
+    out = torch.zeros(1, ios[1].object_bytes, dtype=torch.uint8)
+    done = ios[1].gather([6], out, batch)
+    waited = threading.Event()
+
+    def lane() -> None:
+        done.wait()
+        waited.set()
+
+    t = threading.Thread(target=lane)
+    t.start()
+    assert not waited.wait(0.2) and ops.log == []  # another thread never issues the engine's work
+    batch.issue()
+    t.join(5)
+    assert waited.is_set() and torch.equal(out, expected(groups[1], [6]))
+
+
+def worker_on(ops: RecordingOps, vault: Vault) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+    """The worker of test_worker_saves on CPU tensors, its copies queued through ``ops``."""
+    caches = {"a": torch.zeros(16, 2, BS, 4), "w": torch.zeros(16, 2, BS, 4), "s": torch.zeros(16, 4, 4)}
+    for name, t in caches.items():
+        for b in range(16):
+            t[b] = b + {"a": 0.25, "w": 0.5, "s": 0.75}[name]
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], staging_bytes=1 << 20)
+    worker.caches.stream_ops = ops
+    worker.register_kv_caches(caches)
+    return worker, caches
+
+
+def test_a_workers_step_of_several_saves_holds_the_engine_once_and_restores_exactly() -> None:
+    ops = RecordingOps()
+    vault = Vault(MemoryStore(), layout())
+    worker, caches = worker_on(ops, vault)
+    other = [t + 1000 for t in TOKENS]
+    for step in (1, 2):
+        worker.step([spec(vault), spec(vault, "q", other)], [], step=step)
+        log = ops.take()
+        assert {op.group for op in log if op.what == "gather"} == {0, 1, 2}
+        assert last(log, "gather") < first(log, "to_host")
+        assert len(engine_waits(log)) == 1 and not held_for_transfers(log)
+    for t in caches.values():  # the next step reuses the blocks
+        t[:] = 99
+    want = {save_id(step, req) for step in (1, 2) for req in "rq"}
+    assert settle(worker, want) == want
+    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS
+    restored(vault, worker, caches)  # load -> scatter, through the same stand-ins
+    assert any(op.what == "to_device" for op in ops.take())
+    assert np.all(caches["s"][14].numpy() == STATE_BLOCK + 0.75)
+    worker.close()
+
+
+def test_the_save_device_buffer_is_one_prefill_steps_save_and_bounded() -> None:
+    from types import SimpleNamespace
+
+    from prefixvault.vllm.config import SAVE_DEVICE_MAX, save_device_bytes
+
+    lay = layout()
+    attention = sum(g.nbytes(0) for g in lay.groups if not g.is_state)
+    states = sum(g.nbytes(0) for g in lay.groups if g.is_state)
+    step = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=10 * BS))
+    assert save_device_bytes(lay, step) == 11 * attention + 2 * states
+    huge = SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=1 << 40))
+    assert save_device_bytes(lay, huge) == SAVE_DEVICE_MAX
