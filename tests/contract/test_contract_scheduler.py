@@ -175,7 +175,16 @@ def test_a_restore_past_a_prefix_the_engine_holds_reads_only_what_lies_past_it(e
     b = engines(geo, a.store, budget=2 * bs)
     b.run({0: [make_request("first", one, geo)]})
     assert b.loads["first"] == 1 and b.local_loaded["first"] == 0, "the first restored nothing"
+    costs, judged = b.connector.scheduler.costs, []  # what restore_when judges the lookup by
+    look_up = costs.look_up
+
+    def recorded(tokens: int, in_step: bool) -> Any:
+        judged.append(tokens)
+        return look_up(tokens, in_step)
+    costs.look_up = recorded  # type: ignore[method-assign]
     b.run({0: [make_request("second", two, geo)]})
+    # past the hit every group holds (nothing), not past vLLM's divergent offer (2 blocks of KV)
+    assert judged[0] == len(two) - 1, f"judged {judged} tokens"
     asks = [x for x in b.asks if x.req_id == "second" and x.answer[0] is not None]
     assert asks and asks[0].computed == 2 * bs, f"vLLM offered {asks[0].computed if asks else None}"
     assert asks[0].answer == (2 * bs, False), asks[0]  # synchronous: a worker in this process

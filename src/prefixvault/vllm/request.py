@@ -58,6 +58,10 @@ class LookingUp:
     lookup: Future[Answer]
     since: float  # time.monotonic() the lookup was queued
     local: int  # tokens vLLM's own prefix cache had when it was looked up
+    # Of them, the hit every cache group holds (what the engine computes from without a load),
+    # and where a load of its hit would start (``vllm/restored.py``).
+    agreed: int = 0
+    start: int = 0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,11 +168,16 @@ class Restore:
         if isinstance(left, LookingUp):
             left.lookup.add_done_callback(functools.partial(_release_unadopted, adopted=self.read_ahead))
 
-    def look_up(self, lookup: Future[Answer], local: int, now: float) -> None:
+    def look_up(self, lookup: Future[Answer], local: int, now: float, agreed: int | None = None,
+                start: int | None = None) -> None:
+        """Its lookup was queued; ``agreed`` and ``start``: ``LookingUp``'s (``local`` if not
+        given: no divergent hit)."""
         self._expect(New, WaitingForSave)
         if self.asked_at is None:
             self.asked_at = now
-        self._become(LookingUp(lookup=lookup, since=now, local=local))
+        self._become(LookingUp(lookup=lookup, since=now, local=local,
+                               agreed=local if agreed is None else agreed,
+                               start=local if start is None else start))
 
     def wait_for_save(self) -> None:
         """Its lookup answered that a save of its prefix is in flight."""

@@ -209,37 +209,39 @@ class Restores:
         if isinstance(r.phase, LookingUp):
             wait = self._wait.for_running()  # hold the step only to hand the lookup lane the lock
         else:
-            if isinstance(r.phase, WaitingForSave):  # until the save settles, or for lookup_timeout
-                if (self.ctx.in_flight.names_any(tr.hashes)
-                        and time.monotonic() - r.phase.since < self.settings.lookup_timeout):
-                    return False
-            elif not r.waited_for_save:
-                if not self._worth_looking_up(tr, request, computed):
-                    return True
-                self.counters.add(lookups=1)  # (a lookup held for a save in flight counts once)
-            saving = None if r.waited_for_save else self.ctx.in_flight.hashes
+            if (isinstance(r.phase, WaitingForSave)  # until the save settles, or for lookup_timeout
+                    and self.ctx.in_flight.names_any(tr.hashes)
+                    and time.monotonic() - r.phase.since < self.settings.lookup_timeout):
+                return False
             # from the hit every cache group holds: past a divergent offer the store may not
             # complete, it may hold a boundary past that one (asked again for it, in ``answer``)
             offer, since = self.divergent.classify(request, computed)
             # a load starts at the offer where it is on KV loads wrote, else at the agreed hit
             # (asked again for it); should the offer have moved when the answer is taken,
             # ``_hand_over`` finds out and the load is asynchronous
-            read_from = ((computed if offer is Offer.ON_RESTORED_KV else since)
-                         if self.handover.reads_ahead() else None)
+            start = computed if offer is Offer.ON_RESTORED_KV else since
+            if not isinstance(r.phase, WaitingForSave) and not r.waited_for_save:
+                # (what the engine computes without a load: from the hit every group holds)
+                if not self._worth_looking_up(tr, request, since, computed):
+                    return True
+                self.counters.add(lookups=1)  # (a lookup held for a save in flight counts once)
+            saving = None if r.waited_for_save else self.ctx.in_flight.hashes
+            read_from = start if self.handover.reads_ahead() else None
             lookup = self._lookups.submit(prompt=list(tr.prompt), extra=tr.extra, known=list(tr.hashes),
                                           num_tokens=request.num_tokens, min_tokens=since, saving=saving,
                                           read_from=read_from)
-            r.look_up(lookup, computed, time.monotonic())
+            r.look_up(lookup, computed, time.monotonic(), agreed=since, start=start)
             wait = self._wait.for_new()
         t0 = time.monotonic()
         done = self._take_answer(tr, wait)
         self._wait.spent(time.monotonic() - t0)
         return done
 
-    def _worth_looking_up(self, tr: TrackedRequest, request: Any, computed: int) -> bool:
-        """Whether the request could restore enough past what the engine holds to pay for the
-        round trips (``RestoreCosts.look_up``); if not it is answered a miss now, with none."""
-        judged = self.costs.look_up(max(0, request.num_tokens - 1 - computed), self.in_step)
+    def _worth_looking_up(self, tr: TrackedRequest, request: Any, agreed: int, computed: int) -> bool:
+        """Whether the request could restore enough past ``agreed`` (what the engine computes
+        from without a load) to pay for the round trips (``RestoreCosts.look_up``); if not it
+        is answered a miss now, with none (``computed``: vLLM's offer)."""
+        judged = self.costs.look_up(max(0, request.num_tokens - 1 - agreed), self.in_step)
         self.counters.tally("judged", f"lookup_{judged.value}")
         if judged is not Judgment.NOT_WORTH_IT:
             return True
@@ -250,13 +252,15 @@ class Restores:
             self.ctx.admission.arrived(bool(computed or getattr(tr.source, "shared_prefix_boundary", 0)))
         return False
 
-    def _worth_loading(self, hit: int, local: int, read_ahead: bool) -> bool:
-        """Whether loading a hit of ``hit`` tokens, ``local`` of them in the engine's own cache,
-        ends sooner than computing them (``RestoreCosts.restore``); bytes read ahead already
-        cost nothing more than a copy."""
-        if hit <= local or read_ahead:
+    def _worth_loading(self, hit: int, phase: LookingUp, read_ahead: bool) -> bool:
+        """Whether loading a hit of ``hit`` tokens (from ``phase.start``) ends sooner than
+        computing them from the hit every group holds (``phase.agreed``: what the engine
+        computes from without a load; ``RestoreCosts.restore``); bytes read ahead already cost
+        nothing more than a copy."""
+        if hit <= phase.agreed or read_ahead:
             return True
-        judged = self.costs.restore(hit - local, restore_bytes(self.ctx.layout, hit, local), self.in_step)
+        nbytes = restore_bytes(self.ctx.layout, hit, min(phase.start, hit))
+        judged = self.costs.restore(hit - phase.agreed, nbytes, self.in_step)
         self.counters.tally("judged", f"load_{judged.value}")
         return judged is not Judgment.NOT_WORTH_IT
 
@@ -291,7 +295,7 @@ class Restores:
             r.wait_for_save()
             log.debug("prefixvault: request %s waits for a save of its prefix in flight", tr.req_id)
             return False
-        if not self._worth_loading(found.hit, phase.local, read_ahead is not None):
+        if not self._worth_loading(found.hit, phase, read_ahead is not None):
             r.not_worth_it = True
             self.vault.counters.tally("misses", Miss.NOT_WORTH_IT.value)
             log.debug("prefixvault: request %s computes %d tokens the store holds: sooner than loading them",
