@@ -58,6 +58,20 @@ def test_stats_shows_the_states_budget(tmp_path: Path) -> None:
     assert "(no budget of their own" in " ".join(res.output.split()), res.output
 
 
+def test_stats_shows_each_namespaces_space_and_its_bound(tmp_path: Path) -> None:
+    uri = f"local://{tmp_path}/s?capacity=16MiB&namespace_share=50%"
+    _fill(uri).store.close()
+    other = Vault(open_store(f"local://{tmp_path}/s"), CacheLayout(model="cli", block_size=4, groups=(
+        CacheGroup.uniform(GroupKind.FULL_ATTENTION, [TensorSpec((4, 8), "float16")]),)), "tenant-b")
+    other.keep_layout()
+    other.store.close()
+    res = runner.invoke(app, ["stats", "--store", f"local://{tmp_path}/s"])
+    assert res.exit_code == 0, res.output
+    text = " ".join(res.output.split())
+    assert "each bounded to 8.0 MiB: namespace_share" in text, text
+    assert re.search(r"cli\W+\d+\W+[\d.]+ (K?i?B|KiB)", text) and "tenant-b" in text, text
+
+
 def test_audit_finds_and_repairs_broken_records() -> None:
     vault = _fill("memory://cli-audit")
     res = runner.invoke(app, ["audit", "--store", "memory://cli-audit"])

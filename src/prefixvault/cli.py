@@ -139,6 +139,16 @@ def stats(store: StoreOpt) -> None:
     elif st.state_bytes is not None:
         console.print(f"states take {format_size(st.state_bytes)} (no budget of their own: they share "
                       "the capacity with KV blocks and records)")
+    if len(summary.by_namespace) > 1 or st.namespace_budget is not None:
+        spaces = Table(title="by namespace" + (f" (each bounded to {format_size(st.namespace_budget)}: "
+                                               "namespace_share)" if st.namespace_budget else ""))
+        spaces.add_column("namespace")
+        spaces.add_column("objects", justify="right")
+        spaces.add_column("bytes", justify="right")
+        for ns in sorted(summary.by_namespace):
+            spaces.add_row(ns or "(none)", str(summary.by_namespace[ns]),
+                           format_size(summary.bytes_by_namespace[ns]))
+        console.print(spaces)
 
 
 def _rebuild_if_damaged(uri: str) -> None:

@@ -19,7 +19,7 @@ from prefixvault.boundary import needed_blocks
 from prefixvault.codec import IntegrityError, ObjectKind, decode, proved_wrong
 from prefixvault.layout import CacheLayout, GroupKind
 from prefixvault.records import BoundaryRecord
-from prefixvault.stores.base import Store
+from prefixvault.stores.base import Store, namespace_of
 from prefixvault.tenancy import NamespaceKey
 from prefixvault.vault import ObjectRef, Vault
 
@@ -32,6 +32,8 @@ class StoreSummary:
     layouts: int = 0
     by_kind: Counter[str] = field(default_factory=Counter)  # group kind -> objects
     bytes_by_kind: Counter[str] = field(default_factory=Counter)
+    by_namespace: Counter[str] = field(default_factory=Counter)  # namespace (``namespace_of``) -> objects
+    bytes_by_namespace: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass
@@ -111,6 +113,8 @@ def summarize(store: Store) -> StoreSummary:
     for key, size in store.scan():
         s.objects += 1
         s.bytes += size
+        s.by_namespace[namespace_of(key)] += 1
+        s.bytes_by_namespace[namespace_of(key)] += size
         sp = _split(key)
         if sp is None:
             s.by_kind["unknown"] += 1

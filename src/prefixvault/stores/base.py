@@ -119,6 +119,9 @@ class StoreStats:
     #: take, and the most they may take (``states=``; None: no budget of their own).
     state_bytes: int | None = None
     state_budget: int | None = None
+    #: Where the store bounds each namespace's space (the local store's ``namespace_share=``):
+    #: the most one namespace may take (None: no bound).
+    namespace_budget: int | None = None
 
 
 class Medium(StrEnum):

@@ -727,7 +727,8 @@ class LocalStore(Store):
             budget = int(meta.get("state_budget", 0))
             held = int(meta["state_bytes"]) if "state_bytes" in meta else state_bytes(conn)
         return StoreStats(int(objects), int(nbytes), int(meta["capacity"]), int(meta["evictions"]),
-                          state_bytes=held, state_budget=budget or None)
+                          state_bytes=held, state_budget=budget or None,
+                          namespace_budget=int(meta.get("ns_budget", 0)) or None)
 
     def usage(self) -> LocalUsage:
         """Slabs, slots by state and bytes reserved: what ``stats`` does not show."""
