@@ -262,3 +262,43 @@ def test_in_step_loads_are_waited_for_and_reported_in_the_step_they_were_planned
     store.gate.set()
     assert _finished(worker, 1) == ({"slow"}, set())
     worker.close()
+
+
+def test_a_failed_load_says_how_deep_its_request_may_still_restore() -> None:
+    """Issue 46: the next lookup of a request whose load failed stops short of what failed, so
+    it restores the deepest boundary whose objects did not fail rather than the same one again:
+    short of the first KV block missing, one token short of the load's boundary where its state
+    failed, and what the engine held before the load where the load failed whole (a timeout)."""
+    tables = ([1, 2, 3, 4, 5], [9, 9, 9, 9, 6], [0, 0, 0, 0, 7])
+    for gone, want in (("kv", 2 * BS), ("state", 40 - 1), ("none", 8)):
+        inner = GatedGets()
+        vault = Vault(inner, layout())
+        fill(vault, TOKENS, [16, 40])
+        hashes = vault.hashes(TOKENS[:41])[:5]
+        refs = vault.needed(hashes, 40, ranks=[0], since=8)
+        if gone == "kv":
+            inner.delete_many([r.key for r in refs if r.group == 0 and r.block_index in (2, 3)])
+        elif gone == "state":
+            inner.delete_many([r.key for r in refs if r.group == 2])
+        else:
+            inner.gate.clear()  # the store stalls: the load times out
+        worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], load_timeout=0.2)
+        worker.register_kv_caches(_caches())
+        worker.load([LoadSpec("r", hashes, 40, 8, tables)])
+        assert _finished(worker, 1) == ({"r"}, {"r"})
+        assert worker.take_load_caps() == {"r": want}, gone
+        assert worker.take_load_caps() == {}  # reported once
+        inner.gate.set()
+        worker.close()
+
+
+def test_a_load_that_lands_leaves_no_cap() -> None:
+    vault = Vault(MemoryStore(), layout())
+    fill(vault, TOKENS, [16, 40])
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]])
+    worker.register_kv_caches(_caches())
+    worker.load([LoadSpec("r", vault.hashes(TOKENS[:41])[:5], 40, 0,
+                          ([1, 2, 3, 4, 5], [9, 9, 9, 9, 6], [0, 0, 0, 0, 7]))])
+    assert _finished(worker, 1) == ({"r"}, set())
+    assert worker.take_load_caps() == {}
+    worker.close()

@@ -31,3 +31,11 @@ def test_a_worker_gone_off_is_reported_once_and_ranks_add_up() -> None:
     total = SavesSettled(Counter({"1:r": 1}), off=1).aggregate(SavesSettled(off=1))
     assert isinstance(total, SavesSettled) and total.off == 2 and total.ranks == Counter({"1:r": 1})
     worker.close()
+
+
+def test_ranks_report_a_failed_loads_depth_and_the_least_is_kept() -> None:
+    """Each rank says how deep a request whose load failed may still restore; over ranks the
+    scheduler keeps the least (a boundary is good only where every rank's objects are)."""
+    a = SavesSettled(caps={"r": 32, "q": 8})
+    merged = a.aggregate(SavesSettled(caps={"r": 16}))
+    assert isinstance(merged, SavesSettled) and merged.caps == {"r": 16, "q": 8}

@@ -390,9 +390,13 @@ class Engine:
         self.hits = 0  # lookup answers > 0
         self.loads_in_step = 0  # synchronous loads (written before the step's forward)
         self.worker_goes_off = False  # set: the next step's workers report their worker went off
+        # request -> tokens: its next asynchronous load fails, and the workers say it may still
+        # restore that many tokens (as ``Loads`` does, short of the objects that failed)
+        self.fail_loads: dict[str, int] = {}
         self.state_copies = 0  # states of synchronous loads also written for another request
         engine_id = str(scheduler.vllm_config.kv_transfer_config.engine_id)
         self.handoff = Mailboxes.serve(engine_id, "uni") if in_process_worker else None
+        self.failed: set[str] = set()  # the loads failing in the step being run (``fail_loads``)
         self.preemptions = 0
         self.drafted = 0
         self._step_chunks: dict[str, Chunk] = {}
@@ -461,6 +465,8 @@ class Engine:
         # with state, a tail boundary up to one token short of the prompt; else a block boundary
         limit = (resume_limit(request.num_tokens) if self.state_groups
                  else max_resume_tokens(request.num_tokens, self.bs))
+        if tracked is not None and tracked.restore.cap is not None:  # after a failed load: no deeper
+            limit = min(limit, tracked.restore.cap)
         salt = request.cache_salt
         total = ask.computed + n if n > 0 else 0
         lo = self.published.longest(salt, tokens, limit, self.bs, self.first_ask[rid])
@@ -579,12 +585,14 @@ class Engine:
                 self._check_in_step(load, meta.step)
         # a synchronous load is written before the forward: vLLM is told of asynchronous ones only
         recving = {load.req_id for load in meta.loads if not load.in_step}
+        failing = {rid: self.fail_loads.pop(rid) for rid in recving if rid in self.fail_loads}
+        self.failed = set(failing)
         saves = [s for s in meta.saves if not s.hold]
         if self.worker_goes_off:  # the worker could not use its caches: it says so once
             self.worker_goes_off = False
             return recving, SavesSettled(off=1)
         if not saves:
-            return recving, None
+            return recving, SavesSettled(caps=failing) if failing else None
 
         def read(ref: Any, block_id: int) -> bytes:
             return bytes(vault.layout.groups[ref.group].nbytes(ref.rank))
@@ -593,7 +601,7 @@ class Engine:
         acks = vault.save_many(0, [(s.hashes, s.plans) for s in saves], read, salts=salts)
         outcomes = vault.publish_many([(s.hashes, a, s.parent) for s, a in zip(saves, acks, strict=True)],
                                       seeds=[s.seed or None for s in saves], salts=salts)
-        settled = SavesSettled()
+        settled = SavesSettled(caps=failing)
         for spec, results in zip(saves, outcomes, strict=True):
             req = self.requests[spec.req_id]
             tokens = list(req.all_token_ids)
@@ -705,8 +713,9 @@ class Engine:
 
     def _connector_output(self, recving: set[str], settled: SavesSettled | None) -> KVConnectorOutput | None:
         """What the workers report of a step: loads finished, saves settled."""
-        if recving or settled is not None:
-            return KVConnectorOutput(finished_recving=recving or None, kv_connector_worker_meta=settled)
+        if recving or settled is not None:  # (loads that failed are finished too, as vLLM has it)
+            return KVConnectorOutput(finished_recving=recving or None, failed_recving=set(self.failed),
+                                     kv_connector_worker_meta=settled)
         return None
 
     def land(self, launched: Launched) -> None:

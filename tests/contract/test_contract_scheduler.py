@@ -575,3 +575,24 @@ def test_a_reset_of_the_engines_cache_restores_and_saves_nothing_stored_before(e
     b.run({0: [make_request("b", first + prompts(22, 9)[0], geo)]})
     assert b.loads["b"] == 0 and b.vault.counters.misses.get("reset", 0) == 1
     assert not any(s.meta.saves for s in b.steps)
+
+
+@_geo(list(GEOMETRIES))
+def test_a_failed_load_restores_the_deepest_boundary_short_of_what_failed(engines: Engines,
+                                                                           geo: Geometry) -> None:
+    """Issue 46: a load that failed for a reason that leaves its objects in the store (a
+    timeout, a store error, a byte that failed verification and could not be removed) was
+    looked up again at the same depth and failed again. The workers now say how deep the
+    request may still restore (short of the first object that failed), and vLLM's next ask is
+    answered the longest boundary published no deeper than that: here the boundary of two
+    blocks, after a load of four failed at its third block."""
+    bs = geo.block_size
+    first = prompts(51, 4 * bs + 5)[0]
+    a = engines(geo, budget=bs)  # a boundary at every block
+    a.run({0: [make_request("a", first, geo)]})
+    b = engines(geo, a.store, budget=bs, extra={"restore_in_step": False})
+    b.fail_loads["b"] = 2 * bs
+    b.run({0: [make_request("b", first + prompts(52, 9)[0], geo)]})
+    hits = [x.computed + x.answer[0] for x in b.asks if x.req_id == "b" and x.answer[0]]
+    assert len(hits) == 2 and hits[0] >= 4 * bs and hits[1] == 2 * bs, hits
+    assert b.loads["b"] == 2

@@ -345,11 +345,12 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         off = worker.disabled is not None and not self._off_reported
         load_bytes, load_s = self.guard.call("build_connector_worker_meta", worker.take_load_measured,
                                              lambda: (0, 0.0))
-        if not settled and not off and not load_bytes:
+        caps: dict[str, int] = self.guard.call("build_connector_worker_meta", worker.take_load_caps, dict)
+        if not settled and not off and not load_bytes and not caps:
             return None
         self._off_reported = self._off_reported or off
         return SavesSettled(Counter(sid for sid, _ in settled), Counter(sid for sid, ok in settled if not ok),
-                            off=int(off), load_bytes=load_bytes, load_s=load_s)
+                            off=int(off), load_bytes=load_bytes, load_s=load_s, caps=caps)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta

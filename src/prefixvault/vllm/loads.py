@@ -75,6 +75,16 @@ def failed_reads(reasons: set[str]) -> LoadFailure:
     return LoadFailure.MISSING if "missing" in reasons else LoadFailure.REJECTED
 
 
+def kept_before(spec: LoadSpec, bad: Sequence[ObjectRef], block_size: int) -> int:
+    """The most tokens a load's request may still restore once the objects ``bad`` failed: a
+    boundary short of the first KV block that failed (it needs none of it), and short of the
+    load's own boundary if its state failed; never less than what the engine held."""
+    cap = spec.tokens
+    for r in bad:
+        cap = min(cap, spec.tokens - 1 if r.kind is ObjectKind.STATE else r.block_index * block_size)
+    return max(spec.local_tokens, cap)
+
+
 def load_targets(ctx: WorkerContext, spec: LoadSpec) -> tuple[list[ObjectRef], list[int]] | None:
     """The objects a load reads on this worker's rank and the block each is written into (a
     state: the boundary's block); None if vLLM gave no block for one."""
@@ -125,11 +135,15 @@ class Loads:
         self._landed = threading.Condition(self._lock)  # notified as each load ends
         self._finished: set[str] = set()  # since the last take_finished; the load lane adds to them
         self._failed: set[str] = set()
+        # Failed loads since the last ``take_caps``, by request: the most tokens its next lookup
+        # may restore, short of every object that failed (``LoadFailure`` decides which).
+        self._caps: dict[str, int] = {}
         # With wait_in_step: loads queued since the last take_finished (the engine's thread only).
         self._step_loads: list[LoadJob] = []
         # Bytes written by loads and the seconds their batches took, since the last
         # ``take_measured`` (under _lock): what a restore costs, for the scheduler's estimates.
         self._measured = (0, 0.0)
+        self._bs = ctx.layout.block_size
         self.lane: Lane[LoadJob] = Lane("load", self._load_batch, self._fail_jobs, capacity=LOAD_QUEUE,
                                         guard=ctx.guard, on_start=ctx.caches.on_lane_thread)
 
@@ -179,6 +193,15 @@ class Loads:
             self._finished, self._failed = set(), set()
         return done, failed
 
+    def take_caps(self) -> dict[str, int]:
+        """Requests whose loads failed since the last call, each with the most tokens its next
+        lookup may restore (the scheduler asks the store for no deeper hit): a failed load
+        never restarts at the depth that failed, only from the deepest boundary whose objects
+        the load did not find wanting."""
+        with self._lock:
+            out, self._caps = self._caps, {}
+        return out
+
     def take_measured(self) -> tuple[int, float]:
         """Bytes loads wrote, and the seconds their batches took from the store call to the
         last write, since the last call."""
@@ -218,7 +241,8 @@ class Loads:
         for job, job_refs, blocks in wanted:
             reasons = {loaded.failed[r] for r in job_refs if r in loaded.failed}
             if reasons:  # object by object, the vault counted why (``rejected{reason}``)
-                self._end_load(job, False, failed_reads(reasons))
+                bad = [r for r in job_refs if r in loaded.failed]
+                self._end_load(job, False, failed_reads(reasons), keep=kept_before(job.spec, bad, self._bs))
                 continue
             if not self._begin_write(job):
                 continue  # past its deadline: already reported failed, its blocks are not ours
@@ -249,10 +273,12 @@ class Loads:
             return True
 
     def _end_load(self, job: LoadJob, ok: bool, reason: LoadFailure | None = None,
-                  only: LoadState | None = None) -> bool:
+                  only: LoadState | None = None, keep: int | None = None) -> bool:
         """Report a load finished (once: a job already done is left as it is; with ``only``, a
         job in another state too, checked and changed in one hold of the lock); a failure is
-        counted by ``reason``. Whether this call reported it."""
+        counted by ``reason``, and caps its request's next lookup at ``keep`` tokens (by
+        default what the engine held before the load: no object of it was proved good).
+        Whether this call reported it."""
         spec = job.spec
         with self._lock:
             if job.state is LoadState.DONE or (only is not None and job.state is not only):
@@ -266,6 +292,8 @@ class Loads:
                 self._ctx.counters.add(load_failures=1)
                 self._ctx.counters.tally("failure_reasons", reason or LoadFailure.INTERNAL_ERROR)
                 self._failed.add(spec.req_id)
+                cap = spec.local_tokens if keep is None else keep
+                self._caps[spec.req_id] = min(cap, self._caps.get(spec.req_id, cap))
             self._finished.add(spec.req_id)
         return True
 

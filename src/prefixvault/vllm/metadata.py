@@ -134,8 +134,9 @@ def save_id(step: int, req_id: str) -> str:
 class SavesSettled(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler after a step: saves stored or dropped, by
     ``save_id``, with how many ranks settled each (vLLM sums the ranks' reports); the ranks
-    whose worker went off since (it writes no load: the scheduler stops offering hits); and
-    what their loads cost (``prefixvault.costs``)."""
+    whose worker went off since (it writes no load: the scheduler stops offering hits); what
+    their loads cost (``prefixvault.costs``); and how deep a request whose load failed may
+    still restore (``Loads.take_caps``)."""
 
     ranks: Counter[str] = field(default_factory=Counter)
     # saves some rank did not fully publish (dropped, failed, refused), by ranks
@@ -144,6 +145,9 @@ class SavesSettled(KVConnectorWorkerMetadata):
     # bytes asynchronous loads wrote and seconds they took, summed over ranks (a rank's rate)
     load_bytes: int = 0
     load_s: float = 0.0
+    # requests whose loads failed on some rank: the most tokens each may restore when looked
+    # up again (the least over ranks)
+    caps: dict[str, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> SavesSettled:
         if isinstance(other, SavesSettled):
@@ -152,4 +156,6 @@ class SavesSettled(KVConnectorWorkerMetadata):
             self.off += other.off
             self.load_bytes += other.load_bytes
             self.load_s += other.load_s
+            for req_id, cap in other.caps.items():
+                self.caps[req_id] = min(cap, self.caps.get(req_id, cap))
         return self

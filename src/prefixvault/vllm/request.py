@@ -122,6 +122,10 @@ class Restore:
         # time.monotonic() its first lookup (since a restart) was queued: what a restore took,
         # until the request's first step, is measured from it (``costs.RestoreCosts.restored``)
         self.asked_at: float | None = None
+        # The most tokens it may restore, after a load that failed: short of every object that
+        # failed (a worker's ``Loads.take_caps``), so it is looked up again for the deepest
+        # boundary that did not, never the same one (None: no load failed).
+        self.cap: int | None = None
 
     def __repr__(self) -> str:
         return f"Restore({self.phase}, loads={self.loads})"
@@ -244,6 +248,10 @@ class Restore:
         self._expect(Loading)
         self.asked_at = None
         self._become(New())
+
+    def capped(self, tokens: int) -> None:
+        """A load of it failed: it restores at most ``tokens`` from now on (in any phase)."""
+        self.cap = tokens if self.cap is None else min(self.cap, tokens)
 
     def give_up(self) -> None:
         """Compute it without the store from now on."""

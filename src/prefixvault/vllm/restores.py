@@ -20,8 +20,11 @@ request's ``Restore`` (``vllm/request.py``) through its phases:
    synchronous: the first chunk runs in this step. A divergent offer (``vllm/restored.py``) the
    store cannot complete is asked again, once, for vLLM's agreed hit.
 4. **Load** (LOADING): vLLM allocated the blocks; the load is queued for the workers. Asked
-   again, the request is looked up afresh (a bad object was removed meanwhile), at most
-   ``MAX_LOADS_PER_REQUEST`` loads, then computed (COMPUTED).
+   again, the request is looked up afresh, at most ``MAX_LOADS_PER_REQUEST`` loads, then
+   computed (COMPUTED). After a failed load it is looked up no deeper than the workers say
+   (``Restore.cap``: short of the first object that failed; what the engine held before the
+   load where the load failed whole, a timeout or a store error), so it restores the deepest
+   boundary whose objects did not fail rather than failing at the same one again.
 """
 
 from __future__ import annotations
@@ -164,8 +167,9 @@ class Restores:
             self._landing.pop(tr.req_id, None)
             r.restart()
             tr.saved = tr.saved_tail = 0
-        if r.loads >= MAX_LOADS_PER_REQUEST:
-            r.give_up()  # its loads keep failing: compute it
+        if r.loads >= MAX_LOADS_PER_REQUEST or (isinstance(r.phase, New) and r.cap is not None
+                                                and r.cap <= computed):
+            r.give_up()  # its loads keep failing, or nothing past what the engine holds is left
         if isinstance(r.phase, Computed):
             return 0, False
         if isinstance(r.phase, New | WaitingForSave | LookingUp) and not self._look_up(tr, request, computed):
@@ -220,15 +224,17 @@ class Restores:
             # (asked again for it); should the offer have moved when the answer is taken,
             # ``_hand_over`` finds out and the load is asynchronous
             start = computed if offer is Offer.ON_RESTORED_KV else since
+            # after a failed load, no deeper than the objects that failed (``Restore.cap``)
+            num_tokens = request.num_tokens if r.cap is None else min(request.num_tokens, r.cap + 1)
             if not isinstance(r.phase, WaitingForSave) and not r.waited_for_save:
                 # (what the engine computes without a load: from the hit every group holds)
-                if not self._worth_looking_up(tr, request, since, computed):
+                if not self._worth_looking_up(tr, num_tokens, since, computed):
                     return True
                 self.counters.add(lookups=1)  # (a lookup held for a save in flight counts once)
             saving = None if r.waited_for_save else self.ctx.in_flight.hashes
             read_from = start if self.handover.reads_ahead() else None
             lookup = self._lookups.submit(prompt=list(tr.prompt), extra=tr.extra, known=list(tr.hashes),
-                                          num_tokens=request.num_tokens, min_tokens=since, saving=saving,
+                                          num_tokens=num_tokens, min_tokens=since, saving=saving,
                                           read_from=read_from)
             r.look_up(lookup, computed, time.monotonic(), agreed=since, start=start)
             wait = self._wait.for_new()
@@ -237,11 +243,12 @@ class Restores:
         self._wait.spent(time.monotonic() - t0)
         return done
 
-    def _worth_looking_up(self, tr: TrackedRequest, request: Any, agreed: int, computed: int) -> bool:
-        """Whether the request could restore enough past ``agreed`` (what the engine computes
-        from without a load) to pay for the round trips (``RestoreCosts.look_up``); if not it
-        is answered a miss now, with none (``computed``: vLLM's offer)."""
-        judged = self.costs.look_up(max(0, request.num_tokens - 1 - agreed), self.in_step)
+    def _worth_looking_up(self, tr: TrackedRequest, num_tokens: int, agreed: int, computed: int) -> bool:
+        """Whether the request (of ``num_tokens``, as far as it may restore) could restore
+        enough past ``agreed`` (what the engine computes from without a load) to pay for the
+        round trips (``RestoreCosts.look_up``); if not it is answered a miss now, with none
+        (``computed``: vLLM's offer)."""
+        judged = self.costs.look_up(max(0, num_tokens - 1 - agreed), self.in_step)
         self.counters.tally("judged", f"lookup_{judged.value}")
         if judged is not Judgment.NOT_WORTH_IT:
             return True

@@ -214,12 +214,17 @@ class SchedulerSide:
             self.restores.scheduled(per_request)
 
     def settle(self, report: SavesSettled) -> None:
-        """Workers' reports of saves stored or dropped (``SavePlans.settle``), and of workers
-        gone off: a worker that writes no load would make every hit a load that fails, is
+        """Workers' reports of saves stored or dropped (``SavePlans.settle``), of failed loads
+        (how deep each request may still restore: ``Restore.capped``), and of workers gone
+        off: a worker that writes no load would make every hit a load that fails, is
         recomputed and looked up again, slower than no connector; so hits stop being offered
         (each request a miss, ``worker_off``) and saves stop being planned."""
         if report.load_bytes:
             self.costs.loaded(report.load_bytes, report.load_s)
+        for req_id, cap in report.caps.items():  # (in the output that reports the load failed)
+            tr = self._reqs.get(req_id)
+            if tr is not None:
+                tr.restore.capped(cap)
         if self.saves is not None:
             self.saves.settle(report, self._reqs)
         if report.off and self.off is None:

@@ -188,6 +188,11 @@ class WorkerSide:
         scheduler's restore cost estimates, ``prefixvault.costs``)."""
         return self.loads.take_measured()
 
+    def take_load_caps(self) -> dict[str, int]:
+        """Requests whose loads failed since the last call, with the most tokens each may
+        restore when it is looked up again (``Loads.take_caps``)."""
+        return self.loads.take_caps()
+
     def take_unloaded(self) -> set[int]:
         """Blocks of synchronous loads not written since the last call (vLLM's
         ``get_block_ids_with_load_errors``)."""
