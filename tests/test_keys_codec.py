@@ -32,8 +32,14 @@ def test_chain_hashes_partial_block_is_not_hashed() -> None:
 def test_extra_keys_change_every_hash() -> None:
     toks = list(range(48))
     base = chain_hashes(toks, 16)
-    for extra in (ExtraKeys(lora="adapter-a"), ExtraKeys(cache_salt="tenant-1")):
+    for extra in (ExtraKeys(lora="adapter-a"), ExtraKeys(cache_salt="tenant-1"), ExtraKeys(epoch="e1")):
         assert all(x != y for x, y in zip(base, chain_hashes(toks, 16, extra), strict=True))
+    # an epoch (after a reset of the engine's cache) is a key space of its own, salt or not
+    salted = chain_hashes(toks, 16, ExtraKeys(cache_salt="tenant-1"))
+    assert chain_hashes(toks, 16, ExtraKeys(cache_salt="tenant-1", epoch="e1"))[0] != salted[0]
+    e1, e2 = (chain_hashes(toks, 16, ExtraKeys(epoch=e))[0] for e in ("e1", "e2"))
+    assert e1 != e2
+    assert chain_hashes(toks, 16, ExtraKeys(epoch=None)) == base  # (keys before any reset unchanged)
     mm = ExtraKeys(multimodal=(MultimodalItem("img-hash", offset=20, length=4),))
     with_mm = chain_hashes(toks, 16, mm)
     assert with_mm[0] == base[0]  # the image starts in block 1

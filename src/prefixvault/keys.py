@@ -42,10 +42,14 @@ class ExtraKeys:
     lora: str | None = None
     cache_salt: str | None = None
     multimodal: tuple[MultimodalItem, ...] = field(default=())
+    # The engine's epoch after a reset of its cache (new weights): a random token no client
+    # knows, so nothing keyed before the reset, nor by any other engine, is ever found. None
+    # before any reset (the keys every engine of the namespace shares).
+    epoch: str | None = None
 
     def seed(self, key: bytes = b"") -> bytes:
         h = hashlib.blake2b(digest_size=HASH_BYTES, person=b"pv-seed", key=key)
-        for tag, value in (("lora", self.lora), ("salt", self.cache_salt)):
+        for tag, value in (("lora", self.lora), ("salt", self.cache_salt), ("epoch", self.epoch)):
             if value is not None:
                 # surrogatepass: any str vLLM accepts (a lone surrogate is valid JSON) has
                 # one encoding, distinct from every other string's.

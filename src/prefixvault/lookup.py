@@ -64,7 +64,7 @@ class Miss(StrEnum):
     INTERNAL_ERROR = "internal_error"  # an error of prefixvault's own (a bug: logged with its traceback)
     BUSY = "busy"  # the connector's lookup queue was full, or it was shutting down: not looked up
     WORKER_OFF = "worker_off"  # a worker of the engine went off (its caches unusable): no hit is offered
-    RESET = "reset"  # the engine's cache was reset (a weight update): nothing stored before is restored
+    RESET = "reset"  # running when the engine's cache was reset (new weights): restores nothing more
     # restoring would end later than computing (``costs``: the store's round trips and transfer
     # against the engine's prefill, as measured); not looked up, or its hit not loaded
     NOT_WORTH_IT = "not_worth_it"

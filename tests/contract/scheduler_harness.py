@@ -15,6 +15,7 @@ compare each step's plans and each lookup answer against it and against vLLM's o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import time
@@ -271,26 +272,31 @@ def skips_external_by_vllm(request: Request) -> bool:
 # -- the oracle: what the store holds -------------------------------------------------------------
 
 
+#: Where a request's keys live: its cache salt, and its engine's epoch (``ExtraKeys.epoch``:
+#: after a reset of the engine's cache).
+Space = tuple[str | None, str | None]
+
+
 @dataclass
 class Published:
-    """Every boundary published in one store, by (cache salt, tokens before it), with the
-    version (a counter) at which it appeared: lookups are judged against the store as it was
-    when they were asked and as it is when they answer."""
+    """Every boundary published in one store, by (key space: cache salt and epoch, tokens
+    before it), with the version (a counter) at which it appeared: lookups are judged against
+    the store as it was when they were asked and as it is when they answer."""
 
-    keys: dict[tuple[str | None, tuple[int, ...]], int] = field(default_factory=dict)
+    keys: dict[tuple[Space, tuple[int, ...]], int] = field(default_factory=dict)
     version: int = 0
 
-    def add(self, salt: str | None, tokens: Sequence[int]) -> None:
+    def add(self, salt: Space, tokens: Sequence[int]) -> None:
         key = (salt, tuple(tokens))
         if key not in self.keys:
             self.version += 1
             self.keys[key] = self.version
 
-    def has(self, salt: str | None, tokens: Sequence[int], version: int | None = None) -> bool:
+    def has(self, salt: Space, tokens: Sequence[int], version: int | None = None) -> bool:
         v = self.keys.get((salt, tuple(tokens)))
         return v is not None and (version is None or v <= version)
 
-    def longest(self, salt: str | None, tokens: Sequence[int], limit: int, block_size: int,
+    def longest(self, salt: Space, tokens: Sequence[int], limit: int, block_size: int,
                 version: int | None = None) -> int:
         """The longest published boundary of ``tokens`` at most ``limit`` (0 if none), at any
         token count: a tail boundary too."""
@@ -403,6 +409,12 @@ class Engine:
         self._step_preempted: set[str] = set()
         self._wrap()
 
+    def space(self, request: Any) -> Space:
+        """The key space of ``request``: its salt, and the epoch it is keyed in."""
+        side = self.connector.scheduler
+        tracked = side.tracked(request.request_id)
+        return (request.cache_salt, tracked.extra.epoch if tracked is not None else side.epoch)
+
     # -- recording what the connector is asked and answers --
 
     def _wrap(self) -> None:
@@ -458,6 +470,9 @@ class Engine:
             p.check(ask.answer == (0, False), f"{rid}: its engine's worker is off, answered {ask.answer}")
             return
         tracked = self.connector.scheduler.tracked(rid)
+        if tracked is not None and tracked.stale:
+            p.check(ask.answer == (0, False), f"{rid}: tracked before a reset, answered {ask.answer}")
+            return
         if tracked is not None and tracked.restore.not_worth_it:  # (restore_when: faster)
             p.check(ask.answer == (0, False), f"{rid}: judged not worth restoring, answered {ask.answer}")
             return
@@ -467,7 +482,7 @@ class Engine:
                  else max_resume_tokens(request.num_tokens, self.bs))
         if tracked is not None and tracked.restore.cap is not None:  # after a failed load: no deeper
             limit = min(limit, tracked.restore.cap)
-        salt = request.cache_salt
+        salt = self.space(request)
         total = ask.computed + n if n > 0 else 0
         lo = self.published.longest(salt, tokens, limit, self.bs, self.first_ask[rid])
         hi = self.published.longest(salt, tokens, limit, self.bs)
@@ -538,7 +553,8 @@ class Engine:
                 p.check(len(spec.hashes) >= -(-b // bs), f"{w}: {len(spec.hashes)} hashes")
                 if tail:  # a save of its own, named by the prefix's own hashes (its tail hash last)
                     req = self.requests[spec.req_id]
-                    named = self.vault.prefix_hashes(list(req.all_token_ids)[:b], extra_keys(req))
+                    extra = dataclasses.replace(extra_keys(req), epoch=self.space(req)[1])  # (its key space)
+                    named = self.vault.prefix_hashes(list(req.all_token_ids)[:b], extra)
                     p.check(spec.tail == b and len(spec.plans) == 1 and spec.hashes == named,
                             f"{w}: a tail boundary not in a save of its own, or named otherwise")
                     p.check(parent % bs == 0, f"{w}: parent {parent} is not block-aligned")
@@ -577,8 +593,8 @@ class Engine:
             self.loads[load.req_id] += 1
             self.local_loaded[load.req_id] = load.local_tokens
             req = self.requests.get(load.req_id)
-            self.problems.check(req is not None and load.tokens > 0
-                                and self.published.has(req.cache_salt, list(req.all_token_ids)[:load.tokens]),
+            self.problems.check(req is not None and load.tokens > 0 and self.published.has(
+                                    self.space(req), list(req.all_token_ids)[:load.tokens]),
                                 f"load of {load.req_id} at {load.tokens}: not a published boundary")
             self._check_load_blocks(load)
             if load.in_step:
@@ -611,7 +627,7 @@ class Engine:
                 self.problems.check(why is None,
                                     f"{spec.req_id}: boundary {b} planned but not published: {why}")
                 if why is None:
-                    self.published.add(req.cache_salt, tokens[:b])
+                    self.published.add(self.space(req), tokens[:b])
             if any(why is not None for why in results.values()):
                 settled.failed[sid] += 1
         return recving, settled

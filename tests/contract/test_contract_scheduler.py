@@ -29,6 +29,7 @@ from scheduler_harness import (
 )
 
 BY_ID = {g.id: g for g in GEOMETRIES}
+NO_SALT = (None, None)  # the key space of a request with no salt, on an engine never reset
 CHECKPOINTING = [g for g in GEOMETRIES if g.checkpoint_blocks]
 
 
@@ -394,15 +395,15 @@ def _checkpoint_run(engines: Engines, geo: Geometry, exporting: bool
     budget = bs * 5 // 2
     a = engines(geo, budget=budget, exporting=exporting)
     a.run({0: [make_request("ckpt", prompt, geo)]})
-    published = {b for b in range(bs, len(prompt), bs) if a.published.has(None, prompt[:b])}
+    published = {b for b in range(bs, len(prompt), bs) if a.published.has(NO_SALT, prompt[:b])}
     restored = {}
     for name, tokens in (("ckpt-same", prompt), ("ckpt-branch", branch)):
         b = engines(geo, a.store, budget=budget, exporting=exporting)
         b.run({0: [make_request(name, tokens, geo)]})
         restored[name] = max((x.computed + x.answer[0] for x in b.asks if x.answer[0]), default=0)
-        then = a.published.longest(None, tokens, len(tokens) - 1, bs, b.first_ask[name])
+        then = a.published.longest(NO_SALT, tokens, len(tokens) - 1, bs, b.first_ask[name])
         assert restored[name] == then, (name, restored, then)
-    assert a.published.has(None, prompt), "the prompt's exact end was not published"
+    assert a.published.has(NO_SALT, prompt), "the prompt's exact end was not published"
     return a, published, restored
 
 
@@ -559,22 +560,38 @@ def test_a_hit_whose_load_would_end_after_computing_it_is_computed(engines: Engi
     assert b.vault.counters.misses.get("not_worth_it", 0) == 1
 
 
-@_geo([GEOMETRIES[0]])
-def test_a_reset_of_the_engines_cache_restores_and_saves_nothing_stored_before(engines: Engines,
-                                                                              geo: Geometry) -> None:
+@_geo([GEOMETRIES[0], BY_ID["qwen3-next-gdn-bs544-ckpt0"]])
+def test_a_reset_of_the_engines_cache_restores_nothing_stored_before(engines: Engines, geo: Geometry) -> None:
     """vLLM's ``reset_prefix_cache(reset_connector=True)`` (``/reset_prefix_cache``, as after an
     in-place weight update) asks the connector to reset too: the store holds what the old
-    weights computed, so from then on this engine restores none of it (a miss, ``reset``) and
-    saves nothing (other engines of the namespace may still run the old weights)."""
+    weights computed, so from then on this engine restores none of it. It moves to an epoch of
+    its own: a request it was running saves nothing more and is answered a miss when asked
+    again; a new request finds nothing from before, and what the engine computes
+    after the reset is stored and restored again (here after its own cache alone is reset)."""
     bs = geo.block_size
     first = prompts(21, 2 * bs + 5)[0]
     a = engines(geo, budget=2 * bs)
     a.run({0: [make_request("a", first, geo)]})
     b = engines(geo, a.store, budget=2 * bs)
-    assert b.scheduler.reset_prefix_cache(reset_connector=True) is True
-    b.run({0: [make_request("b", first + prompts(22, 9)[0], geo)]})
-    assert b.loads["b"] == 0 and b.vault.counters.misses.get("reset", 0) == 1
-    assert not any(s.meta.saves for s in b.steps)
+    b.add(make_request("old", first + prompts(24, 3 * bs)[0], geo))
+    for _ in range(3):
+        b.step()
+    assert b.connector.scheduler.tracked("old") is not None
+    assert b.scheduler.reset_prefix_cache(reset_running_requests=True, reset_connector=True) is True
+    after, asked = len(b.steps), len(b.asks)
+    b.run()
+    assert not any(s.req_id == "old" for st in b.steps[after:] for s in st.meta.saves)
+    assert [x.answer for x in b.asks[asked:] if x.req_id == "old"] == [(0, False)]  # (preempted)
+    second = first + prompts(22, 9)[0]
+    b.run({0: [make_request("b", second, geo)]})
+    assert b.loads["b"] == 0, "restored what was stored before the reset"
+    assert any(s.req_id == "b" for st in b.steps for s in st.meta.saves), "saves nothing after a reset"
+    assert b.scheduler.reset_prefix_cache() is True  # the engine's own cache only: its epoch stays
+    b.run({0: [make_request("c", second + prompts(23, 9)[0], geo)]})
+    assert b.loads["c"] == 1, "what the engine stored after the reset is not restored"
+    c = engines(geo, a.store, budget=2 * bs)  # another engine, of the old epoch: none of it
+    c.run({0: [make_request("d", second + prompts(25, 9)[0], geo)]})
+    assert max(x.computed + (x.answer[0] or 0) for x in c.asks if x.req_id == "d") <= len(first)
 
 
 @_geo(list(GEOMETRIES))

@@ -27,6 +27,7 @@ back to the read-ahead budget), so none outlives its request's restore.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -316,14 +317,21 @@ class TrackedRequest:
     # Its last output boundary, held by the workers until it finishes (output_boundaries: last)
     hold: SaveSpec | None = None
     counted: bool = False  # told the admission policy whether it shares a prefix (once)
+    # Tracked before the engine's cache was reset (new weights): it restores and saves nothing
+    # from then on, since its keys are the old epoch's and its blocks mix both weights.
+    stale: bool = False
 
     @classmethod
-    def of(cls, request: Any) -> TrackedRequest | None:
-        """Track vLLM's ``request``; None for one with no token ids to key on (prompt embeddings)."""
+    def of(cls, request: Any, epoch: str | None = None) -> TrackedRequest | None:
+        """Track vLLM's ``request``, keyed in ``epoch`` (``ExtraKeys.epoch``); None for one with
+        no token ids to key on (prompt embeddings)."""
         prompt = getattr(request, "prompt_token_ids", None)
         if prompt is None:
             return None
-        return cls(req_id=request.request_id, prompt=list(prompt), extra=extra_keys(request), source=request,
+        extra = extra_keys(request)
+        if epoch is not None:
+            extra = dataclasses.replace(extra, epoch=epoch)
+        return cls(req_id=request.request_id, prompt=list(prompt), extra=extra, source=request,
                    tokens=list(prompt))
 
     def known(self, upto: int) -> int:

@@ -396,6 +396,19 @@ class Restores:
             tr.restore.give_up()
             tr.saved = tr.saved_tail = 0
 
+    def forget(self, tr: TrackedRequest) -> None:
+        """Nothing of the request's restore lands from now on (the engine's cache was reset
+        under it): a lookup in flight is dropped, bytes handed over are taken back, and asked
+        again it is computed. A load vLLM allocated already lands (vLLM keeps its blocks)."""
+        self._landing.pop(tr.req_id, None)
+        if tr.restore.take_back():
+            self.handover.take_back(tr.req_id)
+        if not isinstance(tr.restore.phase, Loading | Computed):
+            lookup = tr.restore.lookup
+            if lookup is not None:
+                lookup.cancel()  # (one not started never starts)
+            tr.restore.give_up()
+
     def finished(self, tr: TrackedRequest) -> None:
         """The request finished (or was aborted): nothing of its restore is kept."""
         self.divergent.answered(tr.req_id)

@@ -89,7 +89,7 @@ class SavePlans:
         saves: list[SaveSpec] = []
         for req_id, n_new in out.num_scheduled_tokens.items():
             tr = requests.get(req_id)
-            if tr is None or req_id not in starts:
+            if tr is None or tr.stale or req_id not in starts:
                 continue
             saves += self.guard.call("build_connector_meta",
                                      partial(self._plan_request, tr, step, starts[req_id], n_new, state,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import random
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -63,9 +64,11 @@ class SchedulerSide:
         self.vault = vault
         self.load_enabled = load
         self.save_enabled = save
-        # Why no hit is offered nor save planned any more (a worker went off, or the engine's
-        # cache was reset), or None.
+        # Why no hit is offered nor save planned any more (a worker went off), or None.
         self.off: Miss | None = None
+        # The epoch of the keys of requests tracked from now on: None until the engine's cache
+        # is reset (new weights), then a random token per reset (``reset``).
+        self.epoch: str | None = None
         self.counters = SchedulerCounters()
         self._reqs: dict[str, TrackedRequest] = {}
         self._step = 0
@@ -146,7 +149,7 @@ class SchedulerSide:
     def _matched(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         tr = self._reqs.get(request.request_id)
         if tr is None:
-            tr = TrackedRequest.of(request)
+            tr = TrackedRequest.of(request, self.epoch)
             if tr is None:
                 return 0, False
             self._reqs[tr.req_id] = tr
@@ -154,10 +157,13 @@ class SchedulerSide:
             self.saves.drop_hold(tr, HoldDrop.PREEMPTED)
         if not self.load_enabled or self.restores is None or skips_external(request):
             return 0, False  # (vLLM would not load it: no lookup, nothing counted)
-        if self.off is not None:
+        off = Miss.RESET if tr.stale else self.off
+        if off is not None:
+            if tr.stale:  # its lookup, or bytes handed over, are of the old epoch: none of it lands
+                self.restores.forget(tr)
             if not tr.counted and self.vault is not None:
                 tr.counted = True
-                self.vault.counters.tally("misses", self.off.value)
+                self.vault.counters.tally("misses", off.value)
             return 0, False
         return self.restores.answer(tr, request, num_computed_tokens)
 
@@ -235,15 +241,20 @@ class SchedulerSide:
     def reset(self) -> bool:
         """vLLM resets the engine's prefix cache (``/reset_prefix_cache`` with the connector's
         part, as after an in-place weight update): everything stored so far was computed with
-        the weights before, so nothing is restored from now on, and nothing saved (other engines
-        of the namespace may still run the old weights). The store is not emptied: engines of
-        the old weights keep using it. Serving the new weights' cache takes a namespace of
-        their own (docs/operations.md, "Updating the model's weights")."""
-        if self.off is not Miss.RESET:
-            log.warning("prefixvault: the engine's prefix cache was reset: nothing in the store (namespace "
-                        "%s) is restored or saved by this engine from now on; start it with a namespace "
-                        "for the new weights to share their cache", self.settings.namespace)
-        self.off = Miss.RESET
+        the weights before, so nothing of it is restored from now on. The engine moves to a new
+        epoch (``ExtraKeys.epoch``, a random token): requests it tracks from now on are keyed
+        in it, so it restores what it computes itself after the reset and nothing from before,
+        nor from any other engine; requests tracked before restore and save nothing more. The
+        store is not emptied: engines of the old weights keep using it. Engines that share the
+        new weights' cache are started with a namespace of their own (docs/operations.md,
+        "Updating the model's weights")."""
+        self.epoch = secrets.token_hex(16)
+        for tr in self._reqs.values():
+            tr.stale = True
+        log.warning("prefixvault: the engine's prefix cache was reset: nothing in the store from before "
+                    "is restored (namespace %s); from now on this engine restores what it computes "
+                    "itself, under keys no other engine shares; start engines of the new weights with "
+                    "a namespace of their own to share their cache", self.settings.namespace)
         return True
 
     def _sample(self, request: Any, tr: TrackedRequest, loaded: int) -> None:
@@ -251,7 +262,8 @@ class SchedulerSide:
         read here, written to the store on the sample thread (a store round trip never runs
         in the engine's step)."""
         rate = self.settings.verify_sample
-        if not loaded or rate <= 0 or self.vault is None or random.random() >= rate:
+        # (after a reset no sample: a verifier's cold run is of the weights it loads, not these)
+        if not loaded or rate <= 0 or self.vault is None or self.epoch is not None or random.random() >= rate:
             return
         params = getattr(request, "sampling_params", None)
         output = list(getattr(request, "output_token_ids", None) or [])[:SAMPLE_TOKENS]
