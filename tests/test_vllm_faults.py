@@ -103,16 +103,19 @@ def shared(seed: Seed, workdir: Path) -> str:
     return store_uri
 
 
-@pytest.mark.parametrize(("fault", "in_step"), [("handed", True), ("removed", False)])
+@pytest.mark.parametrize(("fault", "in_step"), [("handed", True), ("removed", False), ("state", False)])
 def test_a_fault_between_lookup_and_load_costs_a_hit_never_a_byte_or_the_engine(
         fault: str, in_step: bool, seed: Seed, cold: list[Completion], workdir: Path, shared: str) -> None:
     """Between a restore's lookup and its load (``tampering_connector``): the bytes handed to the
     worker for a synchronous load changed after the hand-over (each refused by the worker's
     verification, read from the store: restored in the step all the same), or every object of
-    an asynchronous load removed from the store (the load fails, vLLM recomputes: a miss). The
-    engine serves on, and the output is cold's, token for token and logprob for logprob."""
-    store_uri = shared if fault == "handed" else f"local://{workdir}/removed?capacity=1GiB"
-    if fault == "removed":
+    an asynchronous load removed from the store (the load fails, vLLM recomputes: a miss), or
+    only the state at its boundary (the load fails; looked up again no deeper than that state,
+    the request restores the producer's boundary before it). The engine serves on, and the
+    output is cold's, token for token and logprob for logprob (cold's steps end at every
+    boundary the producer published)."""
+    store_uri = shared if fault == "handed" else f"local://{workdir}/{fault}?capacity=1GiB"
+    if fault != "handed":
         run(seed, spec(seed, "kv_producer", [seed.producer], [""], store_uri), workdir)
     case = seed.cases[1]
     got, metrics = run_with_metrics(
@@ -125,9 +128,12 @@ def test_a_fault_between_lookup_and_load_costs_a_hit_never_a_byte_or_the_engine(
         assert got[0].cached_tokens == case.expected_hit > 0, metrics
         assert metrics.get("loads_in_step", 0) >= 1 and metrics.get("loads_in_step_read", 0) >= 1, metrics
         assert rejected >= 1 and metrics.get("load_failures", 0) == 0, metrics
-    else:
+    elif fault == "removed":
         assert metrics.get("load_failures:missing", 0) >= 1, metrics
         assert got[0].cached_tokens < case.expected_hit, metrics
+    else:
+        assert metrics.get("load_failures:missing", 0) == 1, metrics
+        assert 0 < got[0].cached_tokens < case.expected_hit, metrics
 
 
 def test_two_consumer_engines_at_once(seed: Seed, cold: list[Completion], workdir: Path, shared: str) -> None:

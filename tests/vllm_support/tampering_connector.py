@@ -3,7 +3,9 @@ fault tests. ``PREFIXVAULT_TAMPER`` says which:
 
 - ``handed``: one bit of every object handed to the worker for a synchronous load is flipped
   after the scheduler handed it over (as a process of the same user could in the mailbox);
-- ``removed``: every object a load reads is removed from the store once vLLM allocated it.
+- ``removed``: every object a load reads is removed from the store once vLLM allocated it;
+- ``state``: only the state at the boundary a request's first load restores is removed then
+  (its KV stays).
 
 Never use it elsewhere.
 """
@@ -14,6 +16,7 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from prefixvault.codec import ObjectKind
 from prefixvault.vllm.connector import PrefixVaultConnector
 from prefixvault.vllm.in_step import InStepHandover, ReadAhead
 from prefixvault.vllm.restores import Restores
@@ -30,12 +33,21 @@ class TamperedHandover(InStepHandover):
 
 
 class RemovingRestores(Restores):
+    states_only = False  # (and the first load of each request only)
+
     def allocated(self, tr: Any, request: Any, blocks: Any, num_external_tokens: int) -> None:
         super().allocated(tr, request, blocks, num_external_tokens)
+        if self.states_only and tr.restore.loads > 1:
+            return
         for load in self._pending:
             if load.req_id == tr.req_id and load.hashes:
                 refs = self.vault.needed(load.hashes, load.tokens, since=load.local_tokens)
-                self.vault.store.delete_many([r.key for r in refs])
+                self.vault.store.delete_many([r.key for r in refs
+                                              if not self.states_only or r.kind is ObjectKind.STATE])
+
+
+class StateRemovingRestores(RemovingRestores):
+    states_only = True
 
 
 class TamperingConnector(PrefixVaultConnector):
@@ -49,5 +61,7 @@ class TamperingConnector(PrefixVaultConnector):
             side.handover.__class__ = TamperedHandover
         elif fault == "removed":
             side.restores.__class__ = RemovingRestores
+        elif fault == "state":
+            side.restores.__class__ = StateRemovingRestores
         else:
-            raise ValueError(f"PREFIXVAULT_TAMPER={fault!r}: handed or removed")
+            raise ValueError(f"PREFIXVAULT_TAMPER={fault!r}: handed, removed or state")
