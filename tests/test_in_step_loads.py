@@ -261,7 +261,8 @@ def test_only_an_engine_whose_worker_serves_handoffs_gets_synchronous_loads() ->
 
 
 def test_losing_the_workers_mailbox_is_said_once(caplog: pytest.LogCaptureFixture) -> None:
-    handover = InStepHandover(layout(), ReadAheadBudget(1 << 20), "engine-z")
+    lost: list[str] = []
+    handover = InStepHandover(layout(), ReadAheadBudget(1 << 20), "engine-z", lambda why: lost.append(why))
     assert not handover.reads_ahead()  # never found: nothing to say
     mailbox = Mailboxes.serve("engine-z", "uni")
     assert mailbox is not None and handover.reads_ahead()
@@ -269,6 +270,7 @@ def test_losing_the_workers_mailbox_is_said_once(caplog: pytest.LogCaptureFixtur
     with caplog.at_level(logging.WARNING, logger="vllm.prefixvault"):
         assert not handover.reads_ahead() and not handover.reads_ahead()
     assert caplog.text.count("mailbox for synchronous loads is gone") == 1
+    assert lost == ["mailbox_gone"]  # counted once (``in_step_lost``)
 
 
 def test_an_engine_id_two_workers_of_one_process_serve_is_served_by_neither() -> None:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import pytest
@@ -134,6 +134,27 @@ def test_a_fault_between_lookup_and_load_costs_a_hit_never_a_byte_or_the_engine(
     else:
         assert metrics.get("load_failures:missing", 0) == 1, metrics
         assert 0 < got[0].cached_tokens < case.expected_hit, metrics
+
+
+@pytest.mark.parametrize("fault", ["shm_full", "mailbox_gone"])
+def test_losing_the_in_step_path_costs_one_step_never_a_byte_or_the_engine(
+        fault: str, seed: Seed, cold: list[Completion], workdir: Path, shared: str) -> None:
+    """With vLLM's multiprocessing executor (as its CPU servers run), a synchronous load's bytes
+    go to the worker through shared memory: when shared memory cannot take them (full), or the
+    worker's mailbox directory is removed under a running engine, the restore loads one step
+    later instead. The engine serves on, restores the whole hit, the output is cold's, and the
+    loss is counted (``in_step_lost{reason}``)."""
+    case = seed.cases[1]
+    engine_spec = spec(seed, "kv_consumer", [case.tokens], [""], shared, connector="TamperingConnector",
+                       connector_module="tampering_connector", extra_config={"restore_in_step": True})
+    engine_spec = replace(engine_spec, engine={**engine_spec.engine, "distributed_executor_backend": "mp"})
+    got, metrics = run_with_metrics(seed, engine_spec, workdir / f"lost-{fault}",
+                                    env={"PREFIXVAULT_TAMPER": fault})
+    assert identical(cold[1], got[0]), f"{fault}: differs from cold"
+    assert got[0].cached_tokens == case.expected_hit > 0, metrics
+    reason = "handover_failed" if fault == "shm_full" else "mailbox_gone"
+    assert metrics.get(f"in_step_lost:{reason}", 0) >= 1, metrics
+    assert metrics.get("loads_in_step", 0) == 0 and metrics.get("load_failures", 0) == 0, metrics
 
 
 def test_two_consumer_engines_at_once(seed: Seed, cold: list[Completion], workdir: Path, shared: str) -> None:

@@ -278,6 +278,8 @@ def test_bytes_that_cannot_be_handed_over_make_the_load_asynchronous(
     b.run({0: [make_request("r", shared + prompts(bs + 7, bs + 5)[0], geo)]})
     assert next(x.answer for x in b.asks if x.req_id == "r") == (2 * bs, True)
     assert min(s.number for s in b.steps if "r" in s.chunks) == 2 and b.loads_in_step == 0
+    assert b.connector.scheduler.counters.in_step_lost == {"handover_failed": 1}
+    assert b.connector._totals().get("in_step_lost:handover_failed") == 1  # (the metric)
 
 
 # (with a hash unit, "first" restores the tail at vLLM's checkpoint, and vLLM gives a request

@@ -69,7 +69,8 @@ VAULT_TALLIES = {"rejected": "rejected", "misses": "lookup_misses", "refused": "
 #: Each side's figures (and tallies, by their reasons) by their metric names.
 SCHEDULER_FIGURES = {"lookups": "lookups", "lookup_errors": "lookup_errors", "hit_tokens": "hit_tokens",
                      "samples": "verify_samples", "sample_errors": "verify_sample_errors",
-                     "refused": "refused", "holds_dropped": "holds_dropped", "judged": "restore_judgments"}
+                     "refused": "refused", "holds_dropped": "holds_dropped", "judged": "restore_judgments",
+                     "in_step_lost": "in_step_lost"}
 WORKER_FIGURES = {"save_errors": "save_errors", "loads": "loads", "loaded_tokens": "loaded_tokens",
                   "loads_in_step": "loads_in_step", "loads_in_step_read": "loads_in_step_read",
                   "saved_boundaries": "saved_boundaries", "published": "saves_published",

@@ -33,6 +33,7 @@ import logging
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from prefixvault.codec import IntegrityError, ObjectKind
@@ -99,6 +100,13 @@ class ReadAhead:
             self.budget.give(self.nbytes)
 
 
+class InStepLoss(StrEnum):
+    """Why a restore lost its synchronous load (it loads one step later): ``in_step_lost``."""
+
+    HANDOVER_FAILED = "handover_failed"  # its bytes could not be written (shared memory full)
+    MAILBOX_GONE = "mailbox_gone"  # the worker's mailbox disappeared (said once, when found gone)
+
+
 class InStepHandover:
     """The scheduler's side of synchronous loads: whether lookups read ahead, handing a load's
     bytes to the worker's mailbox before the hit is answered, taking them back when vLLM does
@@ -108,8 +116,11 @@ class InStepHandover:
     asynchronous); ``engine_id`` names the engine whose worker's mailbox is looked for
     (``Mailboxes.find``: in this process, or a child of it)."""
 
-    def __init__(self, layout: CacheLayout, budget: ReadAheadBudget | None, engine_id: str | None) -> None:
+    def __init__(self, layout: CacheLayout, budget: ReadAheadBudget | None, engine_id: str | None,
+                 lost: Callable[[InStepLoss], None] = lambda why: None) -> None:
+        """``lost``: told each time a restore loses its synchronous load (counted)."""
         self.layout = layout
+        self._lost = lost
         self.budget = budget
         self.engine_id = engine_id
         self.state_groups = [i for i, g in enumerate(layout.groups) if g.is_state]
@@ -121,6 +132,7 @@ class InStepHandover:
             self._found = True
         elif self._found:
             self._found = False
+            self._lost(InStepLoss.MAILBOX_GONE)
             log.warning("prefixvault: the worker's mailbox for synchronous loads is gone (the worker stopped "
                         "taking them, or its directory in shared memory was removed): restores load one "
                         "step later from now on")
@@ -146,6 +158,7 @@ class InStepHandover:
         try:
             return mailbox.put(req_id, {r.key: read_ahead.objects[r] for r in refs}, step)
         except OSError as e:  # (a worker in a child process: shared memory full) asynchronous
+            self._lost(InStepLoss.HANDOVER_FAILED)
             log.warning("prefixvault: request %s: its bytes could not be handed to the worker (%s); "
                         "it restores one step later", req_id, e)
             return 0

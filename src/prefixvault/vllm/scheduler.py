@@ -76,7 +76,8 @@ class SchedulerSide:
         self.admission = Admission(Policy(settings.capture.value), settings.capture_interval, observes=load)
         self.divergent = DivergentHits(layout, completes=load and vault is not None)
         budget = ReadAheadBudget(READ_AHEAD_BYTES) if in_step and layout.world_size == 1 else None
-        self.handover = InStepHandover(layout, budget, engine_id)
+        self.handover = InStepHandover(layout, budget, engine_id,
+                                       lambda why: self.counters.tally("in_step_lost", why.value))
         # what a restore costs against computing, measured (``restore_when``)
         self.costs = RestoreCosts(judge=settings.restore_when is RestoreWhen.FASTER)
         self.restores: Restores | None = None

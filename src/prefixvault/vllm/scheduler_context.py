@@ -31,6 +31,9 @@ class SchedulerCounters(Counters):
     holds_dropped: dict[str, int] = field(default_factory=dict)  # by ``HoldDrop``
     # what ``restore_when`` judged, by ``lookup_`` or ``load_`` and the ``costs.Judgment``
     judged: dict[str, int] = field(default_factory=dict)
+    # restores that lost their synchronous load, by why (``InStepLoss``): bytes that could not be
+    # handed over (shared memory full), or the worker's mailbox found gone
+    in_step_lost: dict[str, int] = field(default_factory=dict)
     plans: int = 0
     samples: int = 0
     sample_errors: int = 0

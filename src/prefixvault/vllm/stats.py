@@ -58,6 +58,9 @@ LABELLED: dict[str, tuple[str, tuple[str, ...]]] = {
                       ("reason",)),
     "restore_judgments": ("What restore_when judged (lookup_ or load_, then pays, unknown, explore or "
                           "not_worth_it)", ("judgment",)),
+    "in_step_lost": ("Restores that lost their synchronous load and loaded one step later, by reason "
+                     "(handover_failed: shared memory full; mailbox_gone: the worker's mailbox disappeared)",
+                     ("reason",)),
     "load_failures": ("Loads that failed (their requests recomputed), by reason", ("reason",)),
     "save_dropped": ("Saves not stored, by reason (staging_full, too_large: raise save_staging_mib; "
                      "hold_full, hold_too_large: raise save_hold_mib; queue_full; shutdown)", ("reason",)),
