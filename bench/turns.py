@@ -249,7 +249,7 @@ def turn_engine_class(h: ModuleType) -> type:
             for b, why in results.items():
                 self.problems.check(why is None, f"{spec.req_id}: held boundary {b} not published: {why}")
                 if why is None:
-                    self.published.add(self.requests[spec.req_id].cache_salt, tokens[:b])
+                    self.published.add(self.space(self.requests[spec.req_id]), tokens[:b])
             return all(why is None for why in results.values())
 
         def _connector_output(self, recving: set[str], settled: Any) -> Any:
