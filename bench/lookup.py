@@ -2,7 +2,7 @@
 
     python bench/lookup.py [--tokens 1024,8192,32768,131072] [--block-sizes 16,256]
                            [--layouts attention,hybrid] [--repeat 5] [--max-blocks N]
-                           [--redis-delay-ms D]
+                           [--redis-delay-ms D] [--tails]
 
 For each prompt length, block size and layout, a producer publishes *every* block boundary
 of one prompt through the vault's save and publish path (what a connector does, with tiny
@@ -18,6 +18,14 @@ D ms to every round trip (``scenarios.netfault.SlowLink``), and the lookup is ti
 connector makes it: until the answer, with the touch of what the hit uses made after it (also
 timed). Each case is also looked up with objects never checked beside the records
 (``SPECULATIVE_KEYS = 0``: two round trips, as before that was done), and the ratio printed.
+
+With ``--tails`` (hybrid layouts) the producer's prompt goes on half a block past its last block
+boundary, and that prompt's end is published as a tail boundary: the block boundary's tail
+index then exists. Two more lookups are timed, each as a connector makes it (with the prompt's
+tokens, so tails are looked up): a prompt that shares the blocks but not the tail and goes a block
+further (the index is read, no tail is this prompt's), and the producer's prompt one token longer (a tail hit). Each
+is timed with the store's ``touch_and_get`` as it is (one pipeline on Redis) and as two calls
+(``Store.touch_and_get``'s default: how the index was read before), in one run.
 The last line printed is one JSON object.
 """
 
@@ -33,6 +41,7 @@ import numpy as np
 
 from prefixvault import lookup as lookup_module
 from prefixvault.boundary import StateCapture, plan_saves
+from prefixvault.keys import PromptTokens
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores.base import Store
 from prefixvault.stores.memory import MemoryStore
@@ -98,8 +107,62 @@ def timed_lookups(vault: Vault, hashes: list[bytes], prompt: int, repeat: int, s
     return answers, touches, hit
 
 
-def run_case(kind: str, block_size: int, tokens: int, repeat: int, shared: Store | None = None
-             ) -> dict[str, Any]:
+def publish_tail(vault: Vault, tokens: list[int]) -> None:
+    """Publish the end of ``tokens`` (inside a block; its block boundary already published) as
+    a tail boundary, as a connector does for a prompt's exact end."""
+    bs = vault.layout.block_size
+    end, parent = len(tokens), len(tokens) // bs * bs
+    n = -(-end // bs)
+    caps = [StateCapture(g, end, n, 0) for g, group in enumerate(vault.layout.groups) if group.is_state]
+    table = {0: list(range(1, n + 1))}
+    decision = plan_saves(vault.layout, end, table, caps, 0, candidates=[end], since=parent)
+    hashes = vault.prefix_hashes(tokens)
+    vault.publish(hashes, vault.save(0, hashes, decision.publishable, payload), parent, seed=vault.seed())
+
+
+def timed_tail_lookups(vault: Vault, prompt: list[int], repeat: int, separate: bool) -> tuple[float, int]:
+    """Best milliseconds to the answer of a lookup of ``prompt`` with its tails, and its hit;
+    ``separate``: the store's check and read made as two calls."""
+    store = vault.store
+    kind = type(store)
+    own = kind.__dict__.get("touch_and_get")
+    if separate and own is not None:
+        kind.touch_and_get = Store.touch_and_get  # type: ignore[method-assign]
+    best, hit = float("inf"), 0
+    try:
+        hashes = vault.hashes(prompt)
+        for _ in range(repeat):
+            later: list[tuple[list[str], list[bool]]] = []
+            t0 = time.perf_counter()
+            hit = vault.lookup_many([(hashes, len(prompt), 0)], touch_later=later,
+                                    prompts=[PromptTokens(prompt)])[0].hit
+            best = min(best, (time.perf_counter() - t0) * 1e3)
+            vault.touch(later)
+    finally:
+        if separate and own is not None:
+            kind.touch_and_get = own  # type: ignore[method-assign]
+    return best, hit
+
+
+def tail_case(vault: Vault, prompt: list[int], repeat: int) -> dict[str, Any]:
+    """The two tail lookups (``--tails``), each both ways."""
+    bs = vault.layout.block_size
+    produced = [*prompt, *range(11, 11 + bs // 2)]
+    publish_tail(vault, produced)
+    out: dict[str, Any] = {}
+    other = [*prompt, *[7] * (bs + 1)]  # past the published tail's block boundary: its index read
+    for name, consumer, expected in (("index_read", other, len(prompt)),
+                                     ("tail_hit", [*produced, 7], len(produced))):
+        one, hit = timed_tail_lookups(vault, consumer, repeat, separate=False)
+        two, hit_two = timed_tail_lookups(vault, consumer, repeat, separate=True)
+        if hit != expected or hit_two != expected:
+            raise SystemExit(f"{name}: lookup hit {hit} / {hit_two}, expected {expected}")
+        out[name] = {"ms": round(one, 3), "separate_ms": round(two, 3), "ratio": round(one / two, 3)}
+    return out
+
+
+def run_case(kind: str, block_size: int, tokens: int, repeat: int, shared: Store | None = None,
+             tails: bool = False) -> dict[str, Any]:
     store = shared if shared is not None else MemoryStore()
     vault = Vault(store, make_layout(kind, block_size), namespace=f"bench-{kind}-{block_size}-{tokens}")
     rng = np.random.default_rng(tokens + block_size)
@@ -118,7 +181,9 @@ def run_case(kind: str, block_size: int, tokens: int, repeat: int, shared: Store
     if hit != tokens or hit_two != tokens:
         raise SystemExit(f"{kind} bs={block_size} {tokens} tokens: lookup hit {hit} / {hit_two}, "
                          f"expected {tokens}")
+    tail_figures = tail_case(vault, prompt, repeat) if tails and vault.layout.has_state else {}
     return {
+        **({"tails": tail_figures} if tail_figures else {}),
         "layout": kind, "block_size": block_size, "tokens": tokens, "records": records,
         "lookup_ms": round(min(times), 3), "touch_after_ms": round(min(touches), 3),
         "two_round_trips_ms": round(min(two), 3), "ratio": round(min(times) / min(two), 3),
@@ -137,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-blocks", type=int, default=0, help="skip cases with more blocks (0: none)")
     ap.add_argument("--redis-delay-ms", type=float, default=None,
                     help="look up in a real valkey-server behind a link adding this many ms per round trip")
+    ap.add_argument("--tails", action="store_true",
+                    help="hybrid layouts: also time lookups where a tail index exists (see above)")
     args = ap.parse_args(argv)
     try:
         lengths = [int(t) for t in args.tokens.split(",")]
@@ -164,11 +231,14 @@ def main(argv: list[str] | None = None) -> int:
             for t in lengths:
                 if args.max_blocks and t // bs > args.max_blocks:
                     continue
-                c = run_case(kind, bs, t // bs * bs, args.repeat, store)
+                c = run_case(kind, bs, t // bs * bs, args.repeat, store, args.tails)
                 cases.append(c)
                 print(f"{kind:<10} {bs:>5} {c['tokens']:>7} {c['records']:>7} {c['lookup_ms']:>10.3f} "
                       f"{c['two_round_trips_ms']:>9.3f} {c['touch_after_ms']:>9.3f} {c['hash_ms']:>8.3f} "
                       f"{c['record_bytes_per_boundary']:>18.1f} {c['publish_s']:>9.3f}", flush=True)
+                for name, f in c.get("tails", {}).items():
+                    print(f"  {name}: {f['ms']:.3f} ms, index read in a second call "
+                          f"{f['separate_ms']:.3f} ms ({f['ratio']:.2f})", flush=True)
     goal = [c for c in cases if c["block_size"] == 16 and c["tokens"] == 131072]
     summary = {
         "bench": "lookup",

@@ -9,6 +9,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -564,6 +565,32 @@ def test_ttl_orders_keys_used_together_and_a_use_only_extends(server: Valkey) ->
         assert store.exists_many(keys) == [True] * 5
         r.set("ttl:before", b"x")  # written before ttl was set: no expiry
         assert store.touch_many(["before"]) == [True] and 3_599_000 < r.pttl("ttl:before") <= 3_600_000
+
+
+def test_touch_and_get_is_one_round_trip_and_renews_what_it_touches(server: Valkey) -> None:
+    """A lookup's checks and its tail indexes' reads go in one pipeline; with ``ttl`` the keys
+    marked are renewed as ``touch_many`` renews them."""
+    r = redis.Redis(host="127.0.0.1", port=server.port)
+    with open_store(server.url(prefix="tg:", ttl="3600")) as store:
+        assert isinstance(store, RedisStore)
+        assert store.put_many([("rec", [b"r"]), ("idx", [b"index"])]) == [True, True]
+        r.pexpire("tg:rec", 5_000)
+        r.pexpire("tg:idx", 5_000)
+        executed: list[int] = []
+        pipeline = store._pipeline
+
+        def counted() -> Any:
+            pipe = pipeline()
+            run = pipe.execute
+            pipe.execute = lambda *a, **k: executed.append(len(pipe)) or run(*a, **k)
+            return pipe
+
+        store._pipeline = counted  # type: ignore[method-assign]
+        found, blobs = store.touch_and_get(["rec", "gone", "idx"], [True, False, True], ["idx", "gone"])
+        assert found == [True, False, True] and blobs == [b"index", None]
+        assert len(executed) == 1  # one round trip: 3 checks, 2 renewals of 2 commands, 2 reads
+        assert executed == [3 + 2 * 2 + 2]
+        assert 3_599_000 < r.pttl("tg:rec") <= 3_600_000 and 3_599_000 < r.pttl("tg:idx") <= 3_600_000
 
 
 def test_ttl_order_holds_for_large_objects(server: Valkey) -> None:

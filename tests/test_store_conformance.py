@@ -143,6 +143,18 @@ def test_batches_with_duplicates_and_missing(any_store: Store) -> None:
     assert any_store.stats().objects == 2
 
 
+def test_touch_and_get_answers_as_touch_many_and_get_many(any_store: Store) -> None:
+    """What a lookup's first round trip asks: some keys checked (touched as marked), some read."""
+    big = pattern(3, 90_000)
+    assert any_store.put_many([("tg/a", [b"alpha"]), ("tg/b", [big])]) == [True, True]
+    found, blobs = any_store.touch_and_get(["tg/a", "tg/none", "tg/b"], [True, True, False],
+                                           ["tg/b", "tg/none", "tg/a"])
+    assert found == [True, False, True] and blobs == [big, None, b"alpha"]
+    assert any_store.touch_and_get([], [], ["tg/a", "tg/c"]) == ([], [b"alpha", None])
+    assert any_store.touch_and_get(["tg/a", "tg/c"], None, []) == ([True, False], [])
+    assert any_store.touch_and_get([], None, []) == ([], [])
+
+
 def test_empty_batches(any_store: Store) -> None:
     assert any_store.put_many([]) == []
     assert any_store.get_many([]) == []

@@ -158,6 +158,38 @@ def test_a_lookup_checks_tails_in_one_more_read_only_where_an_index_exists() -> 
     assert store.calls == ["touch", "get", "touch"]  # records and indexes, the index, the objects
 
 
+class PipelinedStore(ReadCountingStore):
+    """A network store whose ``touch_and_get`` is one round trip, as Redis and Valkey's is."""
+
+    remote = True
+
+    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None,
+                      reads: Sequence[str]) -> tuple[list[bool], list[bytes | None]]:
+        self.calls.append("touch+get")
+        return MemoryStore.touch_many(self, keys, touch), MemoryStore.get_many(self, reads)
+
+
+def test_a_lookup_over_a_network_store_reads_the_tail_indexes_in_its_first_round_trip() -> None:
+    store = PipelinedStore()
+    vault = Vault(store, layout())
+    publish(vault, TOKENS, 16)
+    publish(vault, TOKENS, 21, parent=16)  # a tail past block boundary 16
+    vault.refresh_deny()
+    other = [*TOKENS[:16], *range(1, 10)]  # shares the block, not the tail
+    later: list[tuple[list[str], list[bool]]] = []
+    store.calls.clear()
+    [found] = vault.lookup_many([(vault.hashes(other), len(other), 0)], touch_later=later,
+                                prompts=[PromptTokens(other)])
+    assert found.hit == 16
+    assert store.calls == ["touch+get"]  # records, objects and the index: one round trip
+    prompt = TOKENS[:22]
+    store.calls.clear()
+    [found] = vault.lookup_many([(vault.hashes(prompt), len(prompt), 0)], touch_later=later,
+                                prompts=[PromptTokens(prompt)])
+    assert found.hit == 21 and found.miss is None
+    assert store.calls == ["touch+get", "touch"]  # the tail's own objects: one more
+
+
 def test_a_tail_index_keeps_the_most_recent_tails_and_refuses_junk() -> None:
     fingerprint, parent = b"f" * 16, b"p" * 16
     index = TailIndex(parent, ())

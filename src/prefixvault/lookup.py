@@ -5,9 +5,10 @@ Records first, then an existence check of every object the published candidates 
 batched round trips whatever the prompt length, in time linear in the prompt; on a network
 store, where the objects of every candidate are few, they are checked beside the records, and
 a hit is answered after one round trip (its objects are touched afterwards). For layouts with
-state, the first round trip also checks the tail index of every block boundary in range
-(``tails``); where one exists, one more read takes the tails it lists, and the deepest that the
-prompt reaches are checked beside the other candidates' objects. A hit's record is
+state, the first round trip also reads the tail index of every block boundary in range
+(``tails``, ``Store.touch_and_get``: one pipeline on Redis and Valkey), and the deepest tails
+listed that the prompt reaches are checked beside the other candidates' objects: a second round
+trip only where the prompt has such a tail. A hit's record is
 read only where the deny-list names it: a replayed copy of a quarantined record is refused,
 removed, and the lookup answers again from what is left. Every object is verified where it is
 loaded, so junk at a record key costs a load that fails, never wrong bytes. Each lookup
@@ -20,7 +21,6 @@ from __future__ import annotations
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
 
 import numpy as np
 
@@ -81,9 +81,10 @@ class LookupResult:
 #: One lookup: the prompt's chain hashes (full blocks), its length, the tokens the engine has,
 #: and its tokens and extra keys where its tail boundaries are looked up too (None: not).
 Ask = tuple[Sequence[bytes], int, int, PromptTokens | None]
-#: What one round trip of a lookup asks: ("touch", keys, whether each counts as used) or
-#: ("get", keys, ignored).
-Round = tuple[str, list[str], list[bool]]
+#: What one round trip of a lookup asks: keys to check, whether each counts as used, and keys to
+#: read (``Store.touch_and_get``); it is answered with whether each exists, and what each read holds.
+Round = tuple[list[str], list[bool], list[str]]
+Reply = tuple[list[bool], list[bytes | None]]
 
 
 @dataclass(eq=False)
@@ -116,8 +117,7 @@ class HitFinder:
     def _lookup_rounds(self, asks: Sequence[Ask], later: list[Touch],
                        sealers: Sequence[NamespaceKey | None]) -> list[LookupResult]:
         """The lookups' round trips, all asks together (their hits not yet verified): in each,
-        one existence check (``touch_many``) for every lookup that asks one, and one read
-        (``get_many``) for every lookup that reads."""
+        one store call for every lookup still going (what each checks, and what each reads)."""
         steps = [self._lookup_steps(h, n, m, later, p, k)
                  for (h, n, m, p), k in zip(asks, sealers, strict=True)]
         results: list[LookupResult | None] = [None] * len(steps)
@@ -128,18 +128,17 @@ class HitFinder:
             except StopIteration as done:
                 results[i] = done.value
         while pending:
-            got: dict[int, list[Any]] = {}
-            for op in ("touch", "get"):
-                order = [(i, keys, touch) for i, (o, keys, touch) in pending.items() if o == op]
-                if not order:
-                    continue
-                every = [k for _, keys, _ in order for k in keys]
-                answers: list[Any] = (self.store.touch_many(every, [t for *_, touch in order for t in touch])
-                                      if op == "touch" else self.store.get_many(every))
-                pos = 0
-                for i, keys, _ in order:
-                    got[i] = list(answers[pos : pos + len(keys)])
-                    pos += len(keys)
+            every = [k for keys, _, _ in pending.values() for k in keys]
+            marks = [t for _, touch, _ in pending.values() for t in touch]
+            reads = [k for _, _, read in pending.values() for k in read]
+            found, blobs = (self.store.touch_and_get(every, marks, reads) if reads
+                            else (self.store.touch_many(every, marks), []))
+            got: dict[int, Reply] = {}
+            pos = at = 0
+            for i, (keys, _, read) in pending.items():
+                got[i] = (found[pos : pos + len(keys)], blobs[at : at + len(read)])
+                pos += len(keys)
+                at += len(read)
             pending = {}
             for i, answer in got.items():
                 try:
@@ -223,7 +222,7 @@ class HitFinder:
     def _lookup_steps(
         self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int, later: list[Touch],
         prompt: PromptTokens | None, key: NamespaceKey | None,
-    ) -> Generator[Round, list[Any], LookupResult]:
+    ) -> Generator[Round, Reply, LookupResult]:
         """One lookup as the keys it checks or reads, round trip by round trip
         (``_lookup_rounds`` sends each answer back); returns its result.
 
@@ -237,8 +236,8 @@ class HitFinder:
 
         On a network store, where every candidate's objects are at most ``SPECULATIVE_KEYS``
         keys, they are checked (not touched) in the first round trip, the answer comes from it,
-        and the second round trip's touches go to ``later`` instead (unless tails are checked:
-        then there is a second round trip anyway)."""
+        and the second round trip's touches go to ``later`` instead (unless the indexes list a
+        tail of this prompt: its objects are then checked in a second round trip)."""
         self.counters.add(lookup_asks=1)
         bs = self.layout.block_size
         limit = min(max_resume_tokens(prompt_tokens, bs), len(hashes) * bs)
@@ -264,13 +263,15 @@ class HitFinder:
                        if k not in probes] if checked else []
         index_keys = [self.keys.tail_index(p) for p in parents]
         first = [self.keys.layout(), *record_keys, *probes]
-        exists = yield ("touch", [*first, *speculative, *index_keys],
-                        [True] * (1 + len(record_keys)) + [False] * (len(probes) + len(speculative))
-                        + [True] * len(index_keys))
+        # The tail indexes are read in the same round trip: on a network store one wait, not two.
+        marks = [True] * (1 + len(record_keys)) + [False] * (len(probes) + len(speculative)) \
+            + [True] * len(index_keys)
+        exists, index_blobs = yield ([*first, *speculative, *index_keys], marks, index_keys)
         ahead = exists[len(first) - len(probes) : len(first) + len(speculative)]
         known = dict(zip([*probes, *speculative], ahead, strict=True)) if checked else {}
-        indexed = [(k, p) for k, p, e in zip(index_ks, parents, exists[len(first) + len(speculative) :],
-                                             strict=True) if e]
+        index_found = exists[len(first) + len(speculative) :]
+        indexed = [(k, p, blob)
+                   for k, p, e, blob in zip(index_ks, parents, index_found, index_blobs, strict=True) if e]
         exists = exists[: len(first)]
         published = [b for b, e in zip(reversed(candidates), exists[1 : 1 + len(candidates)], strict=True)
                      if e][::-1]
@@ -279,8 +280,7 @@ class HitFinder:
         missed = self._past_hit(probes, exists[len(exists) - len(probes) :])
         tails: list[tuple[int, bytes]] = []  # (tokens, tail hash), the deepest first
         if indexed and prompt is not None:
-            blobs = yield ("get", [self.keys.tail_index(p) for _, p in indexed], [])
-            tails = self._tails(indexed, blobs, prompt, min_tokens, tail_limit, key)
+            tails = self._tails(indexed, prompt, min_tokens, tail_limit, key)
         if not published and not tails:
             return self._result(0, limit, missed)
         top = published[0] // bs if published else 0
@@ -302,7 +302,7 @@ class HitFinder:
             sent = [known[k] for k in asked]
             later.append(([k for k, t in zip(asked, touched, strict=True) if t], [True] * sum(touched)))
         else:
-            sent = yield ("touch", asked, touched)
+            sent, _ = yield (asked, touched, [])
         unsorted = np.empty(len(keys), dtype=bool)
         unsorted[order] = sent[: len(keys)]
         flags = unsorted.tolist()
@@ -329,15 +329,15 @@ class HitFinder:
             return self._result(hit, limit, Miss.EVICTED, name)
         return self._result(hit, limit, self._past_hit(probes, probed) if published else missed, name)
 
-    def _tails(self, indexed: Sequence[tuple[int, bytes]], blobs: Sequence[bytes | None],
+    def _tails(self, indexed: Sequence[tuple[int, bytes, bytes | None]],
                prompt: PromptTokens, min_tokens: int, tail_limit: int,
                key: NamespaceKey | None) -> list[tuple[int, bytes]]:
-        """The tail boundaries the indexes read list that are this prompt's (the tail hash its
-        tokens give at that length), the ``TAIL_CANDIDATES`` deepest. An index that does not
-        verify lists none."""
+        """The tail boundaries the indexes read (block boundary, its chain hash, the index's
+        bytes) list that are this prompt's (the tail hash its tokens give at that length), the
+        ``TAIL_CANDIDATES`` deepest. An index that does not verify lists none."""
         bs = self.layout.block_size
         found: set[tuple[int, bytes]] = set()
-        for (k, parent), blob in zip(indexed, blobs, strict=True):
+        for k, parent, blob in indexed:
             if blob is None:
                 continue
             try:

@@ -252,6 +252,18 @@ class Store(abc.ABC):
         existence check already counts as a use (Mooncake grants a lease) keep this default."""
         return self.exists_many(keys)
 
+    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None,
+                      reads: Sequence[str]) -> tuple[list[bool], list[bytes | None]]:
+        """``touch_many(keys, touch)`` and ``get_many(reads)`` in one round trip where the store
+        can (Redis and Valkey: one pipeline): a lookup checks what it needs and reads what it
+        must read before it can name more, in one wait. This default makes the two calls, and
+        reads no key that the first found missing."""
+        found = self.touch_many(keys, touch)
+        gone = {k for k, ok in zip(keys, found, strict=True) if not ok}
+        wanted = [k for k in reads if k not in gone]
+        got = dict(zip(wanted, self.get_many(wanted), strict=True)) if wanted else {}
+        return found, [got.get(k) for k in reads]
+
     @abc.abstractmethod
     def delete_many(self, keys: Sequence[str]) -> int:
         """Remove the keys that exist; return how many were removed."""

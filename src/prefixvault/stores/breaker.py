@@ -233,6 +233,10 @@ class BreakerStore(Store):
     def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
         return self._call(lambda s: s.touch_many(keys, touch))
 
+    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None,
+                      reads: Sequence[str]) -> tuple[list[bool], list[bytes | None]]:
+        return self._call(lambda s: s.touch_and_get(keys, touch, reads))
+
     def delete_many(self, keys: Sequence[str]) -> int:
         return self._call(lambda s: s.delete_many(keys))
 

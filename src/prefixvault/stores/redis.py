@@ -31,7 +31,7 @@ import inspect
 import logging
 import ssl
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 from urllib.parse import SplitResult, unquote, urlsplit
 
@@ -415,50 +415,67 @@ class RedisStore(Store):
         return [bool(n) for n in self._each("exists", "exists", keys)]
 
     def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
-        # EXISTS leaves a key's LRU/LFU clock alone; TOUCH answers the same and updates it.
-        # (Redis evicts by sampling: keys touched together keep no order among themselves,
-        # unless ``ttl`` orders them by expiry.)
-        if self._ttl_ms is not None:
-            return self._renew(keys, touch)
-        if touch is None or all(touch):
-            return [bool(n) for n in self._each("exists", "touch", keys)]
         names = [self._key(k) for k in keys]
         if not names:
             return []
         with self._errors("exists"):
             pipe = self._pipeline()
-            for name, t in zip(names, touch, strict=True):
-                (pipe.touch if t else pipe.exists)(name)
-            return [bool(n) for n in pipe.execute()]
+            replies = self._queue_touches(pipe, names, touch)
+            return replies(iter(pipe.execute()))
 
-    def _renew(self, keys: Sequence[str], touch: Sequence[bool] | None) -> list[bool]:
-        """EXISTS, and for the marked keys PEXPIREAT ... NX (a key without expiry, written
-        before ``ttl`` was set, gets one) then ... GT: a use only ever extends a key's life (a
-        key given twice keeps its first rank), and counts for LRU/LFU as TOUCH does."""
+    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None,
+                      reads: Sequence[str]) -> tuple[list[bool], list[bytes | None]]:
+        # One pipeline: the touches, then the GETs (a GET counts for LRU/LFU as a use).
         names = [self._key(k) for k in keys]
-        if not names:
-            return []
-        marks = touch if touch is not None else [True] * len(names)
+        read_names = [self._key(k) for k in reads]
+        if not read_names:
+            return self.touch_many(keys, touch), []
         with self._errors("exists"):
             pipe = self._pipeline()
-            now = self._now_ms()
-            rank = 0
+            replies = self._queue_touches(pipe, names, touch)
+            for name in read_names:
+                pipe.get(name)
+            answers = iter(pipe.execute())
+            found = replies(answers)
+            return found, list(answers)
+
+    def _queue_touches(self, pipe: Any, names: Sequence[str],
+                       touch: Sequence[bool] | None) -> Callable[[Iterator[Any]], list[bool]]:
+        """Queue on ``pipe`` what ``touch_many`` sends; the function returned reads its replies.
+
+        EXISTS leaves a key's LRU/LFU clock alone; TOUCH answers the same and updates it. (Redis
+        evicts by sampling: keys touched together keep no order among themselves, unless
+        ``ttl`` orders them by expiry.) With ``ttl``: EXISTS, and for the marked keys
+        PEXPIREAT ... NX (a key without expiry, written before ``ttl`` was set, gets one) then
+        ... GT: a use only ever extends a key's life (a key given twice keeps its first rank),
+        and counts for LRU/LFU as TOUCH does."""
+        marks = touch if touch is not None else [True] * len(names)
+        if len(marks) != len(names):
+            raise ValueError(f"{len(names)} keys but {len(marks)} touch marks")
+        if self._ttl_ms is None:
             for name, t in zip(names, marks, strict=True):
-                pipe.exists(name)
-                if t:
-                    at = self._expires_at(now, rank)
-                    pipe.pexpireat(name, at, nx=True)
-                    pipe.pexpireat(name, at, gt=True)
-                    rank += 1
-            results = pipe.execute()
-        out: list[bool] = []
-        it = iter(results)
-        for t in marks:
-            out.append(bool(next(it)))
+                (pipe.touch if t else pipe.exists)(name)
+            return lambda replies: [bool(next(replies)) for _ in marks]
+        now = self._now_ms()
+        rank = 0
+        for name, t in zip(names, marks, strict=True):
+            pipe.exists(name)
             if t:
-                next(it)
-                next(it)
-        return out
+                at = self._expires_at(now, rank)
+                pipe.pexpireat(name, at, nx=True)
+                pipe.pexpireat(name, at, gt=True)
+                rank += 1
+
+        def read(replies: Iterator[Any]) -> list[bool]:
+            out: list[bool] = []
+            for t in marks:
+                out.append(bool(next(replies)))
+                if t:
+                    next(replies)
+                    next(replies)
+            return out
+
+        return read
 
     def delete_many(self, keys: Sequence[str]) -> int:
         return sum(int(n) for n in self._each("delete", "delete", keys))
