@@ -22,10 +22,11 @@ timed). Each case is also looked up with objects never checked beside the record
 With ``--tails`` (hybrid layouts) the producer's prompt goes on half a block past its last block
 boundary, and that prompt's end is published as a tail boundary: the block boundary's tail
 index then exists. Two more lookups are timed, each as a connector makes it (with the prompt's
-tokens, so tails are looked up): a prompt that shares the blocks but not the tail and goes a block
-further (the index is read, no tail is this prompt's), and the producer's prompt one token longer (a tail hit). Each
-is timed with the store's ``touch_and_get`` as it is (one pipeline on Redis) and as two calls
-(``Store.touch_and_get``'s default: how the index was read before), in one run.
+tokens, so tails are looked up): a prompt that shares the blocks but not the tail and goes a
+block further (the index is read, no tail is this prompt's), and the producer's prompt one token
+longer (a tail hit). Each is timed with the store's ``touch_and_get`` as it is (one pipeline on
+Redis) and as two calls (``Store.touch_and_get``'s default: how the index was read before), in
+one run.
 The last line printed is one JSON object.
 """
 

@@ -9,8 +9,8 @@ import signal
 import socket
 import time
 from collections.abc import Callable, Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
