@@ -25,8 +25,9 @@ engine's own cache) and producer/cold (what saving costs: the producer computes 
 cold does, and stores it); and the consumer's bytes read from the store over one copy of every
 object it restored (``store_reads_per_copy``: about 1 with the hot set of recent loads; a shared
 prefix's blocks read once per request without it) and the share of restored bytes the hot set
-served (``hot_share``); and the consumer's lookups, loads, what ``restore_when`` judged and its
-misses by reason. The last line is one JSON object.
+served (``hot_share``); and the consumer's lookups, loads (and how many were synchronous: their
+bytes read ahead and handed to the worker), what ``restore_when`` judged and its misses by reason.
+The last line is one JSON object.
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 for k in ("records_published", "save_dropped", "save_errors"):
                     saves[k] = metric(url, f"vllm:prefixvault_{k}_total")
             if tag == "consumer":
-                for k in ("get_bytes", "hot_bytes", "reread_bytes", "loads", "lookups"):
+                for k in ("get_bytes", "hot_bytes", "reread_bytes", "loads", "loads_in_step", "lookups"):
                     loads[k] = metric(url, f"vllm:prefixvault_{k}_total")
                 judged.update(metric_by_label(url, "vllm:prefixvault_restore_judgments_total", "judgment"))
                 misses.update(metric_by_label(url, "vllm:prefixvault_lookup_misses_total", "reason"))
@@ -134,6 +135,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         out[tag]["failed"] = int(res.get("failed", 0))
     out["consumer"]["external_hit_tokens"] = hits
     out["consumer"]["loads"] = loads.get("loads", 0.0)
+    out["consumer"]["loads_synchronous"] = loads.get("loads_in_step", 0.0)  # (their bytes handed over)
     out["consumer"]["lookups"] = loads.get("lookups", 0.0)
     out["consumer"]["judged"] = judged  # (empty for a version before restore_when)
     out["consumer"]["misses"] = misses
@@ -202,8 +204,8 @@ def main() -> None:
           f"from the hot set: {c['hot_share']}")
     print(f"completed {c['completed']}/{args.prompts}, failed {c['failed']}, "
           f"external hit tokens {c['external_hit_tokens']:.0f}, texts equal {out['texts_equal']}")
-    print(f"consumer: {c['lookups']:.0f} lookups, {c['loads']:.0f} loads; judged {c['judged']}; "
-          f"misses {c['misses']}")
+    print(f"consumer: {c['lookups']:.0f} lookups, {c['loads']:.0f} loads ({c['loads_synchronous']:.0f} "
+          f"synchronous); judged {c['judged']}; misses {c['misses']}")
     differ = out["texts_differ"]
     print(f"texts apart from cold: consumer {differ['consumer']}, producer (restores nothing) "
           f"{differ['producer']}; consumer only {out['texts_differ_only_consumer']}")

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from vllm_support.seedlib import Seed, SeedRuns, check, run, spec
+from vllm_support.seedlib import Seed, SeedRuns, check, run, run_with_metrics, spec
 
 from prefixvault.scenarios.engine import Completion, identical
 from prefixvault.scenarios.valkey import Valkey
@@ -17,6 +17,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_seed_scenario_over_redis(tmp_path: Path, seed_runs: SeedRuns) -> None:
+    """Over a network store a CPU engine's lookups read their hits ahead, beside the steps, and
+    hand them to the worker: every load synchronous, none read from the store by the worker."""
     server = Valkey()
     seed = seed_runs.seed("gdn-hybrid")
     seed.cases = seed.cases[:2]
@@ -24,8 +26,12 @@ def test_seed_scenario_over_redis(tmp_path: Path, seed_runs: SeedRuns) -> None:
     store = server.url(prefix="pv-seed:")
     cold = seed_runs.cold(seed, [c.tokens for c in seed.cases])
     run(seed, spec(seed, "kv_producer", [seed.producer] * len(salts), salts, store), tmp_path)
-    got = run(seed, spec(seed, "kv_consumer", [c.tokens for c in seed.cases], salts, store), tmp_path)
+    consumer = spec(seed, "kv_consumer", [c.tokens for c in seed.cases], salts, store)
+    got, metrics = run_with_metrics(seed, consumer, tmp_path)
     check(seed, cold, got)
+    loads = metrics.get("loads", 0)
+    assert loads >= 1 and metrics.get("loads_in_step", 0) == loads, metrics
+    assert metrics.get("loads_in_step_read", 0) == 0, metrics
 
 
 #: Faults on the wire between an engine and a real Valkey server, each at an exact point of

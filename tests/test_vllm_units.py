@@ -10,6 +10,7 @@ from prefixvault.vllm.config import (
     CapturePolicy,
     ConnectorSettings,
     OutputBoundaries,
+    hands_over_loads,
     in_step_refused,
     restores_in_step,
 )
@@ -38,6 +39,15 @@ def test_steps_wait_for_restores_on_cpu_over_a_local_store_unless_told_otherwise
     assert in_step_refused(on, "cuda") is not None and in_step_refused(on, "cpu") is None
     assert in_step_refused(auto, "cuda") is None  # (auto never asks for it there)
     assert not restores_in_step(off, remote=False, device="cpu")
+
+
+def test_loads_are_handed_to_a_cpu_worker_over_any_store_unless_told_otherwise() -> None:
+    """Over a network store no step waits for a lookup, but the lookup still reads its hit
+    ahead (on its lane) for a synchronous load; not on a GPU, nor with restore_in_step false."""
+    auto, on, off = (ConnectorSettings.from_extra({"restore_in_step": v}) for v in ("auto", True, "false"))
+    assert hands_over_loads(auto, "cpu") and hands_over_loads(on, "cpu")
+    assert not hands_over_loads(off, "cpu")
+    assert not hands_over_loads(auto, "cuda") and not hands_over_loads(on, "cuda")
 
 
 @pytest.mark.parametrize(

@@ -215,6 +215,16 @@ def restores_in_step(settings: ConnectorSettings, remote: bool, device: str) -> 
     return not remote
 
 
+def hands_over_loads(settings: ConnectorSettings, device: str) -> bool:
+    """Whether a lookup reads its hit's objects ahead and hands them to the engine's worker, so
+    that the load is synchronous (the first chunk runs in the step that takes the answer): on a
+    CPU engine unless ``restore_in_step`` is ``false``, over any store. Over a network store no
+    step waits for it (``restores_in_step``): the lookup and its read run on the lookup lane
+    beside the steps, and the step that takes the answer runs the first chunk, one step sooner
+    than after a load beside the steps, which also pays its own round trip after the answer."""
+    return device == "cpu" and settings.restore_in_step is not False
+
+
 def in_step_refused(settings: ConnectorSettings, device: str) -> str | None:
     """Why ``restore_in_step: true`` is not followed on this device, or None. A synchronous
     load that a worker cannot write is reported as block errors, which vLLM 0.32-0.34 answer by

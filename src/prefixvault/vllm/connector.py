@@ -43,6 +43,7 @@ from prefixvault.vllm.compat import (
 from prefixvault.vllm.config import (
     ConnectorSettings,
     OutputBoundaries,
+    hands_over_loads,
     hot_set_bytes,
     in_step_refused,
     restores_in_step,
@@ -139,19 +140,21 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             self._scheduler = SchedulerSide(self.settings, self.layout, self.vault,
                                            load=ktc.is_kv_consumer, save=ktc.is_kv_producer, guard=self.guard,
                                            in_step=in_step, engine_id=self._engine_id,
+                                           sync_loads=hands_over_loads(self.settings, device),
                                            checkpoints=checkpoints,
                                            overlapped=steps_overlap(vllm_config, device))
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
                                             enabled=self.layout.has_state,
                                             rewrite=resets_cpu_block_size(device, running_version()))
             log.info("prefixvault: %s on %s, namespace %s%s, layout %s, block size %d, capture %s, "
-                     "restores waited for in the step: %s",
+                     "restores waited for in the step: %s, loads handed to the worker ahead: %s",
                      ktc.kv_role, redact(self.settings.store), self.settings.namespace,
                      " (keyed: secret from " + (self.settings.namespace_secret_file
                                                 or "$" + self.settings.namespace_secret_env) + ")"
                      if key is not None else " (no secret: a label, not a tenant boundary)",
                      self.vault.fingerprint.hex()[:12], self.layout.block_size, self.settings.capture.value,
-                     "yes" if in_step else "no")
+                     "yes" if in_step else "no",
+                     "yes" if self._scheduler.handover.budget is not None else "no")
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -248,7 +248,9 @@ class Restores:
         enough past ``agreed`` (what the engine computes from without a load) to pay for the
         round trips (``RestoreCosts.look_up``); if not it is answered a miss now, with none
         (``computed``: vLLM's offer)."""
-        judged = self.costs.look_up(max(0, num_tokens - 1 - agreed), self.in_step)
+        # (a hit read ahead loads synchronously: judged by what such restores took)
+        sync = self.in_step or self.handover.reads_ahead()
+        judged = self.costs.look_up(max(0, num_tokens - 1 - agreed), sync)
         self.counters.tally("judged", f"lookup_{judged.value}")
         if judged is not Judgment.NOT_WORTH_IT:
             return True

@@ -52,10 +52,11 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, layout: CacheLayout, vault: Vault | None,
                  load: bool, save: bool, guard: Guard | None = None, in_step: bool = False,
                  engine_id: str | None = None, checkpoints: InternalCheckpoints | None = None,
-                 overlapped: bool = False) -> None:
-        """``in_step``: a step waits for new lookups up to ``IN_STEP_WAIT_S`` (``restore_in_step``);
-        with one rank, lookups then read their hits' objects ahead for synchronous loads into
-        the worker serving ``engine_id``'s mailbox. ``checkpoints``: vLLM's rule for states
+                 overlapped: bool = False, sync_loads: bool | None = None) -> None:
+        """``in_step``: a step waits for new lookups up to ``IN_STEP_WAIT_S`` (``restore_in_step``).
+        ``sync_loads`` (as ``in_step`` if None): with one rank, lookups read their hits' objects
+        ahead for synchronous loads into the worker serving ``engine_id``'s mailbox
+        (``hands_over_loads``). ``checkpoints``: vLLM's rule for states
         exported inside a chunk, where this platform's kernels export them. ``overlapped``: the
         engine overlaps its steps (async scheduling, a GPU): no step waits for lookups."""
         self.settings = settings
@@ -75,7 +76,8 @@ class SchedulerSide:
         # Which candidate boundaries to store: the same code the policy simulator replays.
         self.admission = Admission(Policy(settings.capture.value), settings.capture_interval, observes=load)
         self.divergent = DivergentHits(layout, completes=load and vault is not None)
-        budget = ReadAheadBudget(READ_AHEAD_BYTES) if in_step and layout.world_size == 1 else None
+        sync = in_step if sync_loads is None else sync_loads
+        budget = ReadAheadBudget(READ_AHEAD_BYTES) if sync and layout.world_size == 1 else None
         self.handover = InStepHandover(layout, budget, engine_id,
                                        lambda why: self.counters.tally("in_step_lost", why.value))
         # what a restore costs against computing, measured (``restore_when``)
