@@ -94,6 +94,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     loads: dict[str, float] = {}
     judged: dict[str, float] = {}  # the consumer's restore_judgments, by judgment
     misses: dict[str, float] = {}  # its lookup_misses, by reason
+    estimates: dict[str, float] = {}  # its cost estimates at the end (``costs``): where a restore's time goes
     second: dict[str, Any] = {}
 
     def serve(tag: str, command: list[str], again: bool = False) -> tuple[dict[str, Any], float]:
@@ -107,6 +108,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                 for k in ("get_bytes", "hot_bytes", "reread_bytes", "loads", "loads_in_step", "lookups"):
                     loads[k] = metric(url, f"vllm:prefixvault_{k}_total")
                 judged.update(metric_by_label(url, "vllm:prefixvault_restore_judgments_total", "judgment"))
+                for k in ("lookup_us", "restore_us", "restore_in_step_us", "step_us", "load_bytes_per_s"):
+                    estimates[k] = metric(url, f"vllm:prefixvault_estimate_{k}")
                 misses.update(metric_by_label(url, "vllm:prefixvault_lookup_misses_total", "reason"))
             if again:  # the same requests once more: each prefix a hit in the engine's own cache
                 second.update(benchmark(url, name, work / f"{tag}-again.json", load))
@@ -136,6 +139,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["consumer"]["external_hit_tokens"] = hits
     out["consumer"]["loads"] = loads.get("loads", 0.0)
     out["consumer"]["loads_synchronous"] = loads.get("loads_in_step", 0.0)  # (their bytes handed over)
+    out["consumer"]["estimates"] = estimates
     out["consumer"]["lookups"] = loads.get("lookups", 0.0)
     out["consumer"]["judged"] = judged  # (empty for a version before restore_when)
     out["consumer"]["misses"] = misses

@@ -13,7 +13,7 @@ tenant its ref names (``ObjectRef.salt``): one load may serve the requests of se
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,7 +23,7 @@ from prefixvault.counters import Counters
 from prefixvault.denysync import DenySync
 from prefixvault.hotset import HotSet
 from prefixvault.objects import ObjectNames, ObjectRef, chain_order
-from prefixvault.stores.base import Store, Take
+from prefixvault.stores.base import Store, Take, copy_into
 from prefixvault.tenancy import NamespaceKey, TenantKeys
 
 #: Keys a vault remembers having read, to count bytes read again (``reread_bytes``).
@@ -61,7 +61,8 @@ class Loader:
     _hot_since: int = field(default=0, init=False)  # the deny-list's ``grown`` the hot set was kept since
 
     def load(self, refs: Sequence[ObjectRef], staging: np.ndarray | None = None,
-             borrow: bool = True, stored: bool = False) -> Loaded:
+             borrow: bool = True, stored: bool = False,
+             prefetched: Mapping[str, bytes] | None = None) -> Loaded:
         """Fetch and verify objects; bad ones are counted, removed from the store and reported.
 
         With ``borrow``, payloads may be views of memory the store lent: use them before the
@@ -71,7 +72,9 @@ class Loader:
         and only the others are read, then kept in it. In a namespace with a key an object is
         decrypted as it is copied out of the store (one pass), so ``Loaded.objects`` holds the
         objects as stored only where ``stored`` asks for them (then each is decrypted into
-        memory of its own: a second pass)."""
+        memory of its own: a second pass). ``prefetched``: objects already read, by key (a
+        lookup's, ``LookupResult.prefetched``), copied from there rather than read again, where
+        the objects are kept as stored (``stored``, or a namespace without a key)."""
         refs = sorted(refs, key=chain_order)  # a read is a use: the store ranks them in this order
         hot = self._from_hot(refs) if self.hot is not None else {}
         if hot:
@@ -105,7 +108,7 @@ class Loader:
                 if isinstance(e, Exception) and not isinstance(e, IntegrityError):
                     raise e  # ours, kept from the store's read
         else:
-            got = self.store.get_into(keys, views)
+            got = self._get_into(keys, views, prefetched or {})
         payloads: dict[ObjectRef, memoryview] = {}
         objects: dict[ObjectRef, memoryview] = {}
         failed: dict[ObjectRef, str] = {}
@@ -145,6 +148,20 @@ class Loader:
                 self.hot.put(ref.key, payload)
         payloads.update(hot)
         return Loaded(payloads, failed, objects)
+
+    def _get_into(self, keys: Sequence[str], views: Sequence[memoryview],
+                  prefetched: Mapping[str, bytes]) -> list[int | None]:
+        """``Store.get_into``, the objects in ``prefetched`` copied from there."""
+        out: list[int | None] = [None] * len(keys)
+        rest = [i for i, k in enumerate(keys) if k not in prefetched]
+        for i, key in enumerate(keys):
+            if key in prefetched:
+                out[i] = copy_into(prefetched[key], views[i])
+        if rest:
+            for i, size in zip(rest, self.store.get_into([keys[i] for i in rest], [views[i] for i in rest]),
+                               strict=True):
+                out[i] = size
+        return out
 
     def _decrypting(self, headers: Sequence[ObjectHeader], keys: Sequence[NamespaceKey | None],
                     opened: dict[int, memoryview | Exception]) -> Take:

@@ -18,14 +18,14 @@ names, and reads, what it asks with its own tenant's key (its prompt's cache sal
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 import numpy as np
 
 from prefixvault.boundary import choose_hit, max_resume_tokens, needed_blocks, resume_limit
-from prefixvault.codec import IntegrityError, decode
+from prefixvault.codec import HEADER_SIZE, IntegrityError, decode
 from prefixvault.counters import Counters
 from prefixvault.coverage import Coverage
 from prefixvault.denysync import DenySync
@@ -41,6 +41,12 @@ from prefixvault.tenancy import NamespaceKey
 #: boundary beside the records (one round trip instead of two) when they are at most this many
 #: keys: the extra keys a miss then checks cost less than a second round trip.
 SPECULATIVE_KEYS = 512
+
+#: A lookup that will read its hit's objects (``Ask``'s ``read_from``) reads them in its first round
+#: trip where the store pipelines (``Store.pipelines``) and every candidate's objects it would read
+#: are at most this many bytes: those of candidates past the hit are read for nothing, and cost
+#: less than a round trip more.
+PREFETCH_BYTES = 32 << 20
 
 #: A lookup whose hit's record does not verify answers again from what is left, at most this
 #: many times (each bad record is removed first), then reports a miss.
@@ -76,11 +82,15 @@ class LookupResult:
     longest: int  # the longest block-aligned prefix that leaves a token to compute
     miss: Miss | None  # why ``hit < longest``; None when it is not (a tail hit may pass it)
     boundary_hash: bytes = field(default=b"", compare=False)  # the hit's name (chain or tail hash)
+    # Objects read in the lookup's round trips (rank 0, as stored, by key; ``PREFETCH_BYTES``):
+    # a load of the hit takes them from here instead of the store (verified there, as any read).
+    prefetched: Mapping[str, bytes] = field(default_factory=dict, compare=False, repr=False)
 
 
 #: One lookup: the prompt's chain hashes (full blocks), its length, the tokens the engine has,
-#: and its tokens and extra keys where its tail boundaries are looked up too (None: not).
-Ask = tuple[Sequence[bytes], int, int, PromptTokens | None]
+#: its tokens and extra keys where its tail boundaries are looked up too (None: not), and where
+#: a load of its hit would start, where its objects are to be read in the lookup (None: not).
+Ask = tuple[Sequence[bytes], int, int, PromptTokens | None, int | None]
 #: What one round trip of a lookup asks: keys to check, whether each counts as used, and keys to
 #: read (``Store.touch_and_get``); it is answered with whether each exists, and what each read holds.
 Round = tuple[list[str], list[bool], list[str]]
@@ -118,8 +128,9 @@ class HitFinder:
                        sealers: Sequence[NamespaceKey | None]) -> list[LookupResult]:
         """The lookups' round trips, all asks together (their hits not yet verified): in each,
         one store call for every lookup still going (what each checks, and what each reads)."""
-        steps = [self._lookup_steps(h, n, m, later, p, k)
-                 for (h, n, m, p), k in zip(asks, sealers, strict=True)]
+        prefetched: list[dict[str, bytes]] = [{} for _ in asks]
+        steps = [self._lookup_steps(h, n, m, later, p, k, r, read)
+                 for (h, n, m, p, r), k, read in zip(asks, sealers, prefetched, strict=True)]
         results: list[LookupResult | None] = [None] * len(steps)
         pending: dict[int, Round] = {}
         for i, step in enumerate(steps):
@@ -146,7 +157,8 @@ class HitFinder:
                 except StopIteration as done:
                     results[i] = done.value
         assert all(r is not None for r in results)
-        return [r for r in results if r is not None]
+        return [replace(r, prefetched=read) if read else r
+                for r, read in zip(results, prefetched, strict=True) if r is not None]
 
     def _verified(self, asks: Sequence[Ask], results: list[LookupResult],
                   later: list[Touch], sealers: Sequence[NamespaceKey | None]) -> list[LookupResult]:
@@ -221,7 +233,8 @@ class HitFinder:
 
     def _lookup_steps(
         self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int, later: list[Touch],
-        prompt: PromptTokens | None, key: NamespaceKey | None,
+        prompt: PromptTokens | None, key: NamespaceKey | None, read_from: int | None = None,
+        prefetched: dict[str, bytes] | None = None,
     ) -> Generator[Round, Reply, LookupResult]:
         """One lookup as the keys it checks or reads, round trip by round trip
         (``_lookup_rounds`` sends each answer back); returns its result.
@@ -237,7 +250,10 @@ class HitFinder:
         On a network store, where every candidate's objects are at most ``SPECULATIVE_KEYS``
         keys, they are checked (not touched) in the first round trip, the answer comes from it,
         and the second round trip's touches go to ``later`` instead (unless the indexes list a
-        tail of this prompt: its objects are then checked in a second round trip)."""
+        tail of this prompt: its objects are then checked in a second round trip). There, with
+        ``read_from`` on a store that pipelines, the objects of rank 0 that a load from
+        ``read_from`` to any candidate reads are read rather than checked, where they are at most
+        ``PREFETCH_BYTES``, into ``prefetched``."""
         self.counters.add(lookup_asks=1)
         bs = self.layout.block_size
         limit = min(max_resume_tokens(prompt_tokens, bs), len(hashes) * bs)
@@ -261,14 +277,24 @@ class HitFinder:
         checked = self.store.remote and bool(every) and sum(len(idx) for *_, idx in every) <= SPECULATIVE_KEYS
         speculative = [k for k in dict.fromkeys(prefix + hexes[i] for _, _, prefix, idx in every for i in idx)
                        if k not in probes] if checked else []
+        reads = self._prefetch(every, hexes, read_from) \
+            if checked and read_from is not None and prefetched is not None and self.store.pipelines else []
+        if reads:
+            kept = set(reads)
+            speculative = [k for k in speculative if k not in kept]
         index_keys = [self.keys.tail_index(p) for p in parents]
         first = [self.keys.layout(), *record_keys, *probes]
         # The tail indexes are read in the same round trip: on a network store one wait, not two.
         marks = [True] * (1 + len(record_keys)) + [False] * (len(probes) + len(speculative)) \
             + [True] * len(index_keys)
-        exists, index_blobs = yield ([*first, *speculative, *index_keys], marks, index_keys)
+        exists, blobs = yield ([*first, *speculative, *index_keys], marks, [*index_keys, *reads])
+        index_blobs, read = blobs[: len(index_keys)], blobs[len(index_keys) :]
         ahead = exists[len(first) - len(probes) : len(first) + len(speculative)]
         known = dict(zip([*probes, *speculative], ahead, strict=True)) if checked else {}
+        for k, blob in zip(reads, read, strict=True):  # (a probe read too: its check stands)
+            known.setdefault(k, blob is not None)
+            if blob is not None and prefetched is not None:
+                prefetched[k] = blob
         index_found = exists[len(first) + len(speculative) :]
         indexed = [(k, p, blob)
                    for k, p, e, blob in zip(index_ks, parents, index_found, index_blobs, strict=True) if e]
@@ -328,6 +354,24 @@ class HitFinder:
         if published and hit < published[0]:  # the longest published boundary cannot resume any more
             return self._result(hit, limit, Miss.EVICTED, name)
         return self._result(hit, limit, self._past_hit(probes, probed) if published else missed, name)
+
+    def _prefetch(self, every: Sequence[tuple[int, int, str, range | list[int]]], hexes: Sequence[str],
+                  read_from: int) -> list[str]:
+        """Of every candidate's objects (``_wanted``), the keys of those of rank 0 that a load from
+        ``read_from`` to any candidate reads (KV blocks from ``read_from``'s block on, states past
+        it); none where they could be more than ``PREFETCH_BYTES``."""
+        first = read_from // self.layout.block_size
+        keys: list[str] = []
+        size = 0
+        for gi, rank, prefix, idx in every:
+            if rank:
+                continue
+            each = HEADER_SIZE + self.layout.groups[gi].nbytes(0)
+            for i in idx:
+                if i >= first:
+                    keys.append(prefix + hexes[i])
+                    size += each
+        return list(dict.fromkeys(keys)) if size <= PREFETCH_BYTES else []
 
     def _tails(self, indexed: Sequence[tuple[int, bytes, bytes | None]],
                prompt: PromptTokens, min_tokens: int, tail_limit: int,

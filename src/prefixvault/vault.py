@@ -25,7 +25,7 @@ stay the namespace's. Without a secret a salt only enters the hash chain (``Extr
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -252,7 +252,8 @@ class Vault:
     def lookup_many(self, asks: Sequence[tuple[Sequence[bytes], int, int]],
                     touch_later: list[Touch] | None = None,
                     prompts: Sequence[PromptTokens | None] | None = None,
-                    salts: Sequence[str | None] | None = None) -> list[LookupResult]:
+                    salts: Sequence[str | None] | None = None,
+                    read_from: Sequence[int | None] | None = None) -> list[LookupResult]:
         """``lookup_explained`` for several prompts, (hashes, prompt tokens, min tokens) each,
         in the round trips of one: each round trip touches the keys of every lookup still
         going, so lookups that arrive together over a slow store cost two round trips, not two
@@ -263,11 +264,14 @@ class Vault:
         the caller to make after it has used the answers (``touch``).
 
         ``salts``: each ask's cache salt (its tenant), where it has no prompt to say it; an ask
-        with a prompt takes its prompt's (``extra.cache_salt``), and a salt given must agree."""
+        with a prompt takes its prompt's (``extra.cache_salt``), and a salt given must agree.
+        ``read_from``: where each ask's load would start, where its hit's objects are to be read
+        in the lookup's round trips where the store allows (``LookupResult.prefetched``)."""
         later: list[Touch] = []
-        full = [(h, n, m, prompts[i] if prompts is not None else None) for i, (h, n, m) in enumerate(asks)]
+        full = [(h, n, m, prompts[i] if prompts is not None else None,
+                 read_from[i] if read_from is not None else None) for i, (h, n, m) in enumerate(asks)]
         keys = []
-        for i, (*_, prompt) in enumerate(full):
+        for i, (*_, prompt, _) in enumerate(full):
             salt = salts[i] if salts is not None else None
             if prompt is not None:
                 if salts is not None and salt != prompt.extra.cache_salt:
@@ -288,12 +292,14 @@ class Vault:
     # -- load (``loading``) ----------------------------------------------------------------------
 
     def load(self, refs: Sequence[ObjectRef], staging: np.ndarray | None = None,
-             borrow: bool = True, stored: bool = False) -> Loaded:
+             borrow: bool = True, stored: bool = False,
+             prefetched: Mapping[str, bytes] | None = None) -> Loaded:
         """Fetch and verify objects; bad ones are counted, removed from the store and reported.
         With ``borrow``, payloads may be views of memory the store lent: use them before the
         next call on the same store. ``stored``: keep the objects as stored too
-        (``Loaded.objects``), where a key would otherwise decrypt them in place."""
-        return self._loader.load(refs, staging, borrow, stored)
+        (``Loaded.objects``), where a key would otherwise decrypt them in place. ``prefetched``:
+        objects a lookup read already (``LookupResult.prefetched``), taken from there."""
+        return self._loader.load(refs, staging, borrow, stored, prefetched)
 
     def open_sealed(self, ref: ObjectRef, data: memoryview) -> memoryview:
         """The payload of ``ref``'s object handed over whole (header included, as stored),

@@ -168,6 +168,9 @@ class Store(abc.ABC):
     #: Whether each batch call crosses a network (Redis, Mooncake): a round trip then costs
     #: more than checking more keys in it, and the vault trades the one for the other.
     remote: bool = False
+    #: Whether ``touch_and_get`` is one round trip (Redis and Valkey: one pipeline): a lookup
+    #: that will read its hit's objects reads them in its first round trip where it can.
+    pipelines: bool = False
 
     @property
     def medium(self) -> Medium:

@@ -166,6 +166,7 @@ class BreakerStore(Store):
         # Known before the store opens: whatever the URI names, other than a local directory
         # or process memory, is across a network.
         self.remote = store.remote if store is not None else urlsplit(uri).scheme not in ("local", "memory")
+        self.pipelines = store.pipelines if store is not None else urlsplit(uri).scheme.startswith("redis")
         if store is None:
             self.breaker.trip(str(first_error or "not opened"))
 

@@ -106,6 +106,7 @@ class RedisStore(Store):
     """Objects as plain string values under ``prefix + key`` on one server or cluster."""
 
     remote = True
+    pipelines = True
 
     def __init__(
         self,

@@ -85,7 +85,7 @@ class Lookups:
         """Queue a lookup (``LookupJob`` says what each argument is); it is answered with every
         lookup queued by the time the lane is free (``Vault.lookup_many``: one or two round
         trips for all of them; with ``read_from``, one more read for the objects of every hit
-        that asked for them)."""
+        that asked for them, none where the lookup's first round trip read them already)."""
         job = LookupJob(future=Future(), prompt=prompt, extra=extra, known=known, num_tokens=num_tokens,
                         min_tokens=min_tokens, saving=saving, read_from=read_from)
         refused = self.lane.put(job)
@@ -129,7 +129,10 @@ class Lookups:
         touches: list[tuple[list[str], list[bool]]] = []
         # (raises: the lane fails the batch)
         t0 = time.monotonic()
-        found = self.vault.lookup_many(asks, touch_later=touches, prompts=prompts)  # (salts: the prompts')
+        # (salts: the prompts'; a lookup reading ahead reads its hit's objects in its round trip
+        # where the store allows: ``LookupResult.prefetched``)
+        reading = [job.read_from if self.budget is not None else None for job, _ in waiting]
+        found = self.vault.lookup_many(asks, touch_later=touches, prompts=prompts, read_from=reading)
         if self.costs is not None:
             self.costs.looked_up(time.monotonic() - t0)
         ahead = []
@@ -172,10 +175,11 @@ class Lookups:
         if not wanted:
             return out
         every = list(dict.fromkeys(r for _, refs, _ in wanted for r in refs))
+        prefetched = {k: v for i, _, _ in wanted for k, v in ahead[i][2].prefetched.items()}
         try:
             # each object in memory of its own, kept past this call (never lent memory): a hit
             # held keeps its own objects alive, no other hit's
-            loaded = self.vault.load(every, borrow=False, stored=True).objects
+            loaded = self.vault.load(every, borrow=False, stored=True, prefetched=prefetched).objects
         except Exception as e:  # the store's or ours: the answers stand, their loads read later
             log.debug("prefixvault: reading ahead %d objects failed: %s", len(every), e)
             loaded = {}
