@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
+from test_in_step_loads import corrupt_state
 from test_vault import fill, layout
 
 from prefixvault import lookup as lookup_module
@@ -93,11 +94,7 @@ def test_more_bytes_than_a_round_trip_is_worth_are_read_after_the_answer(
 def test_a_prefetched_object_is_verified_as_any_read() -> None:
     store = Pipelined()
     vault = Vault(store, layout())
-    fill(vault, TOKENS, [16, 40])
-    state = next(r for r in vault.needed(vault.hashes(TOKENS[:41])[:5], 40, ranks=[0]) if r.group == 2)
-    good = store.get_many([state.key])[0]
-    assert good is not None
-    store.put_many([(state.key, [bytes(good)[:-4] + b"\xff\xff\xff\xff"])])  # there, but rejected
+    key = corrupt_state(store, vault)
     lookups = Lookups(vault, Guard(), budget=ReadAheadBudget(1 << 20))
     try:
         _, found, ahead = lookups.submit(**_ask(16), read_from=16).result(5)  # type: ignore[arg-type]
@@ -105,4 +102,4 @@ def test_a_prefetched_object_is_verified_as_any_read() -> None:
         lookups.close(5)
     assert found is not None and found.hit == 40 and ahead is None  # its load reads for itself
     assert sum(vault.counters.rejected.values()) >= 1
-    assert store.get_many([state.key]) == [None]  # proved wrong: removed, as a load removes it
+    assert store.get_many([key]) == [None]  # proved wrong: removed, as a load removes it
