@@ -116,13 +116,15 @@ class HitFinder:
         ``sealers``: each ask's tenant's key (what its hashes were keyed with)."""
         return self._verified(asks, self._lookup_rounds(asks, later, sealers), later, sealers)
 
-    def touch(self, touches: Sequence[Touch]) -> None:
+    def touch(self, touches: Sequence[Touch], refresh_deny: bool = True) -> None:
         """Touch what lookups answered early use, all in one call (order kept); and, once the
-        answers are out, read the deny-list when it is due (a lookup never waits for it)."""
+        answers are out, with ``refresh_deny``, read the deny-list when it is due (a lookup
+        never waits for it)."""
         keys = [k for ks, _ in touches for k in ks]
         if keys:
             self.store.touch_many(keys, [t for _, ts in touches for t in ts])
-        self.deny.refresh()
+        if refresh_deny:
+            self.deny.refresh()
 
     def _lookup_rounds(self, asks: Sequence[Ask], later: list[Touch],
                        sealers: Sequence[NamespaceKey | None]) -> list[LookupResult]:

@@ -285,9 +285,10 @@ class Vault:
             self.touch(later)
         return results
 
-    def touch(self, touches: Sequence[Touch]) -> None:
-        """Touch what lookups answered early use (then read the deny-list when it is due)."""
-        self._hits.touch(touches)
+    def touch(self, touches: Sequence[Touch], refresh_deny: bool = True) -> None:
+        """Touch what lookups answered early use (then, with ``refresh_deny``, read the
+        deny-list when it is due: on the thread that looks up)."""
+        self._hits.touch(touches, refresh_deny)
 
     # -- load (``loading``) ----------------------------------------------------------------------
 

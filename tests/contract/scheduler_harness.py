@@ -16,6 +16,7 @@ compare each step's plans and each lookup answer against it and against vLLM's o
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import json
 import time
@@ -67,6 +68,22 @@ SAMPLED_TOKEN = 7
 LOOKUP_TIMEOUT = 60.0
 #: A scenario that is not done after this many steps is stuck (a request never scheduled).
 MAX_STEPS = 10_000
+
+
+@contextmanager
+def _no_full_collections() -> Iterator[None]:
+    """No garbage collection while an engine steps. vLLM's engine core freezes its heap once
+    started (``freeze_gc_heap``), so its collections never walk every object of the process;
+    this test process holds hundreds of schedulers unfrozen, and a full collection of them
+    (hundreds of ms, on whichever thread allocates: often a lookup lane) would exceed the
+    bounded wait of a restore in the step (``IN_STEP_WAIT_S``) for a reason no engine has."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 # -- cache geometries shaped like real hybrid models on CUDA --------------------------------------
@@ -756,15 +773,16 @@ class Engine:
     def run(self, arrivals: dict[int, list[Request]] | None = None) -> None:
         """Step until every request has finished; ``arrivals``: requests added before step n."""
         arrivals = dict(arrivals or {})
-        for n in itertools.count():
-            for req in arrivals.pop(n, []):
-                self.add(req)
-            if not arrivals and not self.scheduler.has_unfinished_requests():
-                break
-            assert n < MAX_STEPS, f"stuck after {n} steps: {self.scheduler.get_request_counts()}"
-            step = self.step()
-            if not step.chunks:
-                time.sleep(0.001)  # waiting on lookups only: give the lookup thread the core
+        with _no_full_collections():
+            for n in itertools.count():
+                for req in arrivals.pop(n, []):
+                    self.add(req)
+                if not arrivals and not self.scheduler.has_unfinished_requests():
+                    break
+                assert n < MAX_STEPS, f"stuck after {n} steps: {self.scheduler.get_request_counts()}"
+                step = self.step()
+                if not step.chunks:
+                    time.sleep(0.001)  # waiting on lookups only: give the lookup thread the core
         held = self.connector.scheduler.read_ahead_held
         self.problems.check(held == 0, f"{held} bytes read ahead still held with every request finished")
         assert not self.problems.found, "\n".join(self.problems.found[:20]) + (

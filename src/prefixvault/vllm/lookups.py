@@ -20,13 +20,16 @@ from prefixvault.costs import RestoreCosts
 from prefixvault.guard import Guard
 from prefixvault.keys import ExtraKeys, PromptTokens
 from prefixvault.lane import Failure, Lane
-from prefixvault.vault import LookupResult, Miss, ObjectRef, Vault
+from prefixvault.vault import LookupResult, Miss, ObjectRef, Touch, Vault
 from prefixvault.vllm.in_step import ReadAhead, ReadAheadBudget
 
 log = logging.getLogger("vllm.prefixvault")
 
 #: Lookups queued or running at most; past it a request is a ``busy`` miss (computed).
 LOOKUP_QUEUE = 4096
+#: Batches of touches queued or running at most; past it a batch's touches are dropped (its
+#: hits' objects then age as if unused: freshness for the store's eviction, nothing else).
+TOUCH_QUEUE = 64
 
 #: What a lookup answers: the prompt's chain hashes, its result (None: held for a save), and
 #: with ``read_from`` the verified payloads of every object a load of its hit needs (rank 0), or
@@ -76,8 +79,12 @@ class Lookups:
         self.guard = guard
         self.budget = budget
         self.costs = costs
-        # One lane: the scheduler's store calls stay in order, and never run in its step.
+        # One lane: the scheduler's lookups stay in order, and never run in its step.
         self.lane: Lane[LookupJob] = Lane("lookup", self._run, self._fail, capacity=capacity, guard=guard)
+        # What the hits use is touched on a lane of its own: over a network store a touch is a
+        # round trip, and the next batch of lookups must not queue behind it.
+        self.touches: Lane[list[Touch]] = Lane("touch", self._touch, self._touch_failed, capacity=TOUCH_QUEUE,
+                                               guard=guard)
 
     def submit(self, *, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
                min_tokens: int, saving: Counter[bytes] | None,
@@ -94,8 +101,21 @@ class Lookups:
         return job.future
 
     def close(self, timeout: float) -> bool:
-        """Drop the lookups queued; wait up to ``timeout`` for a running batch. Whether idle."""
-        return self.lane.close(timeout)
+        """Drop the lookups and touches queued; wait up to ``timeout`` for a running batch of
+        each. Whether both lanes are idle."""
+        start = time.monotonic()
+        idle = self.lane.close(timeout)
+        return self.touches.close(max(0.0, timeout - (time.monotonic() - start))) and idle
+
+    def _touch(self, batch: list[list[Touch]]) -> None:
+        """Touch what the hits of the lookups answered use, every batch queued by then in one call."""
+        self.vault.touch([t for touches in batch for t in touches], refresh_deny=False)
+
+    @staticmethod
+    def _touch_failed(batch: list[list[Touch]], reason: Failure, error: BaseException | None) -> None:
+        """The answers stand; a touch not made costs freshness only."""
+        log.debug("prefixvault: touching what %d lookup batches found failed: %s", len(batch),
+                  error or reason.value)
 
     def _fail(self, jobs: list[LookupJob], reason: Failure, error: BaseException | None) -> None:
         """Lookups the lane could not answer: each is then a miss, by ``reason``."""
@@ -126,7 +146,7 @@ class Lookups:
             waiting.append((job, hashes))
         if not asks:
             return
-        touches: list[tuple[list[str], list[bool]]] = []
+        touches: list[Touch] = []
         # (raises: the lane fails the batch)
         t0 = time.monotonic()
         # (salts: the prompts'; a lookup reading ahead reads its hit's objects in its round trip
@@ -143,10 +163,12 @@ class Lookups:
                 job.future.set_result((hashes, result, None))
         for (job, hashes, result), payloads in zip(ahead, self._read_ahead(ahead), strict=True):
             job.future.set_result((hashes, result, payloads))
-        try:  # answered: now keep what the hits use fresh for the store's eviction
-            self.vault.touch(touches)
-        except Exception as e:  # the answers stand; a store error here costs freshness only
-            log.debug("prefixvault: touching what a lookup found failed: %s", e)
+        if touches:  # answered: now keep what the hits use fresh for the store's eviction
+            self.touches.put(touches)  # (refused: the answers stand, freshness is lost)
+        try:  # the deny-list, read when due (a lookup never waits for it)
+            self.vault.touch([])
+        except Exception as e:  # the answers stand; read again at the next batch
+            log.debug("prefixvault: reading the deny-list failed: %s", e)
 
     def _read_ahead(self, ahead: list[tuple[LookupJob, list[bytes], LookupResult]]) -> list[ReadAhead | None]:
         """For each hit, the verified objects its load needs (rank 0, from ``read_from`` or

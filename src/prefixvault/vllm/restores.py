@@ -129,6 +129,11 @@ class Restores:
     def lane(self) -> Lane[Any]:
         return self._lookups.lane
 
+    @property
+    def lanes(self) -> list[Lane[Any]]:
+        """The lookup lane, and the lane that touches what hits use."""
+        return [self._lookups.lane, self._lookups.touches]
+
     def close(self) -> bool:
         """Drop lookups still queued and wait for a running one up to ``lookup_timeout`` (its
         request is a miss by then); whether the lookup lane is idle."""

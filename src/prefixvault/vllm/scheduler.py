@@ -123,7 +123,8 @@ class SchedulerSide:
 
     @property
     def lanes(self) -> list[Lane[Any]]:
-        return [x.lane for x in (self.restores, self._samples) if x is not None]
+        return [*(self.restores.lanes if self.restores is not None else []),
+                *([self._samples.lane] if self._samples is not None else [])]
 
     def tracked(self, req_id: str) -> TrackedRequest | None:
         return self._reqs.get(req_id)
