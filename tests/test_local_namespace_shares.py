@@ -3,6 +3,7 @@ evicts only its own objects, so every other namespace keeps what it holds within
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import sqlite3
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from prefixvault.stores.local import LocalStore
 
 KiB, MiB = 1 << 10, 1 << 20
 NAMES = ("tenant-a", "tenant-b", "tenant-c")
+SPAWN = mp.get_context("spawn")
 
 
 def block(ns: str, i: int) -> str:
@@ -204,6 +206,50 @@ def test_states_over_their_budget_evict_states_of_their_own_namespace(tmp_path: 
             assert store.put_many([(state("tenant-a", i), [bytes(MiB)])]) == [True]
         assert store.exists_many([state("tenant-b", i) for i in range(2)]) == [True, True]
         assert store.stats().state_bytes <= 4 * MiB
+
+
+def _fill(path: str, ns: str, count: int) -> None:
+    """A writer in a process of its own: ``count`` objects of ``ns`` (sizes that share slabs
+    with the other writers' and slabs of sizes of their own), batch by batch, as a producer
+    engine saves."""
+    with open_store(f"local://{path}") as store:
+        for i in range(0, count, 8):
+            store.put_many([(block(ns, j), [bytes((60 + 50 * (j % 3)) * KiB)]) for j in range(i, i + 8)])
+
+
+def _use(path: str, keys: list[str], rounds: int) -> None:
+    """A reader in a process of its own: reads and touches ``keys`` again and again, as the
+    lookups and loads of an engine serving them do."""
+    with open_store(f"local://{path}") as store:
+        for _ in range(rounds):
+            store.touch_many(keys)
+            store.get_many(keys[:4])
+
+
+def test_writers_in_several_processes_keep_every_namespace_within_its_bound(tmp_path: Path) -> None:
+    """Two engines' processes fill the store with their namespaces' objects at once (each ten
+    times its bound), while a third process keeps reading tenant B's working set: B loses
+    nothing, no namespace passes its bound, and the store's count equals a recount."""
+    path = tmp_path / "s"
+    with open_store(f"local://{path}?capacity=24MiB&namespace_share=33%") as store:
+        mine = [block("tenant-b", i) for i in range(50)]  # 50 x 112 KiB slots: 5.5 of 8 MiB
+        assert all(store.put_many([(k, [bytes([7]) * (100 * KiB)]) for k in mine]))
+    procs = [SPAWN.Process(target=_fill, args=(str(path), ns, 800)) for ns in ("tenant-a", "tenant-c")]
+    procs.append(SPAWN.Process(target=_use, args=(str(path), mine, 200)))
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(180)
+        assert p.exitcode == 0
+    assert counted(path) == held(path)
+    assert all(v <= 24 * MiB * 33 // 100 for v in held(path).values()), held(path)
+    assert held(path).keys() == {"tenant-a", "tenant-b", "tenant-c"}
+    with open_store(f"local://{path}") as store:
+        assert present(store, mine) == set(mine)
+        assert store.get_many(mine[-1:]) == [bytes([7]) * (100 * KiB)]
+        for ns in ("tenant-a", "tenant-c"):  # each still caches: its newest objects are in
+            newest = [block(ns, j) for j in range(792, 800)]
+            assert present(store, newest) == set(newest), ns
 
 
 @pytest.mark.parametrize(
