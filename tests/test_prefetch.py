@@ -9,6 +9,7 @@ from collections.abc import Sequence
 
 import pytest
 from test_in_step_loads import corrupt_state
+from test_tails import publish
 from test_vault import fill, layout
 
 from prefixvault import lookup as lookup_module
@@ -76,6 +77,29 @@ def test_a_hits_objects_are_read_in_the_lookups_first_round_trip() -> None:
     lookup_calls = [c for c in store.calls if c != "touch"]  # (the touch lane's, after the answer)
     assert lookup_calls == ["touch+get"]  # records, objects and the read: one round trip
     assert vault.counters.get_keys >= len(keys)  # counted as read from the store
+
+
+def test_a_tail_hits_objects_are_read_in_the_round_trip_that_checks_them() -> None:
+    """A tail is named only once its index is read (the first round trip): its objects are read
+    in the second, which checks them, and reading ahead needs no third."""
+    store = Pipelined()
+    vault = Vault(store, layout())
+    publish(vault, TOKENS, 16)
+    publish(vault, TOKENS, 21, parent=16)  # a tail past block boundary 16
+    vault.refresh_deny()
+    store.calls.clear()
+    lookups = Lookups(vault, Guard(), budget=ReadAheadBudget(1 << 20))
+    try:
+        ask = dict(_ask(0), prompt=TOKENS[:22], num_tokens=22)
+        _, found, ahead = lookups.submit(**ask, read_from=0).result(5)  # type: ignore[arg-type]
+        assert found is not None and found.hit == 21 and ahead is not None
+        keys = {r.key for r in ahead.objects}
+        ahead.release()
+    finally:
+        lookups.close(5)
+    named = [*vault.hashes(TOKENS[:22])[: 21 // vault.layout.block_size], found.boundary_hash]
+    assert keys == {r.key for r in vault.needed(named, 21, ranks=[0], since=0)}
+    assert [c for c in store.calls if c != "touch"] == ["touch+get", "touch+get"]
 
 
 def test_more_bytes_than_a_round_trip_is_worth_are_read_after_the_answer(

@@ -255,7 +255,8 @@ class HitFinder:
         tail of this prompt: its objects are then checked in a second round trip). There, with
         ``read_from`` on a store that pipelines, the objects of rank 0 that a load from
         ``read_from`` to any candidate reads are read rather than checked, where they are at most
-        ``PREFETCH_BYTES``, into ``prefetched``."""
+        ``PREFETCH_BYTES``, into ``prefetched``; and those of the deepest tail of this prompt in
+        the second round trip, which checks them (``_prefetch_tail``)."""
         self.counters.add(lookup_asks=1)
         bs = self.layout.block_size
         limit = min(max_resume_tokens(prompt_tokens, bs), len(hashes) * bs)
@@ -330,7 +331,14 @@ class HitFinder:
             sent = [known[k] for k in asked]
             later.append(([k for k, t in zip(asked, touched, strict=True) if t], [True] * sum(touched)))
         else:
-            sent, _ = yield (asked, touched, [])
+            # A tail's objects are named only now: read those of the deepest in this round trip
+            # too, as the first one reads a block boundary's.
+            reads = self._prefetch_tail(tails[0], hexes, read_from, prefetched) \
+                if tails and read_from is not None and prefetched is not None and self.store.pipelines else []
+            sent, read = yield (asked, touched, reads)
+            for k, blob in zip(reads, read, strict=True):
+                if blob is not None and prefetched is not None:
+                    prefetched[k] = blob
         unsorted = np.empty(len(keys), dtype=bool)
         unsorted[order] = sent[: len(keys)]
         flags = unsorted.tolist()
@@ -372,6 +380,32 @@ class HitFinder:
             for i in idx:
                 if i >= first:
                     keys.append(prefix + hexes[i])
+                    size += each
+        return list(dict.fromkeys(keys)) if size <= PREFETCH_BYTES else []
+
+    def _prefetch_tail(self, tail: tuple[int, bytes], hexes: Sequence[str], read_from: int,
+                       prefetched: Mapping[str, bytes]) -> list[str]:
+        """The keys of the objects of rank 0 that a load from ``read_from`` to ``tail`` (tokens,
+        tail hash) reads and the first round trip did not: its full KV blocks from
+        ``read_from``'s block on, its partly filled block and its state; none where, with what
+        was read already, they could be more than ``PREFETCH_BYTES``."""
+        tokens, name = tail
+        bs = self.layout.block_size
+        size = sum(len(b) for b in prefetched.values())
+        keys: list[str] = []
+        for gi, group in enumerate(self.layout.groups):
+            each = HEADER_SIZE + group.nbytes(0)
+            if group.is_state:
+                named = [self.keys.state(gi, 0, name)]
+            else:
+                blocks = needed_blocks(group, tokens, bs)
+                full = range(max(blocks.start, read_from // bs), min(blocks.stop, tokens // bs))
+                named = [self.keys.block_prefix(gi, 0) + hexes[i] for i in full]
+                if tokens % bs and blocks:
+                    named.append(self.keys.block(gi, 0, name))
+            for k in named:
+                if k not in prefetched:
+                    keys.append(k)
                     size += each
         return list(dict.fromkeys(keys)) if size <= PREFETCH_BYTES else []
 
