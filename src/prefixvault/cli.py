@@ -517,6 +517,13 @@ def serve(
     restore_when: Annotated[str, typer.Option(
         "--restore-when", help="faster (default): restore a hit only where loading it is expected to end "
         "sooner than computing it, as measured; always: every hit")] = "",
+    salt_header: Annotated[str, typer.Option(
+        "--salt-header", help="Bind each request's cache_salt to the identity this header carries (set "
+        "by an authenticating proxy in front of the server): the client's salt is replaced, a POST "
+        "without the header refused")] = "",
+    salt_key_file: Annotated[str, typer.Option(
+        "--salt-key-file", help="With --salt-header: a file with the key salts are derived with "
+        "(HMAC-SHA256, at least 16 bytes)")] = "",
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command, do not run it")] = False,
 ) -> None:
     """Start `vllm serve` with the connector configured; extra arguments after `--` go to vLLM."""
@@ -536,7 +543,7 @@ def serve(
                                       "namespace_secret_file": secret_file,
                                       "namespace_secret_env": secret_env, **outputs, **when})
         cmd = serve_command(model, store, role, namespace, capture, ctx.args, secret_file, secret_env,
-                            capture_outputs, restore_when)
+                            capture_outputs, restore_when, salt_header, salt_key_file)
         for arg in cmd:
             os.fsencode(arg)  # what exec needs: text the file system encoding can carry
     except UnicodeError:
@@ -546,13 +553,13 @@ def serve(
     # The same command with the store's password as *** (vLLM itself logs its config: keep its
     # logs private; this line need not add to them).
     display = serve_command(model, redact(store), role, namespace, capture, ctx.args, secret_file,
-                            secret_env, capture_outputs, restore_when)
+                            secret_env, capture_outputs, restore_when, salt_header, salt_key_file)
     shown = shlex.join(display).encode("utf-8", "backslashreplace").decode()
     console.print(shown, highlight=False, soft_wrap=True, markup=False)
     if dry_run:
         return
     sys.stdout.flush()
-    os.execve(cmd[0], cmd, serve_env(dict(os.environ), role))
+    os.execve(cmd[0], cmd, serve_env(dict(os.environ), role, salt_header, salt_key_file))
 
 
 @app.command()

@@ -76,12 +76,23 @@ WORKER_SHUTDOWN_TIMEOUT = 40
 WORKER_SHUTDOWN_ENV = "VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS"
 
 
-def serve_env(environ: dict[str, str], role: str) -> dict[str, str]:
+#: vLLM's ``--middleware`` that binds ``cache_salt`` to an authenticated identity.
+SALT_MIDDLEWARE = "prefixvault.vllm.bind_salt.BindCacheSalt"
+
+
+def serve_env(environ: dict[str, str], role: str, salt_header: str = "",
+              salt_key_file: str = "") -> dict[str, str]:
     """The server's environment: a saving server's workers get ``SHUTDOWN_TIMEOUT`` to exit
-    (unless the operator set vLLM's variable)."""
+    (unless the operator set vLLM's variable); with ``salt_header``, what ``BindCacheSalt``
+    reads (vLLM constructs middleware without arguments)."""
+    from prefixvault.vllm.bind_salt import HEADER_ENV, KEY_FILE_ENV
+
     env = dict(environ)
     if role in ("kv_producer", "kv_both"):
         env.setdefault(WORKER_SHUTDOWN_ENV, str(WORKER_SHUTDOWN_TIMEOUT))
+    if salt_header:
+        env[HEADER_ENV] = salt_header
+        env[KEY_FILE_ENV] = str(Path(salt_key_file).resolve())
     return env
 
 
@@ -100,8 +111,12 @@ def serve_command(
     secret_env: str = "",
     outputs: str = "",
     restore_when: str = "",
+    salt_header: str = "",
+    salt_key_file: str = "",
 ) -> list[str]:
     """The full command. Flags the user passes in ``extra`` win over the defaults added here.
+    ``salt_header`` and ``salt_key_file`` (both or neither) add ``BindCacheSalt``: every
+    request's ``cache_salt`` derived from the identity that header carries.
 
     Hybrid models need prefix caching and ``mamba_cache_mode=align`` (a flag of its own in vLLM
     0.32; derived from prefix caching, the flag deprecated, from 0.33). vLLM's default
@@ -117,6 +132,14 @@ def serve_command(
         raise ValueError("--kv-transfer-config is set by prefixvault serve; use --store/--role instead")
     ktc = kv_transfer_config(store, role, namespace, capture, secret_file, secret_env, outputs, restore_when)
     cmd += ["--kv-transfer-config", json.dumps(ktc)]
+    if bool(salt_header) != bool(salt_key_file):
+        raise ValueError("--salt-header and --salt-key-file go together: the identity's header, and "
+                         "the key its salt is derived with")
+    if salt_header:
+        from prefixvault.tenancy import read_secret
+
+        read_secret(file=salt_key_file)  # (refused here, before the engine starts)
+        cmd += ["--middleware", SALT_MIDDLEWARE]
     if role in ("kv_producer", "kv_both") and not _has(extra, "--shutdown-timeout"):
         # vLLM's default (0) kills the engine at once on SIGTERM: saves still queued are lost.
         cmd += ["--shutdown-timeout", str(SHUTDOWN_TIMEOUT)]
