@@ -48,6 +48,12 @@ SPECULATIVE_KEYS = 512
 #: less than a round trip more.
 PREFETCH_BYTES = 32 << 20
 
+def _within_prefetch(keys: list[str], size: int) -> list[str]:
+    """``keys`` (once each) where ``size``, the bytes a lookup's reads come to, is within
+    ``PREFETCH_BYTES``; else none: past it the bytes cost more than the round trip saved."""
+    return list(dict.fromkeys(keys)) if size <= PREFETCH_BYTES else []
+
+
 #: A lookup whose hit's record does not verify answers again from what is left, at most this
 #: many times (each bad record is removed first), then reports a miss.
 RECORD_RETRIES = 3
@@ -280,8 +286,10 @@ class HitFinder:
         checked = self.store.remote and bool(every) and sum(len(idx) for *_, idx in every) <= SPECULATIVE_KEYS
         speculative = [k for k in dict.fromkeys(prefix + hexes[i] for _, _, prefix, idx in every for i in idx)
                        if k not in probes] if checked else []
+        # (where the store pipelines, a lookup that will read its hit's objects reads them here)
+        prefetch = prefetched if read_from is not None and self.store.pipelines else None
         reads = self._prefetch(every, hexes, read_from) \
-            if checked and read_from is not None and prefetched is not None and self.store.pipelines else []
+            if checked and read_from is not None and prefetch is not None else []
         if reads:
             kept = set(reads)
             speculative = [k for k in speculative if k not in kept]
@@ -296,8 +304,8 @@ class HitFinder:
         known = dict(zip([*probes, *speculative], ahead, strict=True)) if checked else {}
         for k, blob in zip(reads, read, strict=True):  # (a probe read too: its check stands)
             known.setdefault(k, blob is not None)
-            if blob is not None and prefetched is not None:
-                prefetched[k] = blob
+            if blob is not None and prefetch is not None:
+                prefetch[k] = blob
         index_found = exists[len(first) + len(speculative) :]
         indexed = [(k, p, blob)
                    for k, p, e, blob in zip(index_ks, parents, index_found, index_blobs, strict=True) if e]
@@ -333,12 +341,12 @@ class HitFinder:
         else:
             # A tail's objects are named only now: read those of the deepest in this round trip
             # too, as the first one reads a block boundary's.
-            reads = self._prefetch_tail(tails[0], hexes, read_from, prefetched) \
-                if tails and read_from is not None and prefetched is not None and self.store.pipelines else []
+            reads = self._prefetch_tail(tails[0], hexes, read_from, prefetch) \
+                if tails and read_from is not None and prefetch is not None else []
             sent, read = yield (asked, touched, reads)
             for k, blob in zip(reads, read, strict=True):
-                if blob is not None and prefetched is not None:
-                    prefetched[k] = blob
+                if blob is not None and prefetch is not None:
+                    prefetch[k] = blob
         unsorted = np.empty(len(keys), dtype=bool)
         unsorted[order] = sent[: len(keys)]
         flags = unsorted.tolist()
@@ -381,7 +389,7 @@ class HitFinder:
                 if i >= first:
                     keys.append(prefix + hexes[i])
                     size += each
-        return list(dict.fromkeys(keys)) if size <= PREFETCH_BYTES else []
+        return _within_prefetch(keys, size)
 
     def _prefetch_tail(self, tail: tuple[int, bytes], hexes: Sequence[str], read_from: int,
                        prefetched: Mapping[str, bytes]) -> list[str]:
@@ -407,7 +415,7 @@ class HitFinder:
                 if k not in prefetched:
                     keys.append(k)
                     size += each
-        return list(dict.fromkeys(keys)) if size <= PREFETCH_BYTES else []
+        return _within_prefetch(keys, size)
 
     def _tails(self, indexed: Sequence[tuple[int, bytes, bytes | None]],
                prompt: PromptTokens, min_tokens: int, tail_limit: int,

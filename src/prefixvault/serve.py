@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from prefixvault.keys import check_namespace
+from prefixvault.tenancy import read_secret
+from prefixvault.vllm.bind_salt import HEADER_ENV, KEY_FILE_ENV
 from prefixvault.vllm.compat import needs_mamba_cache_mode_flag
 
 ROLES = ("kv_both", "kv_producer", "kv_consumer")
@@ -85,8 +87,6 @@ def serve_env(environ: dict[str, str], role: str, salt_header: str = "",
     """The server's environment: a saving server's workers get ``SHUTDOWN_TIMEOUT`` to exit
     (unless the operator set vLLM's variable); with ``salt_header``, what ``BindCacheSalt``
     reads (vLLM constructs middleware without arguments)."""
-    from prefixvault.vllm.bind_salt import HEADER_ENV, KEY_FILE_ENV
-
     env = dict(environ)
     if role in ("kv_producer", "kv_both"):
         env.setdefault(WORKER_SHUTDOWN_ENV, str(WORKER_SHUTDOWN_TIMEOUT))
@@ -136,8 +136,6 @@ def serve_command(
         raise ValueError("--salt-header and --salt-key-file go together: the identity's header, and "
                          "the key its salt is derived with")
     if salt_header:
-        from prefixvault.tenancy import read_secret
-
         read_secret(file=salt_key_file)  # (refused here, before the engine starts)
         cmd += ["--middleware", SALT_MIDDLEWARE]
     if role in ("kv_producer", "kv_both") and not _has(extra, "--shutdown-timeout"):
