@@ -2,8 +2,8 @@
 turns served by two servers over one store against one server's own prefix cache.
 
     python bench/conversations.py [--sessions 8] [--turns 6] [--concurrency 8] [--template both]
-        [--profile gdn-hybrid] [--capture steps] [--seed 0] [--connector-path OTHER/src]
-        [--workdir DIR]
+        [--profile gdn-hybrid] [--capture steps] [--seed 0] [--store local|redis]
+        [--redis-delay-ms 0] [--restore-when faster] [--connector-path OTHER/src] [--workdir DIR]
 
 Why: a conversation sends, turn after turn, the previous prompt, often the previous answer,
 and a new message. Where turns land on servers without session affinity (a load balancer),
@@ -25,7 +25,9 @@ of its own (same lengths, other words, so that no template hits the other's prom
 Servers on loopback (the tiny random models of ``prefixvault.scenarios.models``, whose
 positions are extended with ``--hf-overrides`` to fit a whole session): the *own* server,
 plain vLLM with its own prefix cache, serves every turn of every session (the reference);
-the *store pair*, two ``prefixvault serve`` servers (kv_both) over one local store, serves the
+the *store pair*, two ``prefixvault serve`` servers (kv_both) over one store (a local directory,
+or with ``--store redis`` a Valkey server behind a loopback proxy that adds ``--redis-delay-ms``
+to every round trip; ``--restore-when`` sets their ``restore_when``), serves the
 same turns alternately (turn 1 on the first, turn 2 on the second, ...), so the previous
 turn's work comes from the store (a server's own cache holds only what it computed two turns
 before). Each turn, the own server serves it for all sessions (``--concurrency``
@@ -60,8 +62,9 @@ import shutil
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -76,6 +79,8 @@ ANSWER = (50, 400)
 #: Store pair TTFT over own-cache TTFT, at most, on every turn.
 GOAL = 1.2
 NAME = "conv"
+#: The pair's cost estimates reported (``vllm:prefixvault_estimate_*``), at the end.
+ESTIMATES = ("compute_us_per_token", "step_us", "lookup_us", "restore_us", "restore_in_step_us")
 #: Words the sessions are written in (each one or a few tokens of the test tokenizer).
 WORDS = ("the", "file", "line", "value", "error", "result", "table", "query", "user", "time", "number",
          "list", "name", "open", "read", "write", "check", "run", "test", "build", "path", "step",
@@ -215,6 +220,22 @@ def serve_all(url: str, pool: ThreadPoolExecutor, requests: list[tuple[list[dict
 Rows = list[dict[str, Any]]
 
 
+def decisions(url: str) -> dict[str, float]:
+    """A pair server's lookup judgments and misses so far, by judgment and by reason."""
+    from prefixvault.scenarios.servers import metric_by_label
+
+    judged = metric_by_label(url, "vllm:prefixvault_restore_judgments_total", "judgment")
+    missed = metric_by_label(url, "vllm:prefixvault_lookup_misses_total", "reason")
+    return {**{f"judged_{k}": v for k, v in judged.items()}, **{f"miss_{k}": v for k, v in missed.items()}}
+
+
+def estimates(url: str) -> dict[str, float]:
+    """A pair server's cost estimates (``vllm:prefixvault_estimate_*``) as it reports them now."""
+    from prefixvault.scenarios.servers import metric
+
+    return {k: metric(url, f"vllm:prefixvault_estimate_{k}") for k in ESTIMATES}
+
+
 def run_template(template: str, sessions: list[Session], cost: Callable[[str], int], own: str,
                  pair: Sequence[str], args: argparse.Namespace) -> tuple[Rows, Rows]:
     """Every turn of ``template``'s sessions on both sides; its rows and the answers that part."""
@@ -226,9 +247,12 @@ def run_template(template: str, sessions: list[Session], cost: Callable[[str], i
         for turn in range(args.turns):
             requests = [(conversation(t, [r.text for r in mine.replies[i]], template), s.turns[turn].answer)
                         for i, (s, t) in enumerate(zip(sessions, session_texts, strict=True))]
+            before = decisions(pair[turn % 2])
+            estimated = estimates(pair[turn % 2])
             for side, url in ((mine, own), (theirs, pair[turn % 2])):
                 for i, reply in enumerate(serve_all(url, pool, requests)):
                     side.replies[i].append(reply)
+            after = decisions(pair[turn % 2])
             got, want = [s[turn] for s in theirs.replies], [s[turn] for s in mine.replies]
             for i, (a, b) in enumerate(zip(got, want, strict=True)):
                 if a.prompt != b.prompt:
@@ -244,7 +268,10 @@ def run_template(template: str, sessions: list[Session], cost: Callable[[str], i
                          "store": store, "own": ref,
                          "ttft_ratio": ratio,
                          "answers_equal": sum(a.answer == b.answer for a, b in zip(got, want, strict=True)),
-                         "sessions": len(sessions)})
+                         "sessions": len(sessions),
+                         "store_decisions": {k: v - before.get(k, 0) for k, v in after.items()
+                                             if v != before.get(k, 0)},
+                         "store_estimates_before": estimated})
             print(f"  {template} turn {turn + 1} done", flush=True)
     return rows, parted
 
@@ -262,11 +289,29 @@ def warm(urls: Sequence[str], cost: Callable[[str], int]) -> None:
         stream_chat(url, [{"role": "user", "content": "warm up " + words(rng, 300, cost)}], 8)
 
 
+@contextmanager
+def shared_store(args: argparse.Namespace, work: Path) -> Iterator[str]:
+    """The pair's store URL: a local directory, or Valkey behind a link adding ``--redis-delay-ms``."""
+    if args.store != "redis":
+        yield f"local://{work}/store?capacity=8GiB"
+        return
+    from prefixvault.scenarios.netfault import SlowLink
+    from prefixvault.scenarios.valkey import Valkey
+
+    valkey = Valkey()
+    link = SlowLink(valkey.port, args.redis_delay_ms / 1000)
+    try:
+        yield f"redis://127.0.0.1:{link.port}/0?prefix=conv:&timeout=5"
+    finally:
+        link.close()
+        valkey.stop()
+
+
 def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     from tokenizers import Tokenizer
 
     from prefixvault.scenarios.models import build_model, engine_kwargs
-    from prefixvault.scenarios.servers import metric, servers
+    from prefixvault.scenarios.servers import metric, metric_by_label, servers
     from prefixvault.serve import engine_flags, serve_command, vllm_command
 
     sessions = plan(args.sessions, args.turns, args.seed)
@@ -282,35 +327,46 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     # The test models have no learned positions: rotary positions simply extend.
     flags = [*engine_flags(engine), "--served-model-name", NAME, "--enable-prompt-tokens-details",
              "--hf-overrides", json.dumps({"max_position_embeddings": engine["max_model_len"]})]
-    store = f"local://{work}/store?capacity=8GiB"
     # vLLM CPU reserves one more core for a server with a KV connector than without one: every
     # server reserves the same, so all run their forward on as many threads.
     env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": str(args.reserved_cpus)}
     if args.connector_path:
         env["PYTHONPATH"] = args.connector_path
-    commands = [([*vllm_command(str(model)), *flags], work / "own.log"),  # flags: prefix caching, align
-                *((serve_command(str(model), store, "kv_both", capture=args.capture, extra=flags),
-                   work / f"store{i}.log") for i in range(2))]
     templates = list(TEMPLATES) if args.template == "both" else [args.template]
     rows: list[dict[str, Any]] = []
     parted: list[dict[str, Any]] = []
     started = time.perf_counter()
-    with servers(commands, env) as urls:
-        print(f"servers up in {time.perf_counter() - started:.0f} s", flush=True)
-        own, pair = urls[0], urls[1:]
-        warm(urls, cost)
-        for template in templates:
-            got, apart = run_template(template, sessions, cost, own, pair, args)
-            rows += got
-            parted += apart
-        counters = {"pair": {k: sum(metric(u, f"vllm:prefixvault_{k}_total") for u in pair)
-                             for k in ("hit_tokens", "records_published", "save_dropped", "save_errors",
-                                       "lookup_errors", "load_failures")},
-                    "preemptions": {side: sum(metric(u, "vllm:num_preemptions_total") for u in us)
-                                    for side, us in (("own", [own]), ("pair", pair))}}
+    with shared_store(args, work) as store:
+        commands = [([*vllm_command(str(model)), *flags], work / "own.log"),  # flags: prefix caching, align
+                    *((serve_command(str(model), store, "kv_both", capture=args.capture, extra=flags,
+                                     restore_when=args.restore_when),
+                       work / f"store{i}.log") for i in range(2))]
+        with servers(commands, env) as urls:
+            print(f"servers up in {time.perf_counter() - started:.0f} s", flush=True)
+            own, pair = urls[0], urls[1:]
+            warm(urls, cost)
+            for template in templates:
+                got, apart = run_template(template, sessions, cost, own, pair, args)
+                rows += got
+                parted += apart
+            names = ("hit_tokens", "records_published", "save_dropped", "save_errors", "lookup_errors",
+                     "load_failures")
+            counters: dict[str, Any] = {
+                "pair": {k: sum(metric(u, f"vllm:prefixvault_{k}_total") for u in pair) for k in names},
+                "preemptions": {side: sum(metric(u, "vllm:num_preemptions_total") for u in us)
+                                for side, us in (("own", [own]), ("pair", pair))}}
+            for name, label in (("lookup_misses", "reason"), ("restore_judgments", "judgment")):
+                summed: dict[str, float] = {}
+                for u in pair:
+                    for k, v in metric_by_label(u, f"vllm:prefixvault_{name}_total", label).items():
+                        summed[k] = summed.get(k, 0.0) + v
+                counters["pair"][name] = summed
+            counters["pair"]["estimates"] = [estimates(u) for u in pair]
     ratios = [r["ttft_ratio"] for r in rows if r["ttft_ratio"] is not None]
     return {"profile": args.profile, "sessions": args.sessions, "turns": args.turns,
-            "concurrency": args.concurrency, "seed": args.seed, "capture": args.capture, "store": "local",
+            "concurrency": args.concurrency, "seed": args.seed, "capture": args.capture, "store": args.store,
+            "redis_delay_ms": args.redis_delay_ms if args.store == "redis" else None,
+            "restore_when": args.restore_when or "default",
             "block_size": block, "max_num_batched_tokens": engine["max_num_batched_tokens"],
             "max_model_len": engine["max_model_len"], "lengths": {"system": SYSTEM, "message": MESSAGE,
                                                                   "answer": ANSWER},
@@ -347,6 +403,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--profile", default="gdn-hybrid")
     p.add_argument("--capture", default="steps", help="the pair's capture policy")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--store", choices=["local", "redis"], default="local", help="the store the pair shares")
+    p.add_argument("--redis-delay-ms", type=float, default=0.0, help="added to every Valkey round trip")
+    p.add_argument("--restore-when", default="", help="the pair's restore_when (default: the connector's)")
     p.add_argument("--reserved-cpus", type=int, default=1,
                    help="VLLM_CPU_NUM_OF_RESERVED_CPU for every server (vLLM CPU)")
     p.add_argument("--connector-path", default="",
