@@ -154,7 +154,8 @@ def test_computing_takes_longer_for_a_request_that_shares_the_steps_prefill() ->
 
 def test_what_restores_took_on_this_engine_replaces_the_prior() -> None:
     """Before any restore, its fixed cost is two round trips and (beside the steps) a step; once
-    restores are measured, what they took from lookup to first step, less their transfer."""
+    restores are measured, what they took from lookup to when they could be scheduled, less
+    their transfer (in the step that asked: to the answer, plus the load's round trip)."""
     costs, _ = measured(compute_s_per_token=1e-4, lookup_s=0.02)  # 100 ms steps
     assert math.isclose(costs.estimates().restore_s(0, in_step=False), 0.14)
     assert costs.look_up(1500, in_step=False) is Judgment.PAYS  # 150 ms of prefill
@@ -170,3 +171,7 @@ def test_what_restores_took_on_this_engine_replaces_the_prior() -> None:
     assert costs.look_up(4000, in_step=False) is Judgment.PAYS
     assert costs.look_up(1000, in_step=True) is Judgment.PAYS  # in the step: not measured, the prior
     assert "restore_us" in est.figures() and "restore_in_step_us" not in est.figures()
+    for _ in range(40):
+        costs.restored(0.03, 1 << 20, in_step=True)  # answered in 30 ms; its load in the step to come
+    in_step = costs.estimates().restore_s_in_step
+    assert in_step is not None and math.isclose(in_step, 0.05, rel_tol=1e-3)  # and a round trip

@@ -15,9 +15,12 @@ store did lately, none configured:
   scheduled in the step after the load is reported);
 - ``lookup``: seconds a lookup takes (one or two store round trips);
 - ``transfer``: seconds per byte a load takes beyond one round trip (the lookup's figure);
-- ``restore``: seconds from a restored request's lookup to its first step, less its bytes'
-  transfer, as this engine's restores took them (the steps it waited, the lanes' queues and
-  every round trip included), apart for loads beside the steps and in the step that asked.
+- ``restore``: seconds from a restored request's lookup to when it could be scheduled, less its
+  bytes' transfer, as this engine's restores took them (the lanes' queues, every round trip and
+  the steps a load beside them took included), apart for loads beside the steps (until the
+  workers report the load done) and in the step that asked (until the lookup answered, plus
+  the load's round trip in that step). A wait for a step's token budget between the answer and
+  vLLM's allocation is left out: a request computed instead would wait as long.
 
 With these, restoring ``t`` tokens whose objects are ``n`` bytes costs ``restore + n *
 transfer`` (before any restore is measured: two round trips, and a step for a load beside the
@@ -83,15 +86,16 @@ class Estimates:
     step_s: float | None
     lookup_s: float | None
     transfer_s_per_byte: float | None
-    # Seconds from a restored request's lookup to its first step, less its bytes' transfer, as
-    # this engine's restores took them: loaded beside the steps, or in the step that asked.
+    # Seconds from a restored request's lookup to when it could be scheduled, less its bytes'
+    # transfer, as this engine's restores took them: loaded beside the steps, or in the step
+    # that asked (see the module).
     restore_s_beside: float | None = None
     restore_s_in_step: float | None = None
 
     def restore_s(self, nbytes: int, in_step: bool) -> float:
-        """Expected seconds from a request's lookup to its first step with ``nbytes`` restored:
-        the fixed part as this engine's restores took it (before any: a lookup, a load's round
-        trip, and a step for a load beside the steps), plus the transfer."""
+        """Expected seconds from a request's lookup to when it can be scheduled with ``nbytes``
+        restored: the fixed part as this engine's restores took it (before any: a lookup, a
+        load's round trip, and a step for a load beside the steps), plus the transfer."""
         measured = self.restore_s_in_step if in_step else self.restore_s_beside
         lookup = self.lookup_s or 0.0
         fixed = measured if measured is not None else 2 * lookup + (0.0 if in_step else (self.step_s or 0.0))
@@ -225,11 +229,16 @@ class RestoreCosts:
             self._transfer.add(beyond / nbytes, self._now())
 
     def restored(self, seconds: float, nbytes: int, in_step: bool) -> None:
-        """A request restored ``nbytes`` (a rank's) was first scheduled ``seconds`` after its
-        lookup was queued."""
+        """A request restoring ``nbytes`` (a rank's) could be scheduled ``seconds`` after its
+        lookup was queued (waits for a step's token budget left out): beside the steps, once
+        its load was reported done; in the step, once its lookup answered, the load's round
+        trip (a lookup's) still to come in that step."""
         with self._lock:
-            transfer = (self._transfer.value or 0.0) * nbytes
-            self._restored[in_step].add(max(0.0, seconds - transfer), self._now())
+            if in_step:
+                fixed = seconds + (self._lookup.value or 0.0)
+            else:
+                fixed = max(0.0, seconds - (self._transfer.value or 0.0) * nbytes)
+            self._restored[in_step].add(fixed, self._now())
 
     def estimates(self) -> Estimates:
         with self._lock:

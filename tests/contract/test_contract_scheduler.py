@@ -14,6 +14,7 @@ speculative decoding, and the checkpoints each version offers from inside a chun
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import pytest
@@ -534,6 +535,36 @@ def test_a_request_that_cannot_pay_for_a_round_trip_is_computed_without_a_lookup
     assert b.loads["c"] == 1
     est = costs.estimates()  # what that restore took, from its lookup to its first step
     assert (est.restore_s_beside, est.restore_s_in_step) != (None, None)
+
+
+@_geo([GEOMETRIES[0]])
+def test_a_restore_held_back_by_a_full_step_is_not_measured_as_slow(engines: Engines, geo: Geometry) -> None:
+    """What a restore took is measured up to when its request could be scheduled (its load
+    beside the steps reported done), not to the step that first schedules it: a request that
+    waits while another's prefill takes every step's token budget would wait as long computed.
+    Here each step takes 50 ms and the restored request is held for several of them; the
+    estimate stays well under what it waited (measured to its first step it was 250 ms and
+    more, and a busy engine declined restores that paid)."""
+    bs = geo.block_size
+    first = prompts(51, 2 * bs + 5)[0]
+    a = engines(geo, budget=2 * bs)
+    a.run({0: [make_request("a", first, geo)]})
+    b = engines(geo, a.store, budget=bs, extra={"restore_in_step": False})
+    schedule = b.scheduler.schedule
+
+    def slow_step() -> Any:
+        time.sleep(0.05)
+        return schedule()
+
+    b.scheduler.schedule = slow_step  # type: ignore[method-assign]
+    b.run({0: [make_request("c", first + prompts(52, 9)[0], geo),
+               make_request("hog", prompts(53, 8 * bs)[0], geo)]})  # its prefill: 8 full steps
+    assert b.loads["c"] == 1
+    held = next(st.number for st in b.steps if "hog" in st.chunks)  # (c was asked by then)
+    ran = next(st.number for st in b.steps if "c" in st.chunks)
+    assert ran - held >= 5, f"not held back: the hog from step {held}, c scheduled in step {ran}"
+    est = b.connector.scheduler.costs.estimates()
+    assert est.restore_s_beside is not None and est.restore_s_beside < 0.15, est
 
 
 @_geo([GEOMETRIES[0]])

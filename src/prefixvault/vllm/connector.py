@@ -359,7 +359,12 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
         scheduler = self.scheduler
-        if scheduler is not None and isinstance(report, SavesSettled):
+        if scheduler is None:
+            return
+        loaded = connector_output.finished_recving
+        if loaded:
+            self.guard.call("update_connector_output", lambda: scheduler.loads_done(loaded), lambda: None)
+        if isinstance(report, SavesSettled):
             self.guard.call("update_connector_output", lambda: scheduler.settle(report), lambda: None)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

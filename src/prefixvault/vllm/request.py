@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -120,9 +121,10 @@ class Restore:
         self.waited_for_save = False  # it waited for a save of its prefix once (it never waits again)
         # computing it was judged sooner than restoring (``restore_when: faster``): answered a miss
         self.not_worth_it = False
-        # time.monotonic() its first lookup (since a restart) was queued: what a restore took,
-        # until the request's first step, is measured from it (``costs.RestoreCosts.restored``)
+        # time.monotonic() its first lookup (since a restart) was queued, and its last lookup
+        # answered: what a restore took is measured from them (``Restores.allocated``)
         self.asked_at: float | None = None
+        self.answered_at: float | None = None
         # The most tokens it may restore, after a load that failed: short of every object that
         # failed (a worker's ``Loads.take_caps``), so it is looked up again for the deepest
         # boundary that did not, never the same one (None: no load failed).
@@ -180,9 +182,14 @@ class Restore:
         self._expect(New, WaitingForSave)
         if self.asked_at is None:
             self.asked_at = now
+        lookup.add_done_callback(self._answered)
         self._become(LookingUp(lookup=lookup, since=now, local=local,
                                agreed=local if agreed is None else agreed,
                                start=local if start is None else start))
+
+    def _answered(self, _lookup: Future[Answer]) -> None:
+        """(On the lookup lane's thread, or the caller's for a lookup refused or cancelled.)"""
+        self.answered_at = time.monotonic()
 
     def wait_for_save(self) -> None:
         """Its lookup answered that a save of its prefix is in flight."""
@@ -247,7 +254,7 @@ class Restore:
         """Asked again after a load: it failed (a bad object was removed), or the request was
         preempted. It is looked up afresh."""
         self._expect(Loading)
-        self.asked_at = None
+        self.asked_at = self.answered_at = None
         self._become(New())
 
     def capped(self, tokens: int) -> None:

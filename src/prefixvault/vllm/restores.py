@@ -120,9 +120,10 @@ class Restores:
         self._lookups = Lookups(ctx.vault, ctx.guard, budget=handover.budget, costs=costs)
         self._wait = StepWait(IN_STEP_WAIT_S if in_step else LOOKUP_WAIT_S, never=overlapped and not in_step)
         self._pending: list[LoadSpec] = []  # loads vLLM allocated since the last step was built
-        # Loads issued and not yet seen in a step, by request: (when its lookup was queued, a
-        # rank's bytes, whether in the step): what a restore takes is measured when it is.
-        self._landing: dict[str, tuple[float, int, bool]] = {}
+        # Loads beside the steps not yet reported done, by request: (seconds from its lookup
+        # queued to its answer, when vLLM allocated it, a rank's bytes): what the restore takes
+        # is measured once the load is done (``landed``).
+        self._landing: dict[str, tuple[float, float, int]] = {}
         self._step = 0  # the last step built: asks now are for the next one
 
     @property
@@ -139,15 +140,18 @@ class Restores:
         request is a miss by then); whether the lookup lane is idle."""
         return self._lookups.close(self.settings.lookup_timeout)
 
-    def scheduled(self, req_ids: Collection[str]) -> None:
-        """A step is built with these requests' tokens: a restored one among them ran its first
-        step, so its restore's time is measured (``RestoreCosts.restored``)."""
+    def landed(self, req_ids: Collection[str]) -> None:
+        """The workers report these requests' loads done (vLLM's ``finished_recving``): each can
+        be scheduled in the next step, so what its restore took is measured now
+        (``RestoreCosts.restored``): from its lookup queued to its answer, and from vLLM's
+        allocation to now. A wait between the answer and the allocation (the step's token
+        budget taken by other requests) is left out: a request computed would wait as long."""
         if not self._landing:
             return
         now = time.monotonic()
-        for rid in [r for r in self._landing if r in req_ids]:
-            since, nbytes, in_step = self._landing.pop(rid)
-            self.costs.restored(now - since, nbytes, in_step)
+        for rid in [r for r in req_ids if r in self._landing]:
+            answered, allocated, nbytes = self._landing.pop(rid)
+            self.costs.restored(answered + now - allocated, nbytes, in_step=False)
 
     def next_step(self, step: int) -> list[LoadSpec]:
         """Step ``step`` is being built: the loads allocated for it (handed over whatever
@@ -368,9 +372,14 @@ class Restores:
         # otherwise queue a second one for the request).
         self._pending.append(LoadSpec(tr.req_id, hashes, tokens, local, tuple(list(b) for b in block_ids),
                                       mode=mode, token=token, salt=tr.extra.cache_salt))
-        if r.asked_at is not None:
-            self._landing[tr.req_id] = (r.asked_at, restore_bytes(self.ctx.layout, tokens, local),
-                                        mode is not LoadMode.ASYNC)
+        if r.asked_at is not None:  # what the restore takes, up to when the request can be scheduled
+            now = time.monotonic()
+            answered = (r.answered_at or now) - r.asked_at
+            nbytes = restore_bytes(self.ctx.layout, tokens, local)
+            if mode is LoadMode.ASYNC:
+                self._landing[tr.req_id] = (answered, now, nbytes)  # and until it is loaded
+            else:  # runs in this step
+                self.costs.restored(answered, nbytes, in_step=True)
         r.load()
         tr.saved = max(tr.saved, tokens // self.block_size * self.block_size)  # (a parent is block-aligned)
         self.counters.add(hit_tokens=num_external_tokens)

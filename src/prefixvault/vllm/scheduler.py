@@ -20,7 +20,7 @@ import logging
 import random
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 from prefixvault.admission import Admission, Policy
@@ -220,8 +220,12 @@ class SchedulerSide:
         tokens = int(getattr(scheduler_output, "total_num_scheduled_tokens", 0) or 0)
         chunks = [int(n) for n in per_request.values() if n > 1]
         self.costs.step_planned(tokens, sum(chunks), len(chunks))
+
+    def loads_done(self, req_ids: Collection[str]) -> None:
+        """vLLM reports these requests' loads beside the steps done (every worker's
+        ``finished_recving``): each can be scheduled next, so its restore's time is measured."""
         if self.restores is not None:
-            self.restores.scheduled(per_request)
+            self.restores.landed(req_ids)
 
     def settle(self, report: SavesSettled) -> None:
         """Workers' reports of saves stored or dropped (``SavePlans.settle``), of failed loads

@@ -77,8 +77,9 @@ GAUGES: dict[str, str] = {
     "estimate_step_us": "Measured duration of a busy engine step (microseconds)",
     "estimate_lookup_us": "Measured duration of a lookup in the store (microseconds)",
     "estimate_load_bytes_per_s": "Measured load rate from the store beyond one round trip (bytes per second)",
-    "estimate_restore_us": "Measured time from a restored request's lookup to its first step, less its "
-                           "transfer, loaded beside the steps (microseconds)",
+    "estimate_restore_us": "Measured time from a restored request's lookup to when it could be scheduled "
+                           "(its load reported done), less its transfer, loaded beside the steps "
+                           "(microseconds)",
     "estimate_restore_in_step_us": "The same for restores loaded in the step that asked (microseconds)",
 }
 
