@@ -18,9 +18,10 @@ store did lately, none configured:
 - ``restore``: seconds from a restored request's lookup to when it could be scheduled, less its
   bytes' transfer, as this engine's restores took them (the lanes' queues, every round trip and
   the steps a load beside them took included), apart for loads beside the steps (until the
-  workers report the load done) and in the step that asked (until the lookup answered, plus
-  the load's round trip in that step). A wait for a step's token budget between the answer and
-  vLLM's allocation is left out: a request computed instead would wait as long.
+  workers report the load done) and in the step that asked (until the lookup answered: the
+  load then runs in that step, its objects most often read in the lookup's round trip). A
+  wait for a step's token budget between the answer and vLLM's allocation is left out: a
+  request computed instead would wait as long.
 
 With these, restoring ``t`` tokens whose objects are ``n`` bytes costs ``restore + n *
 transfer`` (before any restore is measured: two round trips, and a step for a load beside the
@@ -231,14 +232,11 @@ class RestoreCosts:
     def restored(self, seconds: float, nbytes: int, in_step: bool) -> None:
         """A request restoring ``nbytes`` (a rank's) could be scheduled ``seconds`` after its
         lookup was queued (waits for a step's token budget left out): beside the steps, once
-        its load was reported done; in the step, once its lookup answered, the load's round
-        trip (a lookup's) still to come in that step."""
+        its load was reported done (its transfer included, taken off here); in the step, once
+        its lookup answered (its transfer still to come, in that step)."""
         with self._lock:
-            if in_step:
-                fixed = seconds + (self._lookup.value or 0.0)
-            else:
-                fixed = max(0.0, seconds - (self._transfer.value or 0.0) * nbytes)
-            self._restored[in_step].add(fixed, self._now())
+            transfer = 0.0 if in_step else (self._transfer.value or 0.0) * nbytes
+            self._restored[in_step].add(max(0.0, seconds - transfer), self._now())
 
     def estimates(self) -> Estimates:
         with self._lock:
