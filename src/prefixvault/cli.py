@@ -239,6 +239,9 @@ def explain(
         "the hit or compute it, by the cost estimates its /metrics exports")] = "",
     engine_holds: Annotated[int, typer.Option(
         help="With --engine: prompt tokens that engine's own prefix cache holds")] = 0,
+    tenant_namespaces: Annotated[bool, typer.Option(
+        help="The engines run with tenant_namespaces: a salted prompt's keys are its tenant's "
+        "namespace's (needs the secret and --cache-salt)")] = False,
     json_out: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Why a prompt restores what it restores: the longest restorable boundary, the longest
@@ -262,12 +265,15 @@ def explain(
     if engine_holds < 0:
         raise _fail(f"--engine-holds must not be negative, got {engine_holds}")
     key = _namespace_key(namespace, secret_file, secret_env)
+    if tenant_namespaces and (key is None or not cache_salt):
+        raise _fail("--tenant-namespaces needs the namespace's secret (--secret-file or --secret-env) "
+                    "and --cache-salt")
     tokens = _prompt_tokens(model, prompt_file, token_ids)
     costs = _engine_estimates(engine) if engine else None
     s = _open_existing(store)
     try:
         ex = run_explain(s, tokens, namespace, key, cache_salt or None, model_content(model), costs,
-                         engine_holds)
+                         engine_holds, tenant_namespaces)
     except StoreError as e:
         raise _fail(str(e)) from None
     finally:

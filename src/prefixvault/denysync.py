@@ -48,8 +48,10 @@ class DenySync:
         return self.keys.deny()
 
     def _suffix(self, key: str) -> str:
-        """A key of this namespace and layout, as the deny-list names it."""
-        return key[len(self.keys.prefix):]
+        """A key of this namespace and layout, as the deny-list names it: past the namespace's
+        prefix, or whole for a tenant's key under a namespace of its own (``KeySpace.of``)."""
+        home = self.keys.home
+        return key[len(home):] if key.startswith(home) else key
 
     def listed(self, key: str) -> bool:
         """Whether the list names ``key`` (any digest): a dict lookup, no digest."""

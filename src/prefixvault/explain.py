@@ -74,22 +74,24 @@ class Explanation:
 
 
 def explain_layout(store: Store, layout: CacheLayout, namespace: str, tokens: Sequence[int],
-                   extra: ExtraKeys | None = None, key: NamespaceKey | None = None) -> LayoutReport:
+                   extra: ExtraKeys | None = None, key: NamespaceKey | None = None,
+                   tenant_namespaces: bool = False) -> LayoutReport:
     """One layout against the prompt: one existence check of every record, KV block and state
     of the prefix, then each boundary answered from sorted lists of what is missing."""
-    vault = Vault(store, layout, namespace, key)
+    vault = Vault(store, layout, namespace, key, tenant_namespaces=tenant_namespaces and key is not None)
+    salt = extra.cache_salt if extra is not None else None
     bs = layout.block_size
     hashes = vault.hashes(tokens, extra)
     longest = min(max_resume_tokens(len(tokens), bs), len(hashes) * bs)
     n = longest // bs
     bounds = list(range(longest, 0, -bs))
-    keys = [vault.keys.record(hashes[b // bs - 1]) for b in bounds]
+    keys = [vault.record_key(hashes[b // bs - 1], salt) for b in bounds]
     slots: list[tuple[int, int, bool, int]] = []  # (group, rank, is_state, first key index)
     for rank in range(layout.world_size):
         for gi, group in enumerate(layout.groups):
             slots.append((gi, rank, group.is_state, len(keys)))
             make = vault.state_ref if group.is_state else vault.block_ref
-            keys.extend(make(gi, rank, hashes[i], i).key for i in range(n))
+            keys.extend(make(gi, rank, hashes[i], i, salt=salt).key for i in range(n))
     flags = store.exists_many(keys) if keys else []
     records = dict(zip(bounds, flags, strict=False))
     coverage = Coverage.from_flags(layout, [(gi, rank, range(n), flags[at : at + n])
@@ -131,18 +133,21 @@ def _fields(layout: CacheLayout) -> dict[str, object]:
 
 def explain(store: Store, tokens: Sequence[int], namespace: str = "default",
             key: NamespaceKey | None = None, cache_salt: str | None = None,
-            weights: str | None = None, costs: Estimates | None = None, local: int = 0) -> Explanation:
+            weights: str | None = None, costs: Estimates | None = None, local: int = 0,
+            tenant_namespaces: bool = False) -> Explanation:
     """Every layout of ``namespace`` against the prompt; then other namespaces and no salt.
 
     ``weights`` is the content digest of the model the engine would load (``identity``),
     to say whether a layout was written for other weights under the same name. ``costs``: an
     engine's estimates, to say whether that engine, holding ``local`` tokens of the prompt in
-    its own cache, would restore the hit (``restore_when: faster``) or compute it."""
+    its own cache, would restore the hit (``restore_when: faster``) or compute it.
+    ``tenant_namespaces``: the engines keep a salted prompt's keys under its tenant's namespace."""
     sealed: set[tuple[str, str]] = set()
     layouts = load_layouts(store, {namespace: key} if key else None, sealed)
     extra = ExtraKeys(cache_salt=cache_salt)
     here = {fp: lay for (ns, fp), lay in sorted(layouts.items()) if ns == namespace and lay is not None}
-    mine = [explain_layout(store, lay, namespace, tokens, extra, key) for lay in here.values()]
+    mine = [explain_layout(store, lay, namespace, tokens, extra, key, tenant_namespaces)
+            for lay in here.values()]
     mine.sort(key=lambda r: (r.restorable, r.longest_record), reverse=True)
     if mine:
         best = _fields(here[mine[0].fingerprint])

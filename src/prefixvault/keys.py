@@ -15,15 +15,25 @@ nobody without the secret can compute the key of a prompt.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+if TYPE_CHECKING:
+    from prefixvault.tenancy import NamespaceKey
+
 HASH_BYTES = 16
-_NAMESPACE = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+#: Hex digits of a key's tag (``NamespaceKey.tag``): a tenant's namespace is ``{ns}.{tag}``.
+TAG_CHARS = 16
+#: Longest namespace name.
+MAX_NAMESPACE = 64
+_NAMESPACE = re.compile(rf"^[A-Za-z0-9._-]{{1,{MAX_NAMESPACE}}}$")
 
 
 @dataclass(frozen=True)
@@ -155,6 +165,12 @@ class KeySpace:
     ``{ns}/{layout}/t/{h_k}``                 the tail boundaries published past block k (``tails``)
     ``{ns}/{layout}/layout``                  the layout itself (for audits); ``layout.{tag}`` keyed
     ``{ns}/{layout}/deny``                    bytes proved wrong (``denylist``); ``deny.{tag}`` keyed
+
+    With ``tenant_namespaces`` a tenant's objects, records, tail indexes and samples are kept
+    under ``{ns}.{tenant tag}/{layout}/`` instead (``of``): a namespace of their own, which a
+    store bounds as any other (the local store's ``namespace_share``, a Redis ACL's key
+    pattern), so one tenant filling the store evicts its own objects first. The layout and
+    the deny-list stay the namespace's.
     """
 
     namespace: str
@@ -162,13 +178,34 @@ class KeySpace:
     #: ``NamespaceKey.tag`` for a keyed namespace ("" otherwise): the layout and deny-list of
     #: a keyed namespace are named ``layout.{tag}`` and ``deny.{tag}``.
     tag: str = ""
+    #: Each tenant's keys under a namespace of its own (``of``); a keyed namespace only.
+    tenant_namespaces: bool = False
+    #: The ``NamespaceKey.tag`` of the tenant whose keys these are ("": the namespace's own).
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         check_namespace(self.namespace)
+        if self.tenant_namespaces:
+            check_namespace(f"{self.namespace}.{'0' * TAG_CHARS}")  # room for a tenant's tag
+            if not self.tag:
+                raise ValueError("tenant_namespaces needs a namespace with a secret (a tenant is a key)")
+
+    def of(self, key: NamespaceKey | None) -> KeySpace:
+        """The keys of the requests sealed with ``key`` (``TenantKeys.get``): a tenant's own
+        namespace with ``tenant_namespaces``, else these."""
+        if not self.tenant_namespaces or key is None or not key.is_tenant or self.tenant:
+            return self
+        return _tenant_space(self, key.tag)
+
+    @property
+    def home(self) -> str:
+        """The prefix of the namespace's own keys (its layout and deny-list are there)."""
+        return f"{self.namespace}/{self.fingerprint.hex()}/"
 
     @property
     def prefix(self) -> str:
-        return f"{self.namespace}/{self.fingerprint.hex()}/"
+        name = f"{self.namespace}.{self.tenant}" if self.tenant else self.namespace
+        return f"{name}/{self.fingerprint.hex()}/"
 
     # ``*_prefix`` + a hash's hex is the key: lookups build thousands of keys from one hex each.
 
@@ -197,7 +234,13 @@ class KeySpace:
         return self.tail_index_prefix() + parent_hash.hex()
 
     def layout(self) -> str:
-        return f"{self.prefix}layout" + (f".{self.tag}" if self.tag else "")
+        return f"{self.home}layout" + (f".{self.tag}" if self.tag else "")
 
     def deny(self) -> str:
-        return f"{self.prefix}deny" + (f".{self.tag}" if self.tag else "")
+        return f"{self.home}deny" + (f".{self.tag}" if self.tag else "")
+
+
+@functools.lru_cache(maxsize=4096)
+def _tenant_space(space: KeySpace, tag: str) -> KeySpace:
+    """(Kept: a lookup or a save asks for its tenant's keys once per call.)"""
+    return dataclasses.replace(space, tenant=tag)

@@ -182,7 +182,8 @@ class HitFinder:
             self.deny.refresh()  # once per vault; later reads follow the answers (``touch``)
         for attempt in range(RECORD_RETRIES + 1):
             hits = [i for i, r in enumerate(results) if r.hit]
-            names = {i: self.keys.record(results[i].boundary_hash or asks[i][0][results[i].hit // bs - 1])
+            names = {i: self.keys.of(sealers[i]).record(results[i].boundary_hash
+                                                        or asks[i][0][results[i].hit // bs - 1])
                      for i in hits}
             listed = [i for i in hits if self.deny.listed(names[i])]
             if not listed:
@@ -276,13 +277,14 @@ class HitFinder:
         seed = prompt.extra.seed(key.hash_key if key is not None else b"") if prompt else b""
         parents = [hashes[k - 1] if k else seed for k in index_ks]
         hexes = [h.hex() for h in hashes[: max(limit, tail_limit) // bs]]
-        rprefix = self.keys.record_prefix()
+        space = self.keys.of(key)  # (its tenant's namespace, with ``tenant_namespaces``)
+        rprefix = space.record_prefix()
         # Records from the shortest boundary on (the tail of a chain ages first).
         record_keys = [rprefix + hexes[b // bs - 1] for b in reversed(candidates)]
-        probes = self._probes(hexes[0]) if hexes else []  # past boundary 0: the first block
+        probes = self._probes(space, hexes[0]) if hexes else []  # past boundary 0: the first block
         # Every object of every candidate, when they are few (a superset of what the second
         # round trip would check: its probes included).
-        every = self._wanted(candidates) if candidates else []
+        every = self._wanted(space, candidates) if candidates else []
         checked = self.store.remote and bool(every) and sum(len(idx) for *_, idx in every) <= SPECULATIVE_KEYS
         speculative = [k for k in dict.fromkeys(prefix + hexes[i] for _, _, prefix, idx in every for i in idx)
                        if k not in probes] if checked else []
@@ -293,8 +295,8 @@ class HitFinder:
         if reads:
             kept = set(reads)
             speculative = [k for k in speculative if k not in kept]
-        index_keys = [self.keys.tail_index(p) for p in parents]
-        first = [self.keys.layout(), *record_keys, *probes]
+        index_keys = [space.tail_index(p) for p in parents]
+        first = [space.layout(), *record_keys, *probes]
         # The tail indexes are read in the same round trip: on a network store one wait, not two.
         marks = [True] * (1 + len(record_keys)) + [False] * (len(probes) + len(speculative)) \
             + [True] * len(index_keys)
@@ -323,15 +325,15 @@ class HitFinder:
         top = published[0] // bs if published else 0
         # Per (group, rank): the block (or state) indices to check; the full blocks of every tail too.
         low = min([*published, *(t for t, _ in tails)])
-        wanted = self._wanted(published, max([top, *(t // bs for t, _ in tails)]), low)
+        wanted = self._wanted(space, published, max([top, *(t // bs for t, _ in tails)]), low)
         keys = [prefix + hexes[i] for _, _, prefix, idx in wanted for i in idx]
         # Sent in chain order (each index's blocks, then the state at its end), blocks touched.
         chain = np.concatenate([2 * np.asarray(idx, dtype=np.int64) + self.layout.groups[gi].is_state
                                 for gi, _, _, idx in wanted]) if wanted else np.zeros(0, np.int64)
         order = np.argsort(chain, kind="stable")
         ranked = chain[order]
-        tail_keys = [k for t, h in tails for k in self._tail_keys(t, h)]
-        probes = self._probes(hexes[top]) if published and top * bs < limit else []  # past the top published
+        tail_keys = [k for t, h in tails for k in self._tail_keys(space, t, h)]
+        probes = self._probes(space, hexes[top]) if published and top * bs < limit else []  # past the top
         asked = [keys[j] for j in order.tolist()] + tail_keys + probes
         touched = ((ranked % 2 == 0) | (ranked == 2 * top - 1)).tolist() + [True] * len(tail_keys) \
             + [False] * len(probes)
@@ -341,7 +343,7 @@ class HitFinder:
         else:
             # A tail's objects are named only now: read those of the deepest in this round trip
             # too, as the first one reads a block boundary's.
-            reads = self._prefetch_tail(tails[0], hexes, read_from, prefetch) \
+            reads = self._prefetch_tail(space, tails[0], hexes, read_from, prefetch) \
                 if tails and read_from is not None and prefetch is not None else []
             sent, read = yield (asked, touched, reads)
             for k, blob in zip(reads, read, strict=True):
@@ -391,7 +393,7 @@ class HitFinder:
                     size += each
         return _within_prefetch(keys, size)
 
-    def _prefetch_tail(self, tail: tuple[int, bytes], hexes: Sequence[str], read_from: int,
+    def _prefetch_tail(self, space: KeySpace, tail: tuple[int, bytes], hexes: Sequence[str], read_from: int,
                        prefetched: Mapping[str, bytes]) -> list[str]:
         """The keys of the objects of rank 0 that a load from ``read_from`` to ``tail`` (tokens,
         tail hash) reads and the first round trip did not: its full KV blocks from
@@ -404,13 +406,13 @@ class HitFinder:
         for gi, group in enumerate(self.layout.groups):
             each = HEADER_SIZE + group.nbytes(0)
             if group.is_state:
-                named = [self.keys.state(gi, 0, name)]
+                named = [space.state(gi, 0, name)]
             else:
                 blocks = needed_blocks(group, tokens, bs)
                 full = range(max(blocks.start, read_from // bs), min(blocks.stop, tokens // bs))
-                named = [self.keys.block_prefix(gi, 0) + hexes[i] for i in full]
+                named = [space.block_prefix(gi, 0) + hexes[i] for i in full]
                 if tokens % bs and blocks:
-                    named.append(self.keys.block(gi, 0, name))
+                    named.append(space.block(gi, 0, name))
             for k in named:
                 if k not in prefetched:
                     keys.append(k)
@@ -439,19 +441,19 @@ class HitFinder:
                     found.add((t, name))
         return sorted(found, reverse=True)[:TAIL_CANDIDATES]
 
-    def _tail_keys(self, tokens: int, name: bytes) -> list[str]:
+    def _tail_keys(self, space: KeySpace, tokens: int, name: bytes) -> list[str]:
         """What a tail boundary needs beyond its full blocks: its record, and per rank its partly
         filled block in every attention group and its state in every state group."""
-        keys = [self.keys.record(name)]
+        keys = [space.record(name)]
         for rank in range(self.layout.world_size):
             for gi, group in enumerate(self.layout.groups):
                 if group.is_state:
-                    keys.append(self.keys.state(gi, rank, name))
+                    keys.append(space.state(gi, rank, name))
                 elif needed_blocks(group, tokens, self.layout.block_size):
-                    keys.append(self.keys.block(gi, rank, name))
+                    keys.append(space.block(gi, rank, name))
         return keys
 
-    def _wanted(self, boundaries: Sequence[int], top: int | None = None,
+    def _wanted(self, space: KeySpace, boundaries: Sequence[int], top: int | None = None,
                 low: int | None = None) -> list[tuple[int, int, str, range | list[int]]]:
         """Per (group, rank): its key prefix and the block (or state) indices that restoring
         any of ``boundaries`` (block-aligned tokens, longest first) needs; KV blocks up to block
@@ -469,20 +471,20 @@ class HitFinder:
                         states: range | list[int] = range(first_state, last_state - 1, -1)
                     else:
                         states = [b // bs - 1 for b in boundaries]
-                    wanted.append((gi, rank, self.keys.state_prefix(gi, rank), states))
+                    wanted.append((gi, rank, space.state_prefix(gi, rank), states))
                 else:
                     first = needed_blocks(group, low, bs).start
-                    wanted.append((gi, rank, self.keys.block_prefix(gi, rank), range(first, top)))
+                    wanted.append((gi, rank, space.block_prefix(gi, rank), range(first, top)))
         return wanted
 
-    def _probes(self, block_hex: str) -> list[str]:
+    def _probes(self, space: KeySpace, block_hex: str) -> list[str]:
         """For layouts with state: a KV block of a full-attention group, and the state at the
         end of that block (rank 0)."""
         attn = next((i for i, g in enumerate(self.layout.groups) if g.kind is GroupKind.FULL_ATTENTION), None)
         state = next((i for i, g in enumerate(self.layout.groups) if g.is_state), None)
         if attn is None or state is None:
             return []
-        return [self.keys.block_prefix(attn, 0) + block_hex, self.keys.state_prefix(state, 0) + block_hex]
+        return [space.block_prefix(attn, 0) + block_hex, space.state_prefix(state, 0) + block_hex]
 
     @staticmethod
     def _past_hit(probes: list[str], found: Sequence[bool]) -> Miss:

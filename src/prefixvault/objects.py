@@ -19,6 +19,7 @@ from prefixvault.boundary import SavePlan, needed_blocks
 from prefixvault.codec import ObjectHeader, ObjectKind
 from prefixvault.keys import KeySpace
 from prefixvault.layout import CacheLayout, TensorSpec
+from prefixvault.tenancy import TenantKeys
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,14 @@ class ObjectNames:
 
     layout: CacheLayout
     keys: KeySpace
+    #: Each salt's key, where tenants' objects are named apart (``KeySpace.of``).
+    tenants: TenantKeys | None = None
+
+    def space(self, salt: str | None) -> KeySpace:
+        """The keys of the requests with cache salt ``salt`` (``KeySpace.of``)."""
+        if salt is None or self.tenants is None or not self.keys.tenant_namespaces:
+            return self.keys
+        return self.keys.of(self.tenants.get(salt))
 
     def needed(
         self, hashes: Sequence[bytes], tokens: int, ranks: Iterable[int] | None = None, since: int = 0,
@@ -109,7 +118,7 @@ class ObjectNames:
         """KV block ``i`` (named by its chain hash) of an attention group on ``rank``; with
         ``tail_end``, the block filled up to that tail boundary (named by its tail hash)."""
         end = tail_end if tail_end is not None else (i + 1) * self.layout.block_size
-        return ObjectRef(self.keys.block(group, rank, block_hash), ObjectKind.BLOCK, group, rank,
+        return ObjectRef(self.space(salt).block(group, rank, block_hash), ObjectKind.BLOCK, group, rank,
                          block_hash, end, i, salt)
 
     def state_ref(self, group: int, rank: int, boundary_hash: bytes, i: int,
@@ -117,7 +126,7 @@ class ObjectNames:
         """The state of a state group on ``rank`` at the end of block ``i``, or at ``tokens``
         inside it (a tail boundary)."""
         end = tokens if tokens is not None else (i + 1) * self.layout.block_size
-        return ObjectRef(self.keys.state(group, rank, boundary_hash), ObjectKind.STATE, group, rank,
+        return ObjectRef(self.space(salt).state(group, rank, boundary_hash), ObjectKind.STATE, group, rank,
                          boundary_hash, end, i, salt)
 
     def expected_header(self, ref: ObjectRef) -> ObjectHeader:

@@ -103,7 +103,7 @@ class Publisher:
             checks: dict[int, list[str]] = {}
             if todo:
                 if parent:
-                    keys.append(self.keys.record(hashes[parent // bs - 1]))
+                    keys.append(self.names.space(salt).record(hashes[parent // bs - 1]))
                 for b in todo:
                     missing_ranks = sorted(world - acked[b])
                     if missing_ranks:
@@ -114,18 +114,20 @@ class Publisher:
         unique = list(dict.fromkeys(keys))
         present = dict(zip(unique, self.store.exists_many(unique), strict=True)) if unique else {}
         records: dict[str, bytes] = {}  # put in this order: a parent before the records naming it
-        tails: list[tuple[bytes, int, bytes, NamespaceKey | None]] = []  # (index parent, past, name, key)
+        # (index parent, past, name, key, its keys)
+        tails: list[tuple[bytes, int, bytes, NamespaceKey | None, KeySpace]] = []
         for i, ((hashes, todo, parent, checks), out) in enumerate(zip(plans, outs, strict=True)):
             if not todo:
                 continue
-            key = self.tenants.get(salts[i] if salts is not None else None)
-            parent_key = self.keys.record(hashes[parent // bs - 1]) if parent else ""
+            salt = salts[i] if salts is not None else None
+            key, space = self.tenants.get(salt), self.names.space(salt)
+            parent_key = space.record(hashes[parent // bs - 1]) if parent else ""
             # A parent published by an earlier save of this batch (the same request's previous
             # step) is as good as one already stored.
             if parent and not (present[parent_key] or parent_key in records):
                 # The parent's record is gone: publish from the first block if the blocks it
                 # covered are all still stored (one more round trip, only on this path).
-                early = sorted({r.key for r in self.names.needed(hashes, todo[0], since=0)
+                early = sorted({r.key for r in self.names.needed(hashes, todo[0], since=0, salt=salt)
                                 if r.kind is ObjectKind.BLOCK and r.tokens <= parent})
                 if early and not all(self.store.exists_many(early)):
                     for b in todo:
@@ -144,14 +146,14 @@ class Publisher:
                     out[b] = Refusal.NOT_ALIGNED
                     self.counters.tally("refused", Refusal.NOT_ALIGNED, 1)
                     continue
-                name, blob = self._record(hashes, b, parent, key)
+                name, blob = self._record(hashes, b, parent, key, space)
                 if name in records:  # another prefix of this batch publishes the same boundary
                     self.counters.add(records_existing=1)
                 else:
                     records[name] = blob
                 out[b] = None
                 if index is not None:
-                    tails.append((index, b % bs, hashes[-(-b // bs) - 1], key))
+                    tails.append((index, b % bs, hashes[-(-b // bs) - 1], key, space))
                 else:
                     parent = b  # (a tail boundary is never a parent)
         if records:
@@ -163,13 +165,13 @@ class Publisher:
             self._index_tails(tails)
         return outs
 
-    def _index_tails(self, tails: Sequence[tuple[bytes, int, bytes, NamespaceKey | None]]) -> None:
+    def _index_tails(self, tails: Sequence[tuple[bytes, int, bytes, NamespaceKey | None, KeySpace]]) -> None:
         """List each published tail in its block boundary's index (one read and one write for
         all of them): read, merge, replace. An index that does not verify is replaced. (An
         index is its tenant's: the parent hash that names it is keyed by the tenant's key.)"""
         by_key: dict[str, tuple[bytes, NamespaceKey | None, list[tuple[int, bytes]]]] = {}
-        for parent, past, name, key in tails:
-            by_key.setdefault(self.keys.tail_index(parent), (parent, key, []))[2].append((past, name))
+        for parent, past, name, key, space in tails:
+            by_key.setdefault(space.tail_index(parent), (parent, key, []))[2].append((past, name))
         keys = list(by_key)
         updated: list[tuple[str, list[bytes]]] = []
         for k, blob in zip(keys, self.store.get_many(keys), strict=True):
@@ -189,14 +191,14 @@ class Publisher:
             self.store.put_many(updated)
 
     def _record(self, hashes: Sequence[bytes], tokens: int, parent: int,
-                key: NamespaceKey | None) -> tuple[str, bytes]:
+                key: NamespaceKey | None, space: KeySpace) -> tuple[str, bytes]:
         """The key and stored bytes of the record of boundary ``tokens`` extending ``parent``."""
         bs = self.layout.block_size
         n = -(-tokens // bs)
         record = BoundaryRecord(tokens, tuple(hashes[parent // bs : n]), self.layout.world_size, bs,
                                 producer_id(), parent=parent,
                                 parent_hash=hashes[parent // bs - 1] if parent else b"")
-        return self.keys.record(hashes[n - 1]), record.encode(self.keys.fingerprint, key)
+        return space.record(hashes[n - 1]), record.encode(self.keys.fingerprint, key)
 
     def refuse(self, reason: Refusal, count: int = 1) -> None:
         """Count boundaries the boundary rule refused (for metrics)."""

@@ -45,7 +45,8 @@ class Quarantine:
         and of its states in the deny-list, then remove them and its segment's KV blocks.
         ``key``: its tenant's (of ``salt``, the cache salt of the request that restored it);
         the deny-list stays the namespace's. Returns the keys removed."""
-        prefix = self.keys.record_prefix()
+        space = self.names.space(salt)  # (its tenant's namespace, with ``tenant_namespaces``)
+        prefix = space.record_prefix()
         hexed = record_key[len(prefix):] if record_key.startswith(prefix) else ""
         try:
             boundary = bytes.fromhex(hexed)
@@ -73,7 +74,7 @@ class Quarantine:
             t = record.tokens
             refs.extend(self.names.state_ref(gi, r, boundary, (t - 1) // bs, t, salt) for gi, r in states)
         else:  # the boundary's token count is unknown: its states say it
-            keys = [self.keys.state(gi, r, boundary) for gi, r in states]
+            keys = [space.state(gi, r, boundary) for gi, r in states]
             for (gi, r), found in zip(states, self.store.get_many(keys), strict=True):
                 with contextlib.suppress(IntegrityError):
                     h = decode(found, key=key)[0] if found is not None else None
@@ -91,17 +92,17 @@ class Quarantine:
             digests.append((ref.key, content_digest(header, body)))
         if digests:
             self.deny.add(digests)
-        keys = list(dict.fromkeys([record_key, *(r.key for r in refs), *self._segment(record)]))
+        keys = list(dict.fromkeys([record_key, *(r.key for r in refs), *self._segment(record, salt)]))
         self.store.delete_many(keys)
         return keys
 
-    def _segment(self, record: BoundaryRecord | None) -> list[str]:
+    def _segment(self, record: BoundaryRecord | None, salt: str | None) -> list[str]:
         """The keys of the KV blocks a record names (its segment, every KV group and rank)."""
         if record is None:
             return []
         n = -(-record.tokens // self.layout.block_size)
         tail = record.tokens if record.tail else None  # its last block, partly filled, is its own
         ranks = range(self.layout.world_size)
-        return [self.names.block_ref(gi, r, h, i, tail if i == n - 1 else None).key
+        return [self.names.block_ref(gi, r, h, i, tail if i == n - 1 else None, salt).key
                 for gi, g in enumerate(self.layout.groups) if not g.is_state
                 for i, h in enumerate(record.hashes, record.first_block) for r in ranks]

@@ -18,8 +18,10 @@ Tenants (``tenancy``): in a namespace with a secret, a request's ``cache_salt`` 
 its hashes are keyed with and its objects, records, tail indexes and samples are encrypted
 with. Every entry point takes the tenant per call, as the salt: ``ExtraKeys.cache_salt`` where
 hashes are computed, ``salt``/``salts`` per lookup, save and publish, ``ObjectRef.salt`` per
-object loaded (a load may read several tenants' objects). The layout object and the deny-list
-stay the namespace's. Without a secret a salt only enters the hash chain (``ExtraKeys.seed``).
+object loaded (a load may read several tenants' objects). With ``tenant_namespaces`` a
+tenant's keys are also under a namespace of its own, ``{namespace}.{tag}`` (``KeySpace.of``),
+for a store to bound each tenant's share. The layout object and the deny-list stay the
+namespace's. Without a secret a salt only enters the hash chain (``ExtraKeys.seed``).
 """
 
 from __future__ import annotations
@@ -91,9 +93,11 @@ class Vault:
     counters, one deny-list and one cache of tenant keys; each is given what it uses."""
 
     def __init__(self, store: Store, layout: CacheLayout, namespace: str = "default",
-                 key: NamespaceKey | None = None, hot_bytes: int = 0) -> None:
+                 key: NamespaceKey | None = None, hot_bytes: int = 0,
+                 tenant_namespaces: bool = False) -> None:
         """``hot_bytes``: memory for objects recently loaded, served again without the store
-        (``HotSet``; 0: none)."""
+        (``HotSet``; 0: none). ``tenant_namespaces``: each tenant's keys under a namespace of
+        its own (``KeySpace.of``; a keyed namespace only)."""
         if key is not None and key.namespace != namespace:
             raise ValueError(f"namespace key for {key.namespace!r} given to namespace {namespace!r}")
         self.store = store
@@ -102,12 +106,13 @@ class Vault:
         # stored: engines of two versions on one store use disjoint keys, never each other's;
         # so is the form (encrypted with a key, plain without: ``codec.form_version``).
         self.fingerprint = layout.fingerprint(formats=(codec.form_version(key), RECORD_VERSION))
-        self.keys = KeySpace(namespace, self.fingerprint, key.tag if key is not None else "")
+        self.keys = KeySpace(namespace, self.fingerprint, key.tag if key is not None else "",
+                             tenant_namespaces=tenant_namespaces)
         self.key = key
         self.tenants = TenantKeys(key)
         self.counters = VaultCounters()
         self.hot = HotSet(hot_bytes) if hot_bytes > 0 else None
-        self._names = ObjectNames(layout, self.keys)
+        self._names = ObjectNames(layout, self.keys, self.tenants)
         self._deny = DenySync(store, self.keys, key, self.counters)
         self._stored_layout = StoredLayout(store, layout, self.fingerprint, self.keys.layout(), key,
                                            self.counters)
@@ -117,6 +122,11 @@ class Vault:
         self._hits = HitFinder(store, layout, self.keys, self.counters, self._deny, self._stored_layout)
         self._loader = Loader(store, self._names, self.tenants, self.counters, self._deny, self.hot)
         self._quarantine = Quarantine(store, layout, self.keys, self._names, self._deny)
+
+    def record_key(self, boundary_hash: bytes, salt: str | None = None) -> str:
+        """The store key of the record of the boundary ``boundary_hash`` names, for the
+        requests with cache salt ``salt``."""
+        return self._names.space(salt).record(boundary_hash)
 
     def key_for(self, salt: str | None) -> NamespaceKey | None:
         """The key of the requests with cache salt ``salt``: its tenant's in a namespace with a

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from prefixvault.keys import check_namespace
+from prefixvault.keys import MAX_NAMESPACE, TAG_CHARS, check_namespace
 from prefixvault.layout import CacheLayout
 from prefixvault.stores import StoreError, check_uri
 from prefixvault.tenancy import NamespaceKey, SecretError, namespace_key
@@ -101,6 +101,11 @@ class ConnectorSettings:
     # secret itself is never part of the config, so it never reaches vLLM's logs.
     namespace_secret_file: str = ""
     namespace_secret_env: str = ""
+    # Each tenant's (request's ``cache_salt``'s) keys under a namespace of its own,
+    # ``{namespace}.{tag}``, for the store to bound each tenant's share (the local store's
+    # ``namespace_share``): one tenant filling the store evicts its own objects first. Needs the
+    # secret (a tenant is a key) and a namespace of at most 47 characters.
+    tenant_namespaces: bool = False
 
     def namespace_key(self) -> NamespaceKey | None:
         """The namespace's derived keys; None if it has no secret."""
@@ -113,7 +118,7 @@ class ConnectorSettings:
                  "namespace_secret_file", "namespace_secret_env", "capture_outputs", "lookup_timeout",
                  "load_timeout", "save_staging_mib", "save_drain_timeout", "output_boundaries",
                  "save_hold_mib", "load_cache_mib", "restore_in_step",
-                 "restore_when"}
+                 "restore_when", "tenant_namespaces"}
         unknown = sorted(set(extra) - known)
         if unknown:
             raise ValueError(
@@ -179,11 +184,23 @@ class ConnectorSettings:
             else _mib(extra.get("load_cache_mib"), "load_cache_mib"),
             restore_in_step=_auto_flag(extra.get("restore_in_step", "auto"), "restore_in_step"),
             restore_when=RestoreWhen(when),
+            tenant_namespaces=_flag(extra.get("tenant_namespaces", False), "tenant_namespaces"),
         )
         try:
             out.namespace_key()  # a secret that cannot be read fails at start, not at the first request
         except SecretError as e:
             raise ValueError(f"prefixvault: {e}") from None
+        if out.tenant_namespaces:
+            if not (out.namespace_secret_file or out.namespace_secret_env):
+                raise ValueError("prefixvault: tenant_namespaces needs namespace_secret_file or "
+                                 "namespace_secret_env (a tenant is a key derived from the secret)")
+            if out.verify_sample > 0:
+                raise ValueError("prefixvault: verify_sample does not work with tenant_namespaces yet (a "
+                                 "watcher reads samples from the namespace's own keys): set one of them")
+            if len(namespace) > MAX_NAMESPACE - 1 - TAG_CHARS:
+                raise ValueError(f"prefixvault: with tenant_namespaces the namespace may have at most "
+                                 f"{MAX_NAMESPACE - 1 - TAG_CHARS} characters ({{namespace}}.{{tenant tag}} "
+                                 f"is a namespace too), got {len(namespace)}")
         return out
 
 

@@ -120,7 +120,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         key = self.settings.namespace_key()
         store = open_store_or_retry(self.settings.store)
         hot = hot_set_bytes(self.settings, store.remote) if role != KVConnectorRole.SCHEDULER else 0
-        self.vault = Vault(store, self.layout, self.settings.namespace, key, hot_bytes=hot)
+        self.vault = Vault(store, self.layout, self.settings.namespace, key, hot_bytes=hot,
+                           tenant_namespaces=self.settings.tenant_namespaces)
         in_step = restores_in_step(self.settings, store.remote, current_platform.device_type)
         if role == KVConnectorRole.SCHEDULER:
             refused_in_step = in_step_refused(self.settings, current_platform.device_type)

@@ -280,7 +280,7 @@ class SchedulerSide:
         self.counters.add(samples=1)
         try:
             named = tr.chain(loaded, self.layout.block_size, self.vault.prefix_hashes)
-            record = self.vault.keys.record(named[-1])
+            record = self.vault.record_key(named[-1], tr.extra.cache_salt)
             sample = VerifySample(tr.prompt, loaded, record, output, time.time(), producer_id())
         except Exception as e:  # a sample is best effort, never an error in the engine
             self.counters.add(sample_errors=1)
