@@ -198,3 +198,17 @@ def test_a_tenant_s_namespace_is_a_key_s_not_a_label(monkeypatch: pytest.MonkeyP
     assert tenant.prefix.startswith(f"{NS}.{KEY.tenant(ALICE).tag}/")
     assert tenant.layout() == KeySpace(NS, bytes(8), KEY.tag).layout()
     assert NamespaceKey.derive(SECRET, NS).tenant(ALICE).tag == KEY.tenant(ALICE).tag
+
+
+def test_serve_passes_tenant_namespaces_to_the_connector(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from prefixvault.cli import app
+
+    res = CliRunner().invoke(app, ["serve", "m", "--tenant-namespaces", "--dry-run"])
+    assert res.exit_code == 2 and "namespace_secret" in res.output, res.output
+    monkeypatch.setenv("PV_TEST_SECRET", SECRET.decode())
+    res = CliRunner().invoke(app, ["serve", "m", "--secret-env", "PV_TEST_SECRET", "--tenant-namespaces",
+                                   "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert '"tenant_namespaces": true' in res.output and SECRET.decode() not in res.output

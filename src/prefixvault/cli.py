@@ -530,6 +530,9 @@ def serve(
     salt_key_file: Annotated[str, typer.Option(
         "--salt-key-file", help="With --salt-header: a file with the key salts are derived with "
         "(HMAC-SHA256, at least 16 bytes)")] = "",
+    tenant_namespaces: Annotated[bool, typer.Option(
+        "--tenant-namespaces", help="With a namespace secret: each cache_salt's keys under a namespace "
+        "of its own, which the local store's namespace_share bounds")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the command, do not run it")] = False,
 ) -> None:
     """Start `vllm serve` with the connector configured; extra arguments after `--` go to vLLM."""
@@ -547,9 +550,10 @@ def serve(
         when = {"restore_when": restore_when} if restore_when else {}
         ConnectorSettings.from_extra({"store": store, "namespace": namespace, "capture": capture,
                                       "namespace_secret_file": secret_file,
-                                      "namespace_secret_env": secret_env, **outputs, **when})
+                                      "namespace_secret_env": secret_env, **outputs, **when,
+                                      "tenant_namespaces": tenant_namespaces})
         cmd = serve_command(model, store, role, namespace, capture, ctx.args, secret_file, secret_env,
-                            capture_outputs, restore_when, salt_header, salt_key_file)
+                            capture_outputs, restore_when, salt_header, salt_key_file, tenant_namespaces)
         for arg in cmd:
             os.fsencode(arg)  # what exec needs: text the file system encoding can carry
     except UnicodeError:
@@ -559,7 +563,8 @@ def serve(
     # The same command with the store's password as *** (vLLM itself logs its config: keep its
     # logs private; this line need not add to them).
     display = serve_command(model, redact(store), role, namespace, capture, ctx.args, secret_file,
-                            secret_env, capture_outputs, restore_when, salt_header, salt_key_file)
+                            secret_env, capture_outputs, restore_when, salt_header, salt_key_file,
+                            tenant_namespaces)
     shown = shlex.join(display).encode("utf-8", "backslashreplace").decode()
     console.print(shown, highlight=False, soft_wrap=True, markup=False)
     if dry_run:

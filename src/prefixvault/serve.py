@@ -45,11 +45,12 @@ def vllm_command(model: str) -> list[str]:
 
 def kv_transfer_config(store: str, role: str, namespace: str, capture: str,
                        secret_file: str = "", secret_env: str = "", outputs: str = "",
-                       restore_when: str = "") -> dict[str, Any]:
+                       restore_when: str = "", tenant_namespaces: bool = False) -> dict[str, Any]:
     """The connector's config. A namespace secret is named (file or variable), never inlined:
     vLLM logs its whole config at start. ``outputs``: ``last`` or ``every`` turns
     ``capture_outputs`` on with those ``output_boundaries``; empty leaves it off.
-    ``restore_when``: ``faster`` or ``always``; empty leaves the connector's default."""
+    ``restore_when``: ``faster`` or ``always``; empty leaves the connector's default.
+    ``tenant_namespaces``: each ``cache_salt``'s keys under a namespace of its own."""
     if role not in ROLES:
         raise ValueError(f"role must be one of {', '.join(ROLES)}, not {role[:100]!r}")
     check_namespace(namespace)
@@ -62,6 +63,8 @@ def kv_transfer_config(store: str, role: str, namespace: str, capture: str,
         extra.update(capture_outputs=True, output_boundaries=outputs)
     if restore_when:
         extra["restore_when"] = restore_when
+    if tenant_namespaces:
+        extra["tenant_namespaces"] = True
     return {
         "kv_connector": "PrefixVaultConnector",
         "kv_connector_module_path": "prefixvault.vllm",
@@ -113,6 +116,7 @@ def serve_command(
     restore_when: str = "",
     salt_header: str = "",
     salt_key_file: str = "",
+    tenant_namespaces: bool = False,
 ) -> list[str]:
     """The full command. Flags the user passes in ``extra`` win over the defaults added here.
     ``salt_header`` and ``salt_key_file`` (both or neither) add ``BindCacheSalt``: every
@@ -130,7 +134,8 @@ def serve_command(
         cmd += ["--mamba-cache-mode", "align"]  # vLLM 0.32; derived from prefix caching since 0.33
     if _has(extra, "--kv-transfer-config"):
         raise ValueError("--kv-transfer-config is set by prefixvault serve; use --store/--role instead")
-    ktc = kv_transfer_config(store, role, namespace, capture, secret_file, secret_env, outputs, restore_when)
+    ktc = kv_transfer_config(store, role, namespace, capture, secret_file, secret_env, outputs, restore_when,
+                             tenant_namespaces)
     cmd += ["--kv-transfer-config", json.dumps(ktc)]
     if bool(salt_header) != bool(salt_key_file):
         raise ValueError("--salt-header and --salt-key-file go together: the identity's header, and "
