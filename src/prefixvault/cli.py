@@ -274,7 +274,7 @@ def explain(
     try:
         ex = run_explain(s, tokens, namespace, key, cache_salt or None, model_content(model), costs,
                          engine_holds, tenant_namespaces)
-    except StoreError as e:
+    except (StoreError, ValueError) as e:
         raise _fail(str(e)) from None
     finally:
         s.close()

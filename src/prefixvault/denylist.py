@@ -43,7 +43,8 @@ DENY_VERSION = 1
 
 @dataclass
 class DenyList:
-    """Object key suffix (the key after ``{ns}/{layout}/``) -> content digest -> expiry
+    """Object key suffix (the key after ``{ns}/{layout}/``; a key under a tenant's namespace of
+    its own, ``tenant_namespaces``, whole) -> content digest -> expiry
     (unix time). Keyed by object key so that the common case, a key not listed, costs a
     dict lookup and no digest."""
 

@@ -242,5 +242,5 @@ class KeySpace:
 
 @functools.lru_cache(maxsize=4096)
 def _tenant_space(space: KeySpace, tag: str) -> KeySpace:
-    """(Kept: a lookup or a save asks for its tenant's keys once per call.)"""
+    """(Kept: every lookup, save and load of a tenant asks for its keys again.)"""
     return dataclasses.replace(space, tenant=tag)

@@ -74,14 +74,15 @@ class ObjectNames:
         if tokens <= 0 or n > len(hashes) or (tokens % bs and not self.layout.has_state):
             raise ValueError(f"boundary {tokens} is not a boundary within {len(hashes)} blocks")
         first = since // bs if 0 < since < tokens else 0
+        space = self.space(salt)
         refs: list[ObjectRef] = []
         for rank in range(self.layout.world_size) if ranks is None else ranks:
             for gi, group in enumerate(self.layout.groups):
                 if group.is_state:
-                    refs.append(self.state_ref(gi, rank, hashes[n - 1], n - 1, tokens, salt))
+                    refs.append(self._state_ref(space, gi, rank, hashes[n - 1], n - 1, tokens, salt))
                 else:
                     need = needed_blocks(group, tokens, bs)
-                    refs.extend(self._block_ref(gi, rank, hashes, i, tokens, salt)
+                    refs.extend(self._chain_block(space, gi, rank, hashes, i, tokens, salt)
                                 for i in range(max(first, need.start), need.stop))
         return refs
 
@@ -92,41 +93,50 @@ class ObjectNames:
         read from, and each plan's object keys."""
         wanted: dict[str, tuple[ObjectRef, int]] = {}
         per_plan: list[list[str]] = []
+        space = self.space(salt)
         for plan in plans:
             keys: list[str] = []
             n = -(-plan.tokens // self.layout.block_size)
             for gi, i, block_id in plan.blocks:
-                ref = self._block_ref(gi, rank, hashes, i, plan.tokens, salt)
+                ref = self._chain_block(space, gi, rank, hashes, i, plan.tokens, salt)
                 wanted.setdefault(ref.key, (ref, block_id))
                 keys.append(ref.key)
             for gi, block_id in plan.states:
-                ref = self.state_ref(gi, rank, hashes[n - 1], n - 1, plan.tokens, salt)
+                ref = self._state_ref(space, gi, rank, hashes[n - 1], n - 1, plan.tokens, salt)
                 wanted[ref.key] = (ref, block_id)
                 keys.append(ref.key)
             per_plan.append(keys)
         return list(wanted.values()), per_plan
 
-    def _block_ref(self, group: int, rank: int, hashes: Sequence[bytes], i: int, boundary: int,
-                   salt: str | None) -> ObjectRef:
+    def _chain_block(self, space: KeySpace, group: int, rank: int, hashes: Sequence[bytes], i: int,
+                     boundary: int, salt: str | None) -> ObjectRef:
         """Block ``i`` of the prefix ``hashes`` names, which resumes at ``boundary``: the block a
         tail boundary ends in is its partly filled one."""
-        bs = self.layout.block_size
-        return self.block_ref(group, rank, hashes[i], i, boundary if i == boundary // bs else None, salt)
+        tail = boundary if i == boundary // self.layout.block_size else None
+        return self._block_ref(space, group, rank, hashes[i], i, tail, salt)
 
     def block_ref(self, group: int, rank: int, block_hash: bytes, i: int,
                   tail_end: int | None = None, salt: str | None = None) -> ObjectRef:
         """KV block ``i`` (named by its chain hash) of an attention group on ``rank``; with
         ``tail_end``, the block filled up to that tail boundary (named by its tail hash)."""
-        end = tail_end if tail_end is not None else (i + 1) * self.layout.block_size
-        return ObjectRef(self.space(salt).block(group, rank, block_hash), ObjectKind.BLOCK, group, rank,
-                         block_hash, end, i, salt)
+        return self._block_ref(self.space(salt), group, rank, block_hash, i, tail_end, salt)
 
     def state_ref(self, group: int, rank: int, boundary_hash: bytes, i: int,
                   tokens: int | None = None, salt: str | None = None) -> ObjectRef:
         """The state of a state group on ``rank`` at the end of block ``i``, or at ``tokens``
         inside it (a tail boundary)."""
+        return self._state_ref(self.space(salt), group, rank, boundary_hash, i, tokens, salt)
+
+    def _block_ref(self, space: KeySpace, group: int, rank: int, block_hash: bytes, i: int,
+                   tail_end: int | None, salt: str | None) -> ObjectRef:
+        end = tail_end if tail_end is not None else (i + 1) * self.layout.block_size
+        return ObjectRef(space.block(group, rank, block_hash), ObjectKind.BLOCK, group, rank,
+                         block_hash, end, i, salt)
+
+    def _state_ref(self, space: KeySpace, group: int, rank: int, boundary_hash: bytes, i: int,
+                   tokens: int | None, salt: str | None) -> ObjectRef:
         end = tokens if tokens is not None else (i + 1) * self.layout.block_size
-        return ObjectRef(self.space(salt).state(group, rank, boundary_hash), ObjectKind.STATE, group, rank,
+        return ObjectRef(space.state(group, rank, boundary_hash), ObjectKind.STATE, group, rank,
                          boundary_hash, end, i, salt)
 
     def expected_header(self, ref: ObjectRef) -> ObjectHeader:

@@ -26,6 +26,7 @@ given inline, and no repr, log line or error message ever contains it or a key d
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import threading
@@ -87,7 +88,7 @@ class NamespaceKey:
 
         return NamespaceKey(self.namespace, sub(b"pv-tn-hash"), sub(b"pv-tn-mac"), is_tenant=True)
 
-    @property
+    @functools.cached_property
     def tag(self) -> str:
         """16 hex digits naming this key (not the secret): in the names of the few objects a
         namespace keeps under fixed names (its layout, its deny-list), so an engine without the

@@ -67,7 +67,8 @@ def namespace_of(key: str) -> str:
 
     The vault writes every key as ``namespace/layout/...`` (``keys.KeySpace``); a store that
     bounds each namespace's space (the local store's ``namespace_share=``) reads it here. A
-    ``cache_salt`` does not show in a key (it is hashed into it): salts are not told apart."""
+    ``cache_salt`` does not show in a key (it is hashed into it): salts are not told apart,
+    unless the engines keep each tenant's keys under a namespace of its own (``tenant_namespaces``)."""
     head, sep, _ = key.partition("/")
     return head if sep else ""
 
