@@ -92,6 +92,27 @@ def test_a_request_that_cannot_pay_for_the_round_trips_is_not_looked_up() -> Non
     assert costs.look_up(500, in_step=True) is Judgment.PAYS
 
 
+def test_a_request_whose_longest_hit_cannot_pay_for_its_bytes_is_not_looked_up() -> None:
+    costs, _ = measured(lookup_s=0.02)  # in the step: 40 ms of round trips
+    costs.loaded(1 << 30, 0.02 + 1.0)  # 1 GiB/s
+    assert costs.look_up(500, in_step=True) is Judgment.PAYS  # 50 ms of prefill, no bytes
+    assert costs.look_up(500, in_step=True, nbytes=100 << 20) is Judgment.NOT_WORTH_IT  # + ~100 ms
+    assert costs.look_up(5000, in_step=True, nbytes=100 << 20) is Judgment.PAYS
+
+
+def test_a_restore_ends_at_the_junction_where_a_request_resuming_there_would_compute_the_rest() -> None:
+    costs = RestoreCosts()
+    assert not costs.stop_at_junction(100, 0, in_step=True)  # not measured: the whole hit
+    costs, _ = measured(lookup_s=0.02)  # in the step: 40 ms of round trips
+    # what a request holding the junction would judge: a lookup and a load against the prefill
+    assert costs.stop_at_junction(300, 0, in_step=True)  # 30 ms of prefill
+    assert costs.look_up(300, in_step=True) is Judgment.NOT_WORTH_IT
+    assert not costs.stop_at_junction(500, 0, in_step=True)  # 50 ms
+    assert costs.look_up(500, in_step=True) is Judgment.PAYS
+    costs.judge = False  # restore_when: always
+    assert not costs.stop_at_junction(300, 0, in_step=True)
+
+
 def test_always_restores_whatever_the_costs() -> None:
     costs, _ = measured(lookup_s=5.0)
     costs.judge = False

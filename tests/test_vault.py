@@ -192,6 +192,22 @@ def test_missing_objects_are_reported_not_loaded() -> None:
     assert len(loaded.payloads) == len(refs) - 1
 
 
+def test_a_lookup_names_every_boundary_it_could_resume_at() -> None:
+    """``LookupResult.resumable``: the block boundaries past the engine's hit whose every object
+    is there, the longest first (a caller may resume at a shallower one: a junction)."""
+    store = MemoryStore()
+    vault = Vault(store, layout())
+    tokens = list(range(40))
+    assert fill(vault, tokens, [8, 16, 24, 32]) == [8, 16, 24, 32]
+    hashes = vault.hashes(tokens)
+    found = vault.lookup_explained(hashes, len(tokens))
+    assert (found.hit, found.resumable) == (32, (32, 24, 16, 8))
+    state_at_16 = [r for r in vault.needed(hashes, 16) if r.kind.name == "STATE"]
+    store.delete_many([r.key for r in state_at_16])
+    found = vault.lookup_explained(hashes, len(tokens), min_tokens=8)
+    assert (found.hit, found.resumable) == (32, (32, 24))
+
+
 class FullStore(MemoryStore):
     def put_many(self, items: Sequence[tuple[str, Sequence[Buffer]]]) -> list[bool]:
         return [False] * len(items)

@@ -29,7 +29,9 @@ steps), less the lookup once it has answered, and computing them ``t * compute``
 Both grow linearly with a hit: where restoring a token costs less than computing it the whole
 hit pays best, and where it costs more no part of it pays once the fixed costs are added; so a
 hit is taken whole or not at all (a miss counted ``not_worth_it``). Before any round trip, a
-request whose every uncomputed token could not pay for the round trips is not looked up.
+request whose every uncomputed token could not pay for the round trips and the bytes of its
+longest possible hit is not looked up. A hit past the request's junction ends there where a
+request resuming at the junction would not look up what lies past it (``stop_at_junction``).
 
 Until the engine's prefill is measured nothing is judged (a restore is taken), and a judgment
 against restoring is put aside at most once every ``EXPLORE_S`` seconds, so that the estimates
@@ -255,13 +257,28 @@ class RestoreCosts:
             return Judgment.UNKNOWN if judged is Judgment.UNKNOWN else Judgment.PAYS
         return judged if judged is Judgment.PAYS else self._explore("restore")
 
-    def look_up(self, tokens: int, in_step: bool) -> Judgment:
-        """Whether to look up a request that could restore at most ``tokens`` tokens: only if
-        they could pay for the round trips (a lookup, and a load beside the steps)."""
+    def stop_at_junction(self, tokens: int, nbytes: int, in_step: bool) -> bool:
+        """Whether a restore should end at the request's junction rather than ``tokens`` past
+        it (``nbytes`` of objects past it): a request that resumed at the junction in the
+        engine's own cache would compute them sooner than look them up and load them (as
+        ``look_up`` judges it, never put aside to explore). vLLM keeps the state at a
+        request's junction, so the requests of that prefix after this one then resume there
+        with no round trip, instead of each restoring its own boundary from the store. False
+        until measured, and with ``judge`` off."""
+        est = self.estimates()
+        if not self.judge or est.compute_s_per_token is None or est.lookup_s is None:
+            return False
+        return tokens * est.compute_s_per_token <= est.restore_s(nbytes, in_step)
+
+    def look_up(self, tokens: int, in_step: bool, nbytes: int = 0) -> Judgment:
+        """Whether to look up a request that could restore at most ``tokens`` tokens
+        (``nbytes`` of objects to load them): only if they could pay for the round trips (a
+        lookup, and a load beside the steps) and those bytes. (Both grow with a hit: where the
+        longest possible one does not pay, no shorter one does.)"""
         est = self.estimates()
         if est.compute_s_per_token is None or est.lookup_s is None:
             return Judgment.UNKNOWN
-        if not self.judge or tokens * est.compute_s_per_token > est.restore_s(0, in_step):
+        if not self.judge or tokens * est.compute_s_per_token > est.restore_s(nbytes, in_step):
             return Judgment.PAYS
         return self._explore("lookup")
 

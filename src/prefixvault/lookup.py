@@ -88,6 +88,12 @@ class LookupResult:
     longest: int  # the longest block-aligned prefix that leaves a token to compute
     miss: Miss | None  # why ``hit < longest``; None when it is not (a tail hit may pass it)
     boundary_hash: bytes = field(default=b"", compare=False)  # the hit's name (chain or tail hash)
+    # The block-aligned boundaries past the tokens the engine has that the store holds whole
+    # (every object resuming there needs), the longest first: a caller that would rather resume
+    # at a shallower one (a junction: ``vllm/lookups.py``) may, and knows it can.
+    resumable: tuple[int, ...] = field(default=(), compare=False)
+    # The hit was cut to the request's junction (``resumable`` names the longer one).
+    at_junction: bool = field(default=False, compare=False)
     # Objects read in the lookup's round trips (rank 0, as stored, by key; ``PREFETCH_BYTES``):
     # a load of the hit takes them from here instead of the store (verified there, as any read).
     prefetched: Mapping[str, bytes] = field(default_factory=dict, compare=False, repr=False)
@@ -369,11 +375,12 @@ class HitFinder:
                 break
             pos += per_tail
         self.counters.add(found_tokens=hit)
+        whole = tuple(b for b in published if coverage.resumable(b))
         if hit >= limit:
-            return self._result(hit, limit, None, name)
+            return self._result(hit, limit, None, name, whole)
         if published and hit < published[0]:  # the longest published boundary cannot resume any more
-            return self._result(hit, limit, Miss.EVICTED, name)
-        return self._result(hit, limit, self._past_hit(probes, probed) if published else missed, name)
+            return self._result(hit, limit, Miss.EVICTED, name, whole)
+        return self._result(hit, limit, self._past_hit(probes, probed) if published else missed, name, whole)
 
     def _prefetch(self, every: Sequence[tuple[int, int, str, range | list[int]]], hexes: Sequence[str],
                   read_from: int) -> list[str]:
@@ -491,7 +498,8 @@ class HitFinder:
         """The KV block past the hit is stored but no state at its end: a state is missing."""
         return Miss.NO_STATE if probes and found[0] and not found[1] else Miss.NO_RECORD
 
-    def _result(self, hit: int, longest: int, miss: Miss | None, name: bytes = b"") -> LookupResult:
+    def _result(self, hit: int, longest: int, miss: Miss | None, name: bytes = b"",
+                resumable: tuple[int, ...] = ()) -> LookupResult:
         if miss is not None:
             self.counters.tally("misses", miss.value, 1)
-        return LookupResult(hit, longest, miss, name)
+        return LookupResult(hit, longest, miss, name, resumable)

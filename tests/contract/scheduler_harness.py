@@ -494,12 +494,19 @@ class Engine:
             p.check(ask.answer == (0, False), f"{rid}: judged not worth restoring, answered {ask.answer}")
             return
         tokens = list(request.all_token_ids)
+        salt = self.space(request)
+        if tracked is not None and tracked.restore.to_junction and n > 0:  # (restore_when: faster)
+            total, hi = ask.computed + n, self.published.longest(salt, tokens, len(tokens) - 1, self.bs)
+            where = f"{rid}: computed {ask.computed}, answered {ask.answer}, to its junction, longest {hi}"
+            p.check(total % self.bs == 0 and self.published.has(salt, tokens[:total]), where)
+            p.check(ask.computed < total < hi, where)
+            self.hits += 1
+            return
         # with state, a tail boundary up to one token short of the prompt; else a block boundary
         limit = (resume_limit(request.num_tokens) if self.state_groups
                  else max_resume_tokens(request.num_tokens, self.bs))
         if tracked is not None and tracked.restore.cap is not None:  # after a failed load: no deeper
             limit = min(limit, tracked.restore.cap)
-        salt = self.space(request)
         total = ask.computed + n if n > 0 else 0
         lo = self.published.longest(salt, tokens, limit, self.bs, self.first_ask[rid])
         hi = self.published.longest(salt, tokens, limit, self.bs)

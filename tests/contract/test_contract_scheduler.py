@@ -180,9 +180,9 @@ def test_a_restore_past_a_prefix_the_engine_holds_reads_only_what_lies_past_it(e
     costs, judged = b.connector.scheduler.costs, []  # what restore_when judges the lookup by
     look_up = costs.look_up
 
-    def recorded(tokens: int, in_step: bool) -> Any:
+    def recorded(tokens: int, in_step: bool, nbytes: int = 0) -> Any:
         judged.append(tokens)
-        return look_up(tokens, in_step)
+        return look_up(tokens, in_step, nbytes)
     costs.look_up = recorded  # type: ignore[method-assign]
     b.run({0: [make_request("second", two, geo)]})
     # past the hit every group holds (nothing), not past vLLM's divergent offer (2 blocks of KV)
@@ -569,28 +569,77 @@ def test_a_restore_held_back_by_a_full_step_is_not_measured_as_slow(engines: Eng
 
 @_geo([GEOMETRIES[0]])
 def test_a_hit_whose_load_would_end_after_computing_it_is_computed(engines: Engines, geo: Geometry) -> None:
-    """``restore_when: faster`` after the lookup: a store measured to load a byte per 1000 s
-    (restores otherwise free) is looked up, and its hit is computed instead of loaded: a miss,
-    ``not_worth_it``, judged ``load_not_worth_it``, and no load."""
+    """``restore_when: faster`` after the lookup: a restore measured at three blocks' prefill
+    (its bytes free) is looked up for a prompt that could restore five blocks, and its hit of
+    two is computed instead of loaded: a miss, ``not_worth_it``, judged ``load_not_worth_it``,
+    and no load. A store measured to load a byte per 1000 s is not looked up at all: no hit
+    could pay for its bytes (``lookup_not_worth_it``)."""
+    from prefixvault.costs import Estimates
+
     bs = geo.block_size
     first = prompts(41, 2 * bs + 5)[0]
     a = engines(geo, budget=2 * bs)
     a.run({0: [make_request("a", first, geo)]})
     b = engines(geo, a.store, budget=2 * bs, extra={"restore_when": "faster", "restore_in_step": False})
-    b.run({0: [make_request("warm", prompts(42, 3 * bs)[0], geo)]})  # prefill steps: measured
     scheduler = b.connector.scheduler
     costs = scheduler.costs
     costs.explore_s = math.inf
-    for _ in range(50):
-        costs.restored(0.0, 0, in_step=False)
-    costs.loaded(1, 1000.0)
+    per_token = 1e-3
+    fixed = 3 * bs * per_token
+    costs.estimates = lambda: Estimates(per_token, 0.01, 1e-6, 0.0, fixed, fixed)  # type: ignore[method-assign]
     lookups = scheduler.counters.lookups
-    b.run({0: [make_request("b", first + prompts(43, 9)[0], geo)]})
+    b.run({0: [make_request("b", first + prompts(43, 3 * bs)[0], geo)]})
     assert scheduler.counters.lookups == lookups + 1, "not looked up"
     answers = [x.answer for x in b.asks if x.req_id == "b"]  # (None: the lookup not in yet)
     assert b.loads["b"] == 0 and answers[-1] == (0, False) and all(n in (None, 0) for n, _ in answers)
     assert scheduler.counters.judged.get("load_not_worth_it") == 1
     assert b.vault.counters.misses.get("not_worth_it", 0) == 1
+    costs.estimates = lambda: Estimates(per_token, 0.01, 1e-6, 1000.0, 0.0, 0.0)  # type: ignore[method-assign]
+    b.run({0: [make_request("c", first + prompts(44, 3 * bs)[0], geo)]})
+    assert scheduler.counters.lookups == lookups + 1, "looked up though no hit could pay for its bytes"
+    assert b.loads["c"] == 0 and scheduler.counters.judged.get("lookup_not_worth_it") == 1
+
+
+@_geo([GEOMETRIES[0], BY_ID["lfm2-shortconv-bs16-ckpt0"]])
+@pytest.mark.parametrize("in_step", [True, False], ids=["in-step", "beside"])
+def test_a_restore_whose_tail_would_not_pay_ends_at_the_junction(engines: Engines, geo: Geometry,
+                                                                 in_step: bool) -> None:
+    """Issue 49: an engine holds a prefix's KV (loaded for an earlier request) but no state in
+    it; each request of that prefix restored its own boundary from the store, while an engine
+    with no store keeps the state at the prefix's end (vLLM's junction) and computes only the
+    rest. Where loading past the junction costs more than computing it (restore_when: faster,
+    a restore's fixed cost measured at two blocks' prefill), the second request restores to the
+    junction and computes the rest; vLLM keeps the state there, and the third is a hit in the
+    engine's own cache at the junction, computed from it with no lookup and no load."""
+    from prefixvault.costs import Estimates
+
+    bs = geo.block_size
+    shared = prompts(bs + 20, 4 * bs)[0]
+    one, two, three = (shared + t for t in prompts(bs + 21, bs + 5, bs + 7, bs + 9))
+    a = engines(geo, budget=2 * bs)
+    a.run({0: [make_request("a1", one, geo)], 4: [make_request("a2", two, geo)],
+           8: [make_request("a3", three, geo)]})  # steps end at 2, 4 and 5 blocks: each published
+    b = engines(geo, a.store, budget=2 * bs, extra={"restore_when": "faster", "restore_in_step": in_step})
+    b.run({0: [make_request("first", one, geo)]})
+    assert b.loads["first"] == 1 and b.local_loaded["first"] == 0, "the first restored nothing"
+    costs = b.connector.scheduler.costs
+    costs.explore_s = math.inf  # (no judgment put aside to measure again)
+    per_token = 1e-3
+    fixed = 2 * bs * per_token  # a restore: two blocks' prefill, whatever its bytes
+    costs.estimates = lambda: Estimates(per_token, 0.01, 1e-6, 0.0, fixed, fixed)  # type: ignore[method-assign]
+    b.run({0: [make_request("second", two, geo)]})
+    asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "second" and x.answer[0] is not None]
+    # offered the prefix's KV (a divergent hit at the junction): asked again without it, and
+    # restored to the junction from the hit every group holds (none)
+    assert asks[-1][0] + (asks[-1][1][0] or 0) == 4 * bs, asks
+    assert b.loads["second"] == 1
+    assert b.connector.scheduler.counters.judged.get("load_to_junction") == 1
+    lookups = b.connector.scheduler.counters.lookups
+    b.run({0: [make_request("third", three, geo)]})
+    asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "third"]
+    assert asks == [(4 * bs, (0, False))], asks  # every group holds the junction: nothing to load
+    assert b.loads["third"] == 0 and b.connector.scheduler.counters.lookups == lookups
+    assert b.connector.scheduler.counters.judged.get("lookup_not_worth_it") == 1
 
 
 @_geo([GEOMETRIES[0], BY_ID["qwen3-next-gdn-bs544-ckpt0"]])

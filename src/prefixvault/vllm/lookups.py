@@ -13,10 +13,10 @@ import logging
 import time
 from collections import Counter
 from concurrent.futures import Future, InvalidStateError
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from prefixvault.codec import HEADER_SIZE
-from prefixvault.costs import RestoreCosts
+from prefixvault.costs import RestoreCosts, restore_bytes
 from prefixvault.guard import Guard
 from prefixvault.keys import ExtraKeys, PromptTokens
 from prefixvault.lane import Failure, Lane
@@ -54,6 +54,11 @@ class LookupJob:
     # past ``read_from`` (vLLM's offer, where a load may start) starts there, another from
     # ``min_tokens`` (vLLM's agreed hit, the scheduler asks again for it). None: no read ahead.
     read_from: int | None = None
+    # vLLM's junction for the request (``shared_prefix_boundary``: where its prompt leaves a
+    # prefix an earlier request had, the engine's own cache holding no state there; 0: none),
+    # and whether its load would be synchronous (what ``RestoreCosts`` judges it by).
+    junction: int = 0
+    in_step: bool = False
 
 
 class LaneFailed(Exception):
@@ -88,13 +93,14 @@ class Lookups:
 
     def submit(self, *, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
                min_tokens: int, saving: Counter[bytes] | None,
-               read_from: int | None = None) -> Future[Answer]:
+               read_from: int | None = None, junction: int = 0, in_step: bool = False) -> Future[Answer]:
         """Queue a lookup (``LookupJob`` says what each argument is); it is answered with every
         lookup queued by the time the lane is free (``Vault.lookup_many``: one or two round
         trips for all of them; with ``read_from``, one more read for the objects of every hit
         that asked for them, none where the lookup's first round trip read them already)."""
         job = LookupJob(future=Future(), prompt=prompt, extra=extra, known=known, num_tokens=num_tokens,
-                        min_tokens=min_tokens, saving=saving, read_from=read_from)
+                        min_tokens=min_tokens, saving=saving, read_from=read_from, junction=junction,
+                        in_step=in_step)
         refused = self.lane.put(job)
         if refused is not None:
             job.future.set_exception(LaneFailed(refused))
@@ -157,6 +163,7 @@ class Lookups:
             self.costs.looked_up(time.monotonic() - t0)
         ahead = []
         for (job, hashes), result in zip(waiting, found, strict=True):
+            result = self._at_junction(job, hashes, result)
             if job.read_from is not None and result.hit > job.min_tokens:
                 ahead.append((job, hashes, result))
             else:  # answered first: reading ahead for others never delays them
@@ -169,6 +176,25 @@ class Lookups:
             self.vault.touch([])
         except Exception as e:  # the answers stand; read again at the next batch
             log.debug("prefixvault: reading the deny-list failed: %s", e)
+
+    def _at_junction(self, job: LookupJob, hashes: list[bytes], result: LookupResult) -> LookupResult:
+        """The hit cut to the request's junction where the store holds the junction whole and
+        loading past it would not pay (``RestoreCosts.stop_at_junction``): vLLM keeps the
+        state at a request's junction, so every later request of that prefix is a hit in the
+        engine's own cache there, as on an engine with no store, instead of each restoring its
+        own boundary from the store (the engine's cache holds the prefix's KV, no state in it).
+        This request computes from the junction: what a request resuming there would do."""
+        j, bs = job.junction, self.vault.layout.block_size
+        if (self.costs is None or not job.min_tokens < j < result.hit or j % bs
+                or j not in result.resumable):
+            return result
+        past = restore_bytes(self.vault.layout, result.hit, j)
+        if not self.costs.stop_at_junction(result.hit - j, past, job.in_step):
+            return result
+        if result.miss is None:  # (a lookup counts one miss: the reason it first fell short by)
+            self.vault.counters.tally("misses", Miss.NOT_WORTH_IT.value)
+        return replace(result, hit=j, miss=Miss.NOT_WORTH_IT, boundary_hash=hashes[j // bs - 1],
+                       at_junction=True)
 
     def _read_ahead(self, ahead: list[tuple[LookupJob, list[bytes], LookupResult]]) -> list[ReadAhead | None]:
         """For each hit, the verified objects its load needs (rank 0, from ``read_from`` or

@@ -121,6 +121,8 @@ class Restore:
         self.waited_for_save = False  # it waited for a save of its prefix once (it never waits again)
         # computing it was judged sooner than restoring (``restore_when: faster``): answered a miss
         self.not_worth_it = False
+        # its last answer was cut to its junction, the store holding more (``vllm/lookups.py``)
+        self.to_junction = False
         # time.monotonic() its first lookup (since a restart) was queued, and its last lookup
         # answered: what a restore took is measured from them (``Restores.allocated``)
         self.asked_at: float | None = None
@@ -204,9 +206,11 @@ class Restore:
         self.not_worth_it = True
         self._become(Answered(hit=0))
 
-    def answer(self, hit: int, read_ahead: ReadAhead | None = None) -> None:
-        """Its lookup answered (a miss, a failed or timed-out lookup: ``hit`` 0)."""
+    def answer(self, hit: int, read_ahead: ReadAhead | None = None, junction: bool = False) -> None:
+        """Its lookup answered (a miss, a failed or timed-out lookup: ``hit`` 0); ``junction``:
+        its hit was cut to its junction (``vllm/lookups.py``)."""
         self._expect(LookingUp)
+        self.to_junction = junction
         self._become(Answered(hit=hit, read_ahead=read_ahead))
 
     def hand_over(self, token: int, start: int) -> None:

@@ -237,14 +237,19 @@ class Restores:
             num_tokens = request.num_tokens if r.cap is None else min(request.num_tokens, r.cap + 1)
             if not isinstance(r.phase, WaitingForSave) and not r.waited_for_save:
                 # (what the engine computes without a load: from the hit every group holds)
-                if not self._worth_looking_up(tr, num_tokens, since, computed):
+                if not self._worth_looking_up(tr, num_tokens, since, computed, start):
                     return True
                 self.counters.add(lookups=1)  # (a lookup held for a save in flight counts once)
             saving = None if r.waited_for_save else self.ctx.in_flight.hashes
             read_from = start if self.handover.reads_ahead() else None
+            # Where the engine holds a prefix's KV but no state: vLLM's junction, or a divergent
+            # offer (vLLM names no junction with one; asked again without it, the offer is it).
+            junction = computed if offer is not Offer.AGREED \
+                else int(getattr(request, "shared_prefix_boundary", 0) or 0)
             lookup = self._lookups.submit(prompt=list(tr.prompt), extra=tr.extra, known=list(tr.hashes),
                                           num_tokens=num_tokens, min_tokens=since, saving=saving,
-                                          read_from=read_from)
+                                          read_from=read_from, junction=junction,
+                                          in_step=self.in_step or read_from is not None)
             r.look_up(lookup, computed, time.monotonic(), agreed=since, start=start)
             wait = self._wait.for_new()
         t0 = time.monotonic()
@@ -252,14 +257,18 @@ class Restores:
         self._wait.spent(time.monotonic() - t0)
         return done
 
-    def _worth_looking_up(self, tr: TrackedRequest, num_tokens: int, agreed: int, computed: int) -> bool:
+    def _worth_looking_up(self, tr: TrackedRequest, num_tokens: int, agreed: int, computed: int,
+                          start: int) -> bool:
         """Whether the request (of ``num_tokens``, as far as it may restore) could restore
         enough past ``agreed`` (what the engine computes from without a load) to pay for the
-        round trips (``RestoreCosts.look_up``); if not it is answered a miss now, with none
-        (``computed``: vLLM's offer)."""
+        round trips and the bytes of its longest possible hit, loaded from ``start``
+        (``RestoreCosts.look_up``); if not it is answered a miss now, with none (``computed``:
+        vLLM's offer)."""
         # (a hit read ahead loads synchronously: judged by what such restores took)
         sync = self.in_step or self.handover.reads_ahead()
-        judged = self.costs.look_up(max(0, num_tokens - 1 - agreed), sync)
+        longest = max(0, num_tokens - 1)
+        nbytes = restore_bytes(self.ctx.layout, longest, min(start, longest))
+        judged = self.costs.look_up(max(0, longest - agreed), sync, nbytes)
         self.counters.tally("judged", f"lookup_{judged.value}")
         if judged is not Judgment.NOT_WORTH_IT:
             return True
@@ -319,7 +328,11 @@ class Restores:
             log.debug("prefixvault: request %s computes %d tokens the store holds: sooner than loading them",
                       tr.req_id, found.hit - phase.local)
             found = replace(found, hit=0)
-        r.answer(found.hit, read_ahead)
+        if found.at_junction:
+            self.counters.tally("judged", "load_to_junction")
+            log.debug("prefixvault: request %s restores %d tokens, to its junction, and computes the rest: "
+                      "sooner than loading them", tr.req_id, found.hit)
+        r.answer(found.hit, read_ahead, junction=found.at_junction)
         if not tr.counted:
             tr.counted = True
             self.ctx.admission.arrived(bool(found.hit or phase.local

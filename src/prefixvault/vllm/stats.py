@@ -57,7 +57,8 @@ LABELLED: dict[str, tuple[str, tuple[str, ...]]] = {
     "lookup_misses": ("Lookups that restored less than the longest block-aligned prefix, by reason",
                       ("reason",)),
     "restore_judgments": ("What restore_when judged (lookup_ or load_, then pays, unknown, explore or "
-                          "not_worth_it)", ("judgment",)),
+                          "not_worth_it; load_to_junction: a hit cut to the request's junction)",
+                          ("judgment",)),
     "in_step_lost": ("Restores that lost their synchronous load and loaded one step later, by reason "
                      "(handover_failed: shared memory full; mailbox_gone: the worker's mailbox disappeared)",
                      ("reason",)),
