@@ -104,6 +104,14 @@ class Estimates:
         fixed = measured if measured is not None else 2 * lookup + (0.0 if in_step else (self.step_s or 0.0))
         return fixed + nbytes * (self.transfer_s_per_byte or 0.0)
 
+    def lookup_pays(self, tokens: int, nbytes: int, in_step: bool) -> bool | None:
+        """Whether looking up and loading ``tokens`` (``nbytes`` of objects) ends sooner than
+        computing them: a lookup, a load and the transfer (``restore_s``) against the prefill.
+        None until both the prefill and a lookup are measured."""
+        if self.compute_s_per_token is None or self.lookup_s is None:
+            return None
+        return tokens * self.compute_s_per_token > self.restore_s(nbytes, in_step)
+
     def load_s(self, nbytes: int, in_step: bool) -> float:
         """Expected seconds left once the lookup answered (``restore_s`` less the lookup)."""
         return max(0.0, self.restore_s(nbytes, in_step) - (self.lookup_s or 0.0))
@@ -265,20 +273,17 @@ class RestoreCosts:
         request's junction, so the requests of that prefix after this one then resume there
         with no round trip, instead of each restoring its own boundary from the store. False
         until measured, and with ``judge`` off."""
-        est = self.estimates()
-        if not self.judge or est.compute_s_per_token is None or est.lookup_s is None:
-            return False
-        return tokens * est.compute_s_per_token <= est.restore_s(nbytes, in_step)
+        return self.judge and self.estimates().lookup_pays(tokens, nbytes, in_step) is False
 
     def look_up(self, tokens: int, in_step: bool, nbytes: int = 0) -> Judgment:
         """Whether to look up a request that could restore at most ``tokens`` tokens
         (``nbytes`` of objects to load them): only if they could pay for the round trips (a
         lookup, and a load beside the steps) and those bytes. (Both grow with a hit: where the
         longest possible one does not pay, no shorter one does.)"""
-        est = self.estimates()
-        if est.compute_s_per_token is None or est.lookup_s is None:
+        pays = self.estimates().lookup_pays(tokens, nbytes, in_step)
+        if pays is None:
             return Judgment.UNKNOWN
-        if not self.judge or tokens * est.compute_s_per_token > est.restore_s(nbytes, in_step):
+        if not self.judge or pays:
             return Judgment.PAYS
         return self._explore("lookup")
 

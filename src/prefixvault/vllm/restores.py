@@ -249,13 +249,19 @@ class Restores:
             lookup = self._lookups.submit(prompt=list(tr.prompt), extra=tr.extra, known=list(tr.hashes),
                                           num_tokens=num_tokens, min_tokens=since, saving=saving,
                                           read_from=read_from, junction=junction,
-                                          in_step=self.in_step or read_from is not None)
+                                          in_step=self._loads_in_step)
             r.look_up(lookup, computed, time.monotonic(), agreed=since, start=start)
             wait = self._wait.for_new()
         t0 = time.monotonic()
         done = self._take_answer(tr, wait)
         self._wait.spent(time.monotonic() - t0)
         return done
+
+    @property
+    def _loads_in_step(self) -> bool:
+        """Whether a hit is loaded in the step that takes it (``restore_in_step``, or its bytes
+        read ahead by the lookup): its costs are judged by what such restores took."""
+        return self.in_step or self.handover.reads_ahead()
 
     def _worth_looking_up(self, tr: TrackedRequest, num_tokens: int, agreed: int, computed: int,
                           start: int) -> bool:
@@ -264,8 +270,7 @@ class Restores:
         round trips and the bytes of its longest possible hit, loaded from ``start``
         (``RestoreCosts.look_up``); if not it is answered a miss now, with none (``computed``:
         vLLM's offer)."""
-        # (a hit read ahead loads synchronously: judged by what such restores took)
-        sync = self.in_step or self.handover.reads_ahead()
+        sync = self._loads_in_step
         longest = max(0, num_tokens - 1)
         nbytes = restore_bytes(self.ctx.layout, longest, min(start, longest))
         judged = self.costs.look_up(max(0, longest - agreed), sync, nbytes)
