@@ -73,8 +73,23 @@ def test_decode_steps_and_idle_gaps_do_not_count_as_prefill() -> None:
     assert est.compute_s_per_token is not None and math.isclose(est.compute_s_per_token, 0.05 / 500)
 
 
+def test_a_short_prefill_step_weighs_by_its_tokens() -> None:
+    """Steps of 500 tokens in 50 ms and of 50 in 15 ms (most of it the step's fixed cost): a
+    token costs their time over their tokens, ~0.12 ms, not the mean of their 0.1 and 0.3 ms a
+    token (which would judge a computed request twice as slow as a full step runs it)."""
+    clock = Clock()
+    costs = RestoreCosts(clock=clock)
+    for _ in range(40):
+        for tokens, seconds in ((500, 0.05), (50, 0.015)):
+            costs.step_planned(tokens, tokens)
+            clock.now += seconds
+    per_token = costs.estimates().compute_s_per_token
+    assert per_token is not None and math.isclose(per_token, 0.065 / 550, rel_tol=0.1)
+
+
 def test_a_restore_pays_where_computing_its_tokens_takes_longer() -> None:
-    # 0.1 ms a token, 100 ms a step, 20 ms a lookup: a load beside the steps costs ~120 ms
+    # 0.1 ms a token, 100 ms a step, 20 ms a lookup: a load beside the steps costs ~170 ms once
+    # looked up (a load's round trip, a step and the half step its last costs), ~70 in the step
     costs, _ = measured()
     assert costs.restore(2000, 0, in_step=False) is Judgment.PAYS  # 200 ms of prefill
     assert costs.restore(1000, 0, in_step=False) is Judgment.NOT_WORTH_IT  # 100 ms
@@ -85,32 +100,34 @@ def test_a_restore_pays_where_computing_its_tokens_takes_longer() -> None:
 
 
 def test_a_request_that_cannot_pay_for_the_round_trips_is_not_looked_up() -> None:
-    costs, _ = measured(lookup_s=0.02)  # a lookup, a load and a step: 140 ms
-    assert costs.look_up(1000, in_step=False) is Judgment.NOT_WORTH_IT
-    assert costs.look_up(1500, in_step=False) is Judgment.PAYS
-    assert costs.look_up(300, in_step=True) is Judgment.NOT_WORTH_IT  # 40 ms
-    assert costs.look_up(500, in_step=True) is Judgment.PAYS
+    costs, _ = measured(lookup_s=0.02)  # a lookup, a load, a step and half a step: 190 ms
+    assert costs.look_up(1500, in_step=False) is Judgment.NOT_WORTH_IT
+    assert costs.look_up(2000, in_step=False) is Judgment.PAYS
+    assert costs.look_up(500, in_step=True) is Judgment.NOT_WORTH_IT  # 90 ms
+    assert costs.look_up(1000, in_step=True) is Judgment.PAYS
 
 
 def test_a_request_whose_longest_hit_cannot_pay_for_its_bytes_is_not_looked_up() -> None:
-    costs, _ = measured(lookup_s=0.02)  # in the step: 40 ms of round trips
+    costs, _ = measured(lookup_s=0.02)  # in the step: 40 ms of round trips and half a 100 ms step
     costs.loaded(1 << 30, 0.02 + 1.0)  # 1 GiB/s
-    assert costs.look_up(500, in_step=True) is Judgment.PAYS  # 50 ms of prefill, no bytes
-    assert costs.look_up(500, in_step=True, nbytes=100 << 20) is Judgment.NOT_WORTH_IT  # + ~100 ms
+    assert costs.look_up(1000, in_step=True) is Judgment.PAYS  # 100 ms of prefill, no bytes
+    assert costs.look_up(1000, in_step=True, nbytes=100 << 20) is Judgment.NOT_WORTH_IT  # + ~100 ms
     assert costs.look_up(5000, in_step=True, nbytes=100 << 20) is Judgment.PAYS
 
 
-def test_a_restore_ends_at_the_junction_where_a_request_resuming_there_would_compute_the_rest() -> None:
+def test_a_restore_ends_at_the_junction_where_the_next_request_saves_more_than_this_one_pays() -> None:
     costs = RestoreCosts()
     assert not costs.stop_at_junction(100, 0, in_step=True)  # not measured: the whole hit
-    costs, _ = measured(lookup_s=0.02)  # in the step: 40 ms of round trips
-    # what a request holding the junction would judge: a lookup and a load against the prefill
-    assert costs.stop_at_junction(300, 0, in_step=True)  # 30 ms of prefill
-    assert costs.look_up(300, in_step=True) is Judgment.NOT_WORTH_IT
-    assert not costs.stop_at_junction(500, 0, in_step=True)  # 50 ms
-    assert costs.look_up(500, in_step=True) is Judgment.PAYS
+    costs, _ = measured(lookup_s=0.2)  # in the step: 400 ms of round trips and half a 100 ms step
+    # the next request saves 450 ms less the prefill; this one pays the prefill and a step
+    assert costs.stop_at_junction(1000, 0, in_step=True)  # 100 ms of prefill: saves 350, pays 200
+    assert costs.look_up(1000, in_step=True) is Judgment.NOT_WORTH_IT
+    # near the threshold no cut, though a request holding the junction would not look up
+    assert not costs.stop_at_junction(2000, 0, in_step=True)  # saves 250, pays 300
+    assert costs.look_up(2000, in_step=True) is Judgment.NOT_WORTH_IT
+    assert not costs.stop_at_junction(5000, 0, in_step=True)  # 500 ms: restoring pays
     costs.judge = False  # restore_when: always
-    assert not costs.stop_at_junction(300, 0, in_step=True)
+    assert not costs.stop_at_junction(1000, 0, in_step=True)
 
 
 def test_always_restores_whatever_the_costs() -> None:
@@ -169,31 +186,32 @@ def test_computing_takes_longer_for_a_request_that_shares_the_steps_prefill() ->
     for costs in (alone, shared):
         for _ in range(30):
             costs.looked_up(0.02)
-    assert alone.restore(500, 0, in_step=False) is Judgment.NOT_WORTH_IT  # 49 ms of prefill, 70 of load
+    assert alone.restore(500, 0, in_step=False) is Judgment.NOT_WORTH_IT  # 49 ms of prefill, 95 of load
     assert shared.restore(500, 0, in_step=False) is Judgment.PAYS  # 293 ms
 
 
 def test_what_restores_took_on_this_engine_replaces_the_prior() -> None:
     """Before any restore, its fixed cost is two round trips and (beside the steps) a step; once
     restores are measured, what they took from lookup to when they could be scheduled, less
-    their transfer (in the step that asked: to the answer, the transfer still to come)."""
+    their transfer (in the step that asked: to a step taking the answer, the transfer still to
+    come); half a step on top either way (``LAST_STEP_SHARE``)."""
     costs, _ = measured(compute_s_per_token=1e-4, lookup_s=0.02)  # 100 ms steps
-    assert math.isclose(costs.estimates().restore_s(0, in_step=False), 0.14)
-    assert costs.look_up(1500, in_step=False) is Judgment.PAYS  # 150 ms of prefill
+    assert math.isclose(costs.estimates().restore_s(0, in_step=False), 0.19)
+    assert costs.look_up(2000, in_step=False) is Judgment.PAYS  # 200 ms of prefill
     costs.loaded(1 << 20, 0.02 + 0.01)  # 10 ms a MiB past the round trip
     for _ in range(40):
         costs.restored(0.35 + 0.01, 1 << 20, in_step=False)  # each waited 350 ms more than its bytes
     est = costs.estimates()
     assert est.restore_s_beside is not None and math.isclose(est.restore_s_beside, 0.35, rel_tol=1e-3)
     assert est.restore_s_in_step is None
-    assert math.isclose(est.restore_s(1 << 20, in_step=False), 0.36, rel_tol=1e-3)
-    assert math.isclose(est.load_s(1 << 20, in_step=False), 0.34, rel_tol=1e-3)  # (the lookup answered)
-    assert costs.look_up(1500, in_step=False) is Judgment.NOT_WORTH_IT
-    assert costs.look_up(4000, in_step=False) is Judgment.PAYS
+    assert math.isclose(est.restore_s(1 << 20, in_step=False), 0.41, rel_tol=1e-3)
+    assert math.isclose(est.load_s(1 << 20, in_step=False), 0.39, rel_tol=1e-3)  # (the lookup answered)
+    assert costs.look_up(2000, in_step=False) is Judgment.NOT_WORTH_IT
+    assert costs.look_up(5000, in_step=False) is Judgment.PAYS
     assert costs.look_up(1000, in_step=True) is Judgment.PAYS  # in the step: not measured, the prior
     assert "restore_us" in est.figures() and "restore_in_step_us" not in est.figures()
     for _ in range(40):
         costs.restored(0.03, 1 << 20, in_step=True)  # answered in 30 ms; its load in the step to come
     est = costs.estimates()
     assert est.restore_s_in_step is not None and math.isclose(est.restore_s_in_step, 0.03, rel_tol=1e-3)
-    assert math.isclose(est.restore_s(1 << 20, in_step=True), 0.04, rel_tol=1e-3)  # and its transfer
+    assert math.isclose(est.restore_s(1 << 20, in_step=True), 0.09, rel_tol=1e-3)  # its transfer, half a step

@@ -4,34 +4,39 @@ A restore is worth taking only if it ends sooner than computing the tokens it re
 store far away (a Redis across racks, a store under load) or for a model whose prefill is cheap,
 a lookup round trip, a load round trip, the transfer and a step of waiting can cost more than
 the prefill they save, and a cache that makes requests slower than no cache is the first thing
-an operator turns off. ``RestoreCosts`` keeps four estimates, each from what the engine and the
-store did lately, none configured:
+an operator turns off. ``RestoreCosts`` keeps these estimates, each from what the engine and
+the store did lately, none configured:
 
-- ``compute``: seconds per token of a prefill step (a step's seconds over its tokens, from steps
-  that mostly prefill), times the requests that share a step's prefill lately (``sharing``: a
-  request's tokens go through the steps at its share of them, so under load computing a token
-  takes that much longer for the request that waits for it);
+- ``compute``: seconds per token of a prefill step (the seconds of steps that mostly prefill
+  over their tokens, each an exponential average: a ratio of averages, so the few tokens of a
+  short step, most of its time the step's fixed cost, do not weigh as much as a full step's),
+  times the requests that share a step's prefill lately (``sharing``: a request's tokens go
+  through the steps at its share of them, so under load computing a token takes that much
+  longer for the request that waits for it);
 - ``step``: seconds a busy step takes (an asynchronous load costs about one: its request is
   scheduled in the step after the load is reported);
 - ``lookup``: seconds a lookup takes (one or two store round trips);
 - ``transfer``: seconds per byte a load takes beyond one round trip (the lookup's figure);
 - ``restore``: seconds from a restored request's lookup to when it could be scheduled, less its
-  bytes' transfer, as this engine's restores took them (the lanes' queues, every round trip and
-  the steps a load beside them took included), apart for loads beside the steps (until the
-  workers report the load done) and in the step that asked (until the lookup answered: the
-  load then runs in that step, its objects most often read in the lookup's round trip). A
-  wait for a step's token budget between the answer and vLLM's allocation is left out: a
-  request computed instead would wait as long.
+  bytes' transfer, as this engine's restores took them (the lanes' queues, every round trip,
+  the wait from the answer to the next step that takes it, and the steps a load beside them
+  took included), apart for loads beside the steps (until the workers report the load done)
+  and in the step that asked (until a step took the answer: the load then runs in that step,
+  its objects most often read in the lookup's round trip). A wait for a step's token budget
+  between the answer and vLLM's allocation is left out: a request computed would wait as long.
 
 With these, restoring ``t`` tokens whose objects are ``n`` bytes costs ``restore + n *
 transfer`` (before any restore is measured: two round trips, and a step for a load beside the
-steps), less the lookup once it has answered, and computing them ``t * compute``.
+steps) and half a step (``LAST_STEP_SHARE``: a restored request still runs a whole step for the
+tokens past its hit, where a computed request's last step is on average half its own), less the
+lookup once it has answered; computing them costs ``t * compute``.
 Both grow linearly with a hit: where restoring a token costs less than computing it the whole
 hit pays best, and where it costs more no part of it pays once the fixed costs are added; so a
 hit is taken whole or not at all (a miss counted ``not_worth_it``). Before any round trip, a
 request whose every uncomputed token could not pay for the round trips and the bytes of its
-longest possible hit is not looked up. A hit past the request's junction ends there where a
-request resuming at the junction would not look up what lies past it (``stop_at_junction``).
+longest possible hit is not looked up. A hit past the request's junction ends there where
+what the next request resuming at the junction saves by computing the rest outweighs what this
+one pays for it (``stop_at_junction``).
 
 Until the engine's prefill is measured nothing is judged (a restore is taken), and a judgment
 against restoring is put aside at most once every ``EXPLORE_S`` seconds, so that the estimates
@@ -60,6 +65,10 @@ MAX_STEP_S = 10.0
 EXPLORE_S = 10.0
 #: A step waits for new lookups only if twice their expected time fits in this share of a step.
 WAIT_SHARE = 0.1
+#: The share of a busy step a restore is charged beyond its measured time: the step that runs
+#: the tokens past its hit is a whole step of waiting for the restored request, where the linear
+#: ``compute`` estimate charges a computed request's last step by its tokens, on average half.
+LAST_STEP_SHARE = 0.5
 
 
 class Judgment(StrEnum):
@@ -98,11 +107,13 @@ class Estimates:
     def restore_s(self, nbytes: int, in_step: bool) -> float:
         """Expected seconds from a request's lookup to when it can be scheduled with ``nbytes``
         restored: the fixed part as this engine's restores took it (before any: a lookup, a
-        load's round trip, and a step for a load beside the steps), plus the transfer."""
+        load's round trip, and a step for a load beside the steps), the transfer, and
+        ``LAST_STEP_SHARE`` of a step (see the module)."""
         measured = self.restore_s_in_step if in_step else self.restore_s_beside
         lookup = self.lookup_s or 0.0
-        fixed = measured if measured is not None else 2 * lookup + (0.0 if in_step else (self.step_s or 0.0))
-        return fixed + nbytes * (self.transfer_s_per_byte or 0.0)
+        step = self.step_s or 0.0
+        fixed = measured if measured is not None else 2 * lookup + (0.0 if in_step else step)
+        return fixed + LAST_STEP_SHARE * step + nbytes * (self.transfer_s_per_byte or 0.0)
 
     def lookup_pays(self, tokens: int, nbytes: int, in_step: bool) -> bool | None:
         """Whether looking up and loading ``tokens`` (``nbytes`` of objects) ends sooner than
@@ -190,7 +201,9 @@ class RestoreCosts:
         self.judge = judge
         self._now = clock
         self._lock = threading.Lock()
-        self._compute = Average()
+        # steps that mostly prefill: seconds and tokens (``compute`` is their ratio)
+        self._prefill_s = Average()
+        self._prefill_tokens = Average()
         self._step = Average()
         self._lookup = Average()
         self._transfer = Average()
@@ -224,7 +237,8 @@ class RestoreCosts:
                 return
             self._step.add(seconds, now)
             if last_tokens >= MIN_PREFILL_TOKENS and prefills:
-                self._compute.add(seconds / last_tokens, now)
+                self._prefill_s.add(seconds, now)
+                self._prefill_tokens.add(last_tokens, now)
 
     def looked_up(self, seconds: float) -> None:
         """A lookup batch took ``seconds`` in the store."""
@@ -243,15 +257,16 @@ class RestoreCosts:
         """A request restoring ``nbytes`` (a rank's) could be scheduled ``seconds`` after its
         lookup was queued (waits for a step's token budget left out): beside the steps, once
         its load was reported done (its transfer included, taken off here); in the step, once
-        its lookup answered (its transfer still to come, in that step)."""
+        a step took its answer (its transfer still to come, in that step)."""
         with self._lock:
             transfer = 0.0 if in_step else (self._transfer.value or 0.0) * nbytes
             self._restored[in_step].add(max(0.0, seconds - transfer), self._now())
 
     def estimates(self) -> Estimates:
         with self._lock:
-            per_token = self._compute.value
-            if per_token is not None:
+            per_token = None
+            if self._prefill_s.value is not None and self._prefill_tokens.value:
+                per_token = self._prefill_s.value / self._prefill_tokens.value
                 per_token *= max(1.0, self._sharing.value or 1.0)
             return Estimates(per_token, self._step.value, self._lookup.value, self._transfer.value,
                              self._restored[False].value, self._restored[True].value)
@@ -267,13 +282,21 @@ class RestoreCosts:
 
     def stop_at_junction(self, tokens: int, nbytes: int, in_step: bool) -> bool:
         """Whether a restore should end at the request's junction rather than ``tokens`` past
-        it (``nbytes`` of objects past it): a request that resumed at the junction in the
-        engine's own cache would compute them sooner than look them up and load them (as
-        ``look_up`` judges it, never put aside to explore). vLLM keeps the state at a
-        request's junction, so the requests of that prefix after this one then resume there
-        with no round trip, instead of each restoring its own boundary from the store. False
-        until measured, and with ``judge`` off."""
-        return self.judge and self.estimates().lookup_pays(tokens, nbytes, in_step) is False
+        it (``nbytes`` of objects past it). vLLM keeps the state at a request's junction, so
+        the requests of that prefix after this one could then resume there in the engine's own
+        cache and compute those tokens, with no round trip, instead of each restoring its own
+        boundary from the store. The cut costs this request: it computes them, and where it
+        is asked again for vLLM's agreed hit, waits a step more; so it ends at the junction only
+        where what the next request of the prefix saves (a lookup and a load, against
+        computing them) outweighs what this one pays (computing them and a step). Near the
+        threshold of ``look_up`` no cut is made: there a later request, judged on estimates
+        that move, may look up and load anyway, and the cut would be paid for nothing. Never
+        put aside to explore; False until measured, and with ``judge`` off."""
+        est = self.estimates()
+        if not self.judge or est.compute_s_per_token is None or est.lookup_s is None:
+            return False
+        compute = tokens * est.compute_s_per_token
+        return est.restore_s(nbytes, in_step) - compute > compute + (est.step_s or 0.0)
 
     def look_up(self, tokens: int, in_step: bool, nbytes: int = 0) -> Judgment:
         """Whether to look up a request that could restore at most ``tokens`` tokens

@@ -607,8 +607,9 @@ def test_a_restore_whose_tail_would_not_pay_ends_at_the_junction(engines: Engine
     """Issue 49: an engine holds a prefix's KV (loaded for an earlier request) but no state in
     it; each request of that prefix restored its own boundary from the store, while an engine
     with no store keeps the state at the prefix's end (vLLM's junction) and computes only the
-    rest. Where loading past the junction costs more than computing it (restore_when: faster,
-    a restore's fixed cost measured at two blocks' prefill), the second request restores to the
+    rest. Where loading past the junction costs more than computing it twice and a step
+    (restore_when: faster, a restore's fixed cost measured at three blocks' prefill: what the
+    next request saves outweighs what this one pays), the second request restores to the
     junction and computes the rest; vLLM keeps the state there, and the third is a hit in the
     engine's own cache at the junction, computed from it with no lookup and no load."""
     from prefixvault.costs import Estimates
@@ -625,7 +626,7 @@ def test_a_restore_whose_tail_would_not_pay_ends_at_the_junction(engines: Engine
     costs = b.connector.scheduler.costs
     costs.explore_s = math.inf  # (no judgment put aside to measure again)
     per_token = 1e-3
-    fixed = 2 * bs * per_token  # a restore: two blocks' prefill, whatever its bytes
+    fixed = 3 * bs * per_token  # a restore: three blocks' prefill, whatever its bytes
     costs.estimates = lambda: Estimates(per_token, 0.01, 1e-6, 0.0, fixed, fixed)  # type: ignore[method-assign]
     b.run({0: [make_request("second", two, geo)]})
     asks = [(x.computed, x.answer) for x in b.asks if x.req_id == "second" and x.answer[0] is not None]

@@ -123,8 +123,10 @@ class Restore:
         self.not_worth_it = False
         # its last answer was cut to its junction, the store holding more (``vllm/lookups.py``)
         self.to_junction = False
-        # time.monotonic() its first lookup (since a restart) was queued, and its last lookup
-        # answered: what a restore took is measured from them (``Restores.allocated``)
+        # time.monotonic() its first lookup (since a restart) was queued, and its last answer
+        # taken in a step (the wait from the lookup's answer to the next step that asks is the
+        # restore's too: a request computed would have run in that step): what a restore took
+        # is measured from them (``Restores.allocated``)
         self.asked_at: float | None = None
         self.answered_at: float | None = None
         # The most tokens it may restore, after a load that failed: short of every object that
@@ -184,14 +186,9 @@ class Restore:
         self._expect(New, WaitingForSave)
         if self.asked_at is None:
             self.asked_at = now
-        lookup.add_done_callback(self._answered)
         self._become(LookingUp(lookup=lookup, since=now, local=local,
                                agreed=local if agreed is None else agreed,
                                start=local if start is None else start))
-
-    def _answered(self, _lookup: Future[Answer]) -> None:
-        """(On the lookup lane's thread, or the caller's for a lookup refused or cancelled.)"""
-        self.answered_at = time.monotonic()
 
     def wait_for_save(self) -> None:
         """Its lookup answered that a save of its prefix is in flight."""
@@ -211,6 +208,7 @@ class Restore:
         its hit was cut to its junction (``vllm/lookups.py``)."""
         self._expect(LookingUp)
         self.to_junction = junction
+        self.answered_at = time.monotonic()
         self._become(Answered(hit=hit, read_ahead=read_ahead))
 
     def hand_over(self, token: int, start: int) -> None:

@@ -121,7 +121,7 @@ class Restores:
         self._wait = StepWait(IN_STEP_WAIT_S if in_step else LOOKUP_WAIT_S, never=overlapped and not in_step)
         self._pending: list[LoadSpec] = []  # loads vLLM allocated since the last step was built
         # Loads beside the steps not yet reported done, by request: (seconds from its lookup
-        # queued to its answer, when vLLM allocated it, a rank's bytes): what the restore takes
+        # queued to a step taking its answer, when vLLM allocated it, a rank's bytes): what the restore takes
         # is measured once the load is done (``landed``).
         self._landing: dict[str, tuple[float, float, int]] = {}
         self._step = 0  # the last step built: asks now are for the next one
@@ -143,8 +143,8 @@ class Restores:
     def landed(self, req_ids: Collection[str]) -> None:
         """The workers report these requests' loads done (vLLM's ``finished_recving``): each can
         be scheduled in the next step, so what its restore took is measured now
-        (``RestoreCosts.restored``): from its lookup queued to its answer, and from vLLM's
-        allocation to now. A wait between the answer and the allocation (the step's token
+        (``RestoreCosts.restored``): from its lookup queued to a step taking its answer, and
+        from vLLM's allocation to now. A wait between the answer and the allocation (the step's token
         budget taken by other requests) is left out: a request computed would wait as long."""
         if not self._landing:
             return
