@@ -161,3 +161,43 @@ def test_asked_again_for_the_agreed_hit_the_bytes_stay() -> None:
     assert isinstance(r.phase, rq.Answered) and r.phase.asked_agreed == 32 and r.read_ahead is ahead
     r.allocated()
     assert isinstance(r.phase, rq.Answered) and r.phase.asked_agreed == 0 and budget.held == 0
+
+
+def test_what_a_restore_took_is_timed_from_its_lookup_to_its_reply_and_its_answer() -> None:
+    """``asked_at`` when its first lookup is queued, ``replied_at`` when the lookup lane
+    replies, ``answered_at`` when a step takes the answer (what a restore costs is measured
+    from them, ``Restores._answered_after``); a restart clears all three."""
+    r = Restore()
+    future: Future[Any] = Future()
+    r.look_up(future, local=0, now=5.0)
+    assert (r.asked_at, r.replied_at, r.answered_at) == (5.0, None, None)
+    future.set_result(([], None, None))
+    assert r.replied_at is not None and r.answered_at is None
+    replied = r.replied_at
+    r.answer(32)
+    assert r.answered_at is not None and r.answered_at >= replied
+    r.allocated()
+    r.load()
+    r.restart()
+    assert (r.asked_at, r.replied_at, r.answered_at) == (None, None, None)
+
+
+def test_a_restore_is_charged_the_wait_for_the_step_that_takes_its_answer_up_to_a_busy_step() -> None:
+    """Waiting for the step that takes an answer is the restore's cost; a longer wait is for
+    the token budget, which a request computed instead would wait for as well."""
+    from types import SimpleNamespace
+
+    from prefixvault.costs import RestoreCosts
+    from prefixvault.vllm.restores import Restores
+
+    now = [100.0]
+    costs = RestoreCosts(clock=lambda: now[0])
+    for _ in range(10):  # 100 ms steps
+        costs.step_planned(500, 500)
+        now[0] += 0.1
+    owner: Any = SimpleNamespace(costs=costs)
+    r = Restore()
+    r.replied_at, r.answered_at = 10.0, 10.06
+    assert Restores._answered_after(owner, r, now=11.0) == 10.06  # taken by the next step
+    r.answered_at = 10.5  # held back by the budget for steps more
+    assert Restores._answered_after(owner, r, now=11.0) == pytest.approx(10.1)

@@ -21,9 +21,10 @@ the store did lately, none configured:
   bytes' transfer, as this engine's restores took them (the lanes' queues, every round trip,
   the wait from the answer to the next step that takes it, and the steps a load beside them
   took included), apart for loads beside the steps (until the workers report the load done)
-  and in the step that asked (until a step took the answer: the load then runs in that step,
-  its objects most often read in the lookup's round trip). A wait for a step's token budget
-  between the answer and vLLM's allocation is left out: a request computed would wait as long.
+  and in the step that asked (until a step took the answer, at most a busy step after the
+  lookup replied: the load then runs in that step, its objects most often read in the lookup's
+  round trip). A longer wait for a step's token budget before vLLM's allocation is left out:
+  a request computed would wait as long.
 
 With these, restoring ``t`` tokens whose objects are ``n`` bytes costs ``restore + n *
 transfer`` (before any restore is measured: two round trips, and a step for a load beside the
@@ -286,9 +287,10 @@ class RestoreCosts:
         the requests of that prefix after this one could then resume there in the engine's own
         cache and compute those tokens, with no round trip, instead of each restoring its own
         boundary from the store. The cut costs this request: it computes them, and where it
-        is asked again for vLLM's agreed hit, waits a step more; so it ends at the junction only
-        where what the next request of the prefix saves (a lookup and a load, against
-        computing them) outweighs what this one pays (computing them and a step). Near the
+        is asked again for vLLM's agreed hit (a divergent offer), waits a step more; so it ends
+        at the junction only where what the next request of the prefix saves (a lookup and a
+        load, against computing them) outweighs what this one pays (computing them and a step,
+        charged on an agreed offer too: a margin against estimates that move). Near the
         threshold of ``look_up`` no cut is made: there a later request, judged on estimates
         that move, may look up and load anyway, and the cut would be paid for nothing. Never
         put aside to explore; False until measured, and with ``judge`` off."""

@@ -179,7 +179,8 @@ class Lookups:
 
     def _at_junction(self, job: LookupJob, hashes: list[bytes], result: LookupResult) -> LookupResult:
         """The hit cut to the request's junction where the store holds the junction whole and
-        loading past it would not pay (``RestoreCosts.stop_at_junction``): vLLM keeps the
+        what the next request of the prefix saves by computing past it outweighs what the cut
+        costs this one (``RestoreCosts.stop_at_junction``): vLLM keeps the
         state at a request's junction, so every later request of that prefix is a hit in the
         engine's own cache there, as on an engine with no store, instead of each restoring its
         own boundary from the store (the engine's cache holds the prefix's KV, no state in it).

@@ -123,11 +123,11 @@ class Restore:
         self.not_worth_it = False
         # its last answer was cut to its junction, the store holding more (``vllm/lookups.py``)
         self.to_junction = False
-        # time.monotonic() its first lookup (since a restart) was queued, and its last answer
-        # taken in a step (the wait from the lookup's answer to the next step that asks is the
-        # restore's too: a request computed would have run in that step): what a restore took
-        # is measured from them (``Restores.allocated``)
+        # time.monotonic() its first lookup (since a restart) was queued, its last lookup
+        # replied (on the lookup lane), and its last answer was taken in a step: what a restore
+        # took is measured from them (``Restores.allocated``)
         self.asked_at: float | None = None
+        self.replied_at: float | None = None
         self.answered_at: float | None = None
         # The most tokens it may restore, after a load that failed: short of every object that
         # failed (a worker's ``Loads.take_caps``), so it is looked up again for the deepest
@@ -186,9 +186,14 @@ class Restore:
         self._expect(New, WaitingForSave)
         if self.asked_at is None:
             self.asked_at = now
+        lookup.add_done_callback(self._replied)
         self._become(LookingUp(lookup=lookup, since=now, local=local,
                                agreed=local if agreed is None else agreed,
                                start=local if start is None else start))
+
+    def _replied(self, _lookup: Future[Answer]) -> None:
+        """(On the lookup lane's thread, or the caller's for a lookup refused or cancelled.)"""
+        self.replied_at = time.monotonic()
 
     def wait_for_save(self) -> None:
         """Its lookup answered that a save of its prefix is in flight."""
@@ -256,7 +261,7 @@ class Restore:
         """Asked again after a load: it failed (a bad object was removed), or the request was
         preempted. It is looked up afresh."""
         self._expect(Loading)
-        self.asked_at = self.answered_at = None
+        self.asked_at = self.replied_at = self.answered_at = None
         self._become(New())
 
     def capped(self, tokens: int) -> None:

@@ -52,6 +52,7 @@ from prefixvault.vllm.request import (
     Loading,
     LookingUp,
     New,
+    Restore,
     TrackedRequest,
     WaitingForSave,
 )
@@ -143,9 +144,10 @@ class Restores:
     def landed(self, req_ids: Collection[str]) -> None:
         """The workers report these requests' loads done (vLLM's ``finished_recving``): each can
         be scheduled in the next step, so what its restore took is measured now
-        (``RestoreCosts.restored``): from its lookup queued to a step taking its answer, and
-        from vLLM's allocation to now. A wait between the answer and the allocation (the step's token
-        budget taken by other requests) is left out: a request computed would wait as long."""
+        (``RestoreCosts.restored``): from its lookup queued to a step taking its answer (at
+        most a busy step after the lookup replied: ``_answered_after``), and from vLLM's
+        allocation to now. A longer wait before the allocation (the step's token budget taken
+        by other requests) is left out: a request computed would wait as long."""
         if not self._landing:
             return
         now = time.monotonic()
@@ -336,7 +338,7 @@ class Restores:
         if found.at_junction:
             self.counters.tally("judged", "load_to_junction")
             log.debug("prefixvault: request %s restores %d tokens, to its junction, and computes the rest: "
-                      "sooner than loading them", tr.req_id, found.hit)
+                      "its prefix's later requests resume there", tr.req_id, found.hit)
         r.answer(found.hit, read_ahead, junction=found.at_junction)
         if not tr.counted:
             tr.counted = True
@@ -392,7 +394,7 @@ class Restores:
                                       mode=mode, token=token, salt=tr.extra.cache_salt))
         if r.asked_at is not None:  # what the restore takes, up to when the request can be scheduled
             now = time.monotonic()
-            answered = (r.answered_at or now) - r.asked_at
+            answered = self._answered_after(r, now) - r.asked_at
             nbytes = restore_bytes(self.ctx.layout, tokens, local)
             if mode is LoadMode.ASYNC:
                 self._landing[tr.req_id] = (answered, now, nbytes)  # and until it is loaded
@@ -403,6 +405,18 @@ class Restores:
         self.counters.add(hit_tokens=num_external_tokens)
         log.info("prefixvault: request %s restores %d tokens from the store (%d local)%s", tr.req_id,
                  num_external_tokens, local, ", in this step" if mode is not LoadMode.ASYNC else "")
+
+    def _answered_after(self, r: Restore, now: float) -> float:
+        """When the restore's answer counts as taken: when a step took it, but no later than a
+        busy step after the lookup replied. Waiting for the step that takes an answer is a
+        restore's own cost (a request computed would have run in the step that asked); a
+        longer wait is for the step's token budget, taken by other requests, which a request
+        computed instead would wait for as well."""
+        taken = r.answered_at or now
+        step = self.costs.estimates().step_s
+        if r.replied_at is not None and step is not None:
+            taken = min(taken, r.replied_at + step)
+        return taken
 
     def fail_load(self, tr: TrackedRequest | None, req_id: str, num_external_tokens: int,
                   blocks: Any) -> None:
