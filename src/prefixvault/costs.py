@@ -116,13 +116,18 @@ class Estimates:
         fixed = measured if measured is not None else 2 * lookup + (0.0 if in_step else step)
         return fixed + LAST_STEP_SHARE * step + nbytes * (self.transfer_s_per_byte or 0.0)
 
-    def lookup_pays(self, tokens: int, nbytes: int, in_step: bool) -> bool | None:
-        """Whether looking up and loading ``tokens`` (``nbytes`` of objects) ends sooner than
-        computing them: a lookup, a load and the transfer (``restore_s``) against the prefill.
-        None until both the prefill and a lookup are measured."""
+    def restore_and_compute_s(self, tokens: int, nbytes: int, in_step: bool) -> tuple[float, float] | None:
+        """Seconds to look up and load ``tokens`` (``nbytes`` of objects: ``restore_s``), and
+        to compute them instead; None until both the prefill and a lookup are measured."""
         if self.compute_s_per_token is None or self.lookup_s is None:
             return None
-        return tokens * self.compute_s_per_token > self.restore_s(nbytes, in_step)
+        return self.restore_s(nbytes, in_step), tokens * self.compute_s_per_token
+
+    def lookup_pays(self, tokens: int, nbytes: int, in_step: bool) -> bool | None:
+        """Whether looking up and loading ``tokens`` (``nbytes`` of objects) ends sooner than
+        computing them (``restore_and_compute_s``); None until measured."""
+        costs = self.restore_and_compute_s(tokens, nbytes, in_step)
+        return None if costs is None else costs[1] > costs[0]
 
     def load_s(self, nbytes: int, in_step: bool) -> float:
         """Expected seconds left once the lookup answered (``restore_s`` less the lookup)."""
@@ -295,10 +300,11 @@ class RestoreCosts:
         that move, may look up and load anyway, and the cut would be paid for nothing. Never
         put aside to explore; False until measured, and with ``judge`` off."""
         est = self.estimates()
-        if not self.judge or est.compute_s_per_token is None or est.lookup_s is None:
+        costs = est.restore_and_compute_s(tokens, nbytes, in_step)
+        if not self.judge or costs is None:
             return False
-        compute = tokens * est.compute_s_per_token
-        return est.restore_s(nbytes, in_step) - compute > compute + (est.step_s or 0.0)
+        restore, compute = costs
+        return restore - compute > compute + (est.step_s or 0.0)
 
     def look_up(self, tokens: int, in_step: bool, nbytes: int = 0) -> Judgment:
         """Whether to look up a request that could restore at most ``tokens`` tokens

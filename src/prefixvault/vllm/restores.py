@@ -122,8 +122,8 @@ class Restores:
         self._wait = StepWait(IN_STEP_WAIT_S if in_step else LOOKUP_WAIT_S, never=overlapped and not in_step)
         self._pending: list[LoadSpec] = []  # loads vLLM allocated since the last step was built
         # Loads beside the steps not yet reported done, by request: (seconds from its lookup
-        # queued to a step taking its answer, when vLLM allocated it, a rank's bytes): what the restore takes
-        # is measured once the load is done (``landed``).
+        # queued to a step taking its answer, when vLLM allocated it, a rank's bytes): what the
+        # restore takes is measured once the load is done (``landed``).
         self._landing: dict[str, tuple[float, float, int]] = {}
         self._step = 0  # the last step built: asks now are for the next one
 
