@@ -2,7 +2,7 @@
 
     python bench/turns.py [--versions 0.32.0,0.33.0,0.34.0] [-j 2] [--schedulers sync,async]
         [--block-sizes 528,1056,1568] [--units block,16] [--checkpoints 0,1]
-        [--templates kept,dropped] [--columns vllm,prefixvault,capture] [--turns 6]
+        [--templates kept,dropped] [--columns vllm,prefixvault,capture,every] [--turns 6]
         [--first 3000] [--answer 200] [--message 400] [--budget 8192] [--lockstep] [--cpu-kernels]
 
 Why: chats and agents send, each turn, the previous prompt, often the previous answer, and a
@@ -36,6 +36,9 @@ layers reserve (0, or 1 as Mamba2 and FlashInfer GDN do), the template. Columns:
 - ``capture``: the same with ``capture_outputs: true`` (``output_boundaries: last``: a
   request's last output boundary is held and stored when it finishes; the workers here hold,
   store and report it sent as ``WorkerSide`` does).
+- ``every``: the same with ``output_boundaries: every`` (each output boundary stored as its
+  step ends, or under async scheduling held until its token is known, then stored while the
+  request runs).
 
 Per cell: the tokens per turn that the previous turn had computed and this turn computes
 again, averaged over turns 2..N: (the previous turn's prompt, plus, with ``kept``, its
@@ -44,9 +47,9 @@ did not compute: vLLM's local hit plus the external hit the connector answered, 
 start of the turn's first chunk). ``goal`` is the most the connector should recompute: 0 with
 ``dropped`` (the previous prompt's exact end is published); with ``kept``, the prefixvault
 column the generated tokens but the last (the previous prompt's end is the deepest boundary
-it has), the capture column the generated tokens past the last output boundary (a block
-boundary inside the answer). A cell over its goal, or a prefixvault cell over vLLM's own, is
-flagged with ``!``. The JSON has every turn (its restored depth, split into vLLM's local hit
+it has), the capture and every columns the generated tokens past the last output boundary (a
+block boundary inside the answer). A cell over its goal, or a prefixvault cell over vLLM's own,
+is flagged with ``!``. The JSON has every turn (its restored depth, split into vLLM's local hit
 and the external hit) and per cell the engines' steps, the steps scheduled with another in
 flight, the in-chunk checkpoints published and the output boundaries published.
 
@@ -58,7 +61,8 @@ output lands, its sampled token a placeholder); ``--lockstep`` lands each step's
 before the next is scheduled instead (every placeholder resolved at once, checked). With the
 batch queue the token a decode step consumes is not known when the step is planned: the
 connector holds the output boundary all the same and names it when the request finishes
-(``output_boundaries: last``), so the async capture cells equal the sync ones.
+(``output_boundaries: last``) or once the token is known (``every``), so the async capture and
+every cells equal the sync ones.
 
 Modelled: vLLM's scheduling, KV cache manager (its prefix cache, align mode's state blocks,
 checkpoint offers, hash units) and request lifecycle (delayed frees of held saves included),
@@ -110,7 +114,7 @@ HARNESS = ROOT / "tests" / "contract"
 STATE_GROUPS = 3
 #: The engine core's batch queue under async scheduling (``max_concurrent_batches``).
 ASYNC_BATCHES = 2
-COLUMNS = ("vllm", "prefixvault", "capture")
+COLUMNS = ("vllm", "prefixvault", "capture", "every")
 SCHEDULERS = ("sync", "async")
 TEMPLATES = ("kept", "dropped")
 
@@ -166,7 +170,7 @@ def turn_engine_class(h: ModuleType) -> type:
     not play."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    from prefixvault.vllm.metadata import SaveSpec, SavesSettled, save_id
+    from prefixvault.vllm.metadata import SaveSpec, SavesSettled
 
     class TurnEngine(h.Engine):  # type: ignore[misc,name-defined]
         def __init__(self, *args: Any, keeps_saves: bool = True, **kw: Any) -> None:
@@ -176,7 +180,7 @@ def turn_engine_class(h: ModuleType) -> type:
             self.sent: set[str] = set()  # requests whose held save was read: reported sent
             self.placeholders_left = 0  # placeholders unresolved after a step landed (lockstep)
             self.overlapped = 0  # steps scheduled with another in flight (the batch queue)
-            self.outputs_published = 0  # held output boundaries stored and published
+            self.outputs_published = 0  # output boundaries stored and published
 
         def _check_step(self, step: Any) -> None:
             """The contract suite's checks on the prompt's boundaries; output boundaries
@@ -216,9 +220,10 @@ def turn_engine_class(h: ModuleType) -> type:
                 held = self.held.pop(rel.req_id, None)
                 if not rel.store:
                     continue
-                sid = save_id(meta.step, rel.req_id)
+                sid = rel.sid(meta.step)
                 released.ranks[sid] += 1
-                self.sent.add(rel.req_id)
+                if not rel.running:  # (a running request's blocks stay its own)
+                    self.sent.add(rel.req_id)
                 if held is None:
                     released.failed[sid] += 1
                     continue
@@ -233,6 +238,9 @@ def turn_engine_class(h: ModuleType) -> type:
             for spec in meta.saves:
                 if spec.hold:
                     self.held[spec.req_id] = spec
+                elif (max(pl.tokens for pl in spec.plans) > self.requests[spec.req_id].num_prompt_tokens
+                      and settled is not None and not settled.failed[spec.sid(meta.step)]):
+                    self.outputs_published += 1  # (``every``, stored as its step ends)
             if released.ranks:
                 settled = released if settled is None else settled.aggregate(released)
             return recving, settled
@@ -322,7 +330,8 @@ def run_cell(h: ModuleType, cls: type, model_dir: Path, row: Row, column: str, s
     exporting = export and row.checkpoints > 0
     store = h.store_name()
     published = h.Published()
-    extra = {"capture_outputs": True} if column == "capture" else {}
+    extra = {"capture": {"capture_outputs": True},
+             "every": {"capture_outputs": True, "output_boundaries": "every"}}.get(column, {})
     engines = []
     try:
         for _ in range(1 if column == "vllm" else 2):
@@ -369,7 +378,7 @@ def goals(row: Row, column: str, turns: Sequence[Turn]) -> list[int] | None:
     for prev, turn in itertools.pairwise(turns):
         computed = turn.previous  # the previous prompt, and with ``kept`` its outputs but the last
         deepest = prev.prompt
-        if column == "capture":  # the last output boundary: a block boundary inside the answer
+        if column in ("capture", "every"):  # the last output boundary: a block boundary inside the answer
             deepest = max(deepest, computed // row.block_size * row.block_size)
         out.append(computed - deepest)
     return out
@@ -536,7 +545,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--units", type=_units, default=[0, 16], help="vLLM's hash units: block, or tokens")
     ap.add_argument("--checkpoints", type=_ints, default=[0, 1], help="prefill checkpoint blocks: 0,1")
     ap.add_argument("--templates", type=_words, default=list(TEMPLATES), help="kept,dropped")
-    ap.add_argument("--columns", type=_words, default=list(COLUMNS), help="vllm,prefixvault,capture")
+    ap.add_argument("--columns", type=_words, default=list(COLUMNS), help="vllm,prefixvault,capture,every")
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--first", type=int, default=3000, help="turn 1's prompt tokens")
     ap.add_argument("--answer", type=int, default=200, help="tokens each turn generates")

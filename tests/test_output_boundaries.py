@@ -5,6 +5,7 @@ tests/test_vllm_conversation.py)."""
 
 from __future__ import annotations
 
+from collections import Counter
 from types import SimpleNamespace
 from typing import Any
 
@@ -15,6 +16,7 @@ from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
 from prefixvault.vllm.config import CapturePolicy, ConnectorSettings, OutputBoundaries
+from prefixvault.vllm.metadata import SavesSettled
 from prefixvault.vllm.scheduler import SchedulerSide
 
 BS = 4
@@ -76,12 +78,10 @@ def test_decode_steps_publish_only_with_capture_outputs() -> None:
         assert spec.hashes == chain_hashes([*PROMPT, 50, 51], BS)
 
 
-def test_no_capture_where_the_tokens_or_the_state_are_not_certain() -> None:
+def test_no_capture_where_the_state_is_not_certain() -> None:
     s, req = side(True)
     step(s, 0, 4)
-    req.all_token_ids += [50]  # async scheduling: token 7 is not known when its step is planned
-    assert step(s, 7, 1) == []
-    req.all_token_ids += [51]
+    req.all_token_ids += [50, 51]
     assert step(s, 7, 1, drafts={"r": [9]}) == []  # a draft token may be rejected
     assert step(s, 6, 1) == []  # a decode step that does not end on a block boundary
     assert len(step(s, 7, 1)) == 1
@@ -202,8 +202,8 @@ def test_other_policies_save_the_prompt_end_at_once_with_held_outputs() -> None:
 
 def test_last_holds_an_output_boundary_whose_token_is_not_known_yet_and_names_it_at_finish() -> None:
     """Async scheduling (vLLM's default on GPUs): the token a decode step consumes is still
-    being sampled when the step is planned. ``every`` publishes nothing then; ``last`` holds the
-    state all the same and names its boundary when the request finishes, every token known."""
+    being sampled when the step is planned. ``last`` holds the state all the same and names its
+    boundary when the request finishes, every token known."""
     s, req = side(True, OutputBoundaries.LAST)
     step(s, 0, 4)
     step(s, 4, 2)
@@ -219,7 +219,74 @@ def test_last_holds_an_output_boundary_whose_token_is_not_known_yet_and_names_it
     (rel,) = releases
     assert rel.store and rel.hashes == chain_hashes([*PROMPT, 50, 51], BS)
     assert s.saves is not None and s.saves.in_flight.names_any([rel.hashes[1]])
-    every, req = side(True, OutputBoundaries.EVERY)
-    step(every, 0, 4)
-    req.all_token_ids += [50]
-    assert step(every, 7, 1) == []  # (published as its step ends: its key is needed then)
+
+
+# -- output_boundaries "every" under async scheduling: held until the token is known ----------------
+
+def metadata(s: SchedulerSide, start: int, n: int) -> Any:
+    """One step's whole metadata (``step``'s, with its step number and releases)."""
+    out = SimpleNamespace(
+        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=["r"], num_computed_tokens=[start]),
+        num_scheduled_tokens={"r": n}, scheduled_spec_decode_tokens={},
+        kv_connector_block_state=SimpleNamespace(boundary_state_offloads={}, get_block_ids=lambda r: TABLES))
+    return s.build_connector_meta(out)
+
+
+def test_every_holds_a_boundary_whose_token_is_not_known_yet_and_stores_it_once_known() -> None:
+    """Under async scheduling ``every`` holds the step's output boundary as ``last`` does, but
+    stores it while its request still runs, in the first step planned once its tokens are known:
+    keyed as a synchronous engine keys it, never reported sent (the blocks are the running
+    request's), and a save that is not published sends the request's next one back to its parent."""
+    s, req = side(True, OutputBoundaries.EVERY)
+    step(s, 0, 4)
+    step(s, 4, 2)
+    req.all_token_ids += [50]  # token 7 (id 51) is still being sampled
+    held, = step(s, 7, 1)
+    assert held.hold and held.deferred and held.hashes == [] and [p.tokens for p in held.plans] == [8]
+    assert held.parent == 4 and [b for _, b in held.plans[0].states] == [21]
+    late = metadata(s, 8, 1)  # the next step: token 8 unknown too (two steps in flight)
+    assert late.saves == [] and late.releases == []
+    req.all_token_ids += [51, 52]
+    known = metadata(s, 9, 1)
+    (rel,) = known.releases
+    assert rel.store and rel.running and rel.hashes == chain_hashes([*PROMPT, 50, 51], BS)
+    assert known.saves == [] and s.counters.plans == 3  # the prompt's two and this one
+    assert s.saves is not None and s.saves.in_flight.names_any([rel.hashes[1]])
+    # Not published (a store error, say): the next output boundary's save starts from 4 again.
+    sid = rel.sid(known.step)
+    s.settle(SavesSettled(Counter({sid: 1}), Counter({sid: 1})))
+    assert not s.saves.in_flight.names_any([rel.hashes[1]])
+    req.all_token_ids += [53, 54, 55]
+    nxt, = step(s, 11, 1)  # token 12's id known: a synchronous save, from the prompt's boundary
+    assert not nxt.hold and [p.tokens for p in nxt.plans] == [12] and nxt.parent == 4
+    assert [(g, i) for g, i, _ in nxt.plans[0].blocks] == [(0, 1), (0, 2)]
+    # The request finishes before its deferred hold is known: stored at finish, as with ``last``.
+    s2, req2 = side(True, OutputBoundaries.EVERY)
+    step(s2, 0, 4)
+    step(s2, 4, 2)
+    req2.all_token_ids += [50]
+    step(s2, 7, 1)
+    req2.all_token_ids += [51]
+    assert finish(s2, req2, "FINISHED_LENGTH_CAPPED") == (True, [("r", True)])
+
+
+def test_every_drops_a_deferred_hold_whose_blocks_moved_or_whose_request_was_preempted() -> None:
+    for how in ("window", "preempted"):
+        s, req = side(True, OutputBoundaries.EVERY)
+        step(s, 0, 4)
+        step(s, 4, 2)
+        req.all_token_ids += [50]
+        step(s, 7, 1)
+        req.all_token_ids += [51]
+        if how == "preempted":  # asked again: computed again from the start
+            ask(s, req, 0)
+            meta = metadata(s, 0, 4)
+            assert [(r.req_id, r.store) for r in meta.releases] == [("r", False)]
+        else:
+            TABLES[0][1] = 0  # a sliding window let block 1 go
+            try:
+                meta = metadata(s, 8, 1)
+            finally:
+                TABLES[0][1] = 12
+            assert [(r.req_id, r.store) for r in meta.releases] == [("r", False)]
+        assert s.counters.holds_dropped == {"preempted" if how == "preempted" else "blocks_moved": 1}, how

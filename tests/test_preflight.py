@@ -7,7 +7,7 @@ from types import SimpleNamespace
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, StateFamily, TensorSpec
 from prefixvault.vllm.config import ConnectorSettings, OutputBoundaries
 from prefixvault.vllm.layout import CacheShape
-from prefixvault.vllm.preflight import can_cache, outputs_refused, preflight
+from prefixvault.vllm.preflight import can_cache, holds_outputs, outputs_refused, preflight
 
 HYBRID = CacheShape(has_state=True, block_size=16)
 ATTENTION = CacheShape(has_state=False, block_size=16)
@@ -31,8 +31,13 @@ def test_a_good_configuration_says_nothing() -> None:
     # async scheduling silences only output boundaries: said where they are asked for
     asynchronous = _with(config(), scheduler_config=SimpleNamespace(async_scheduling=True))
     assert preflight(asynchronous, HYBRID, ConnectorSettings(), "kv_both") == []
-    # ...and output_boundaries: last publishes them under it too (keyed at the request's end)
-    assert preflight(asynchronous, HYBRID, ConnectorSettings(capture_outputs=True), "kv_both") == []
+    # ...and output boundaries are published under it too (held, keyed once their tokens are known)
+    for boundaries in OutputBoundaries:
+        settings = ConnectorSettings(capture_outputs=True, output_boundaries=boundaries)
+        assert preflight(asynchronous, HYBRID, settings, "kv_both") == []
+        assert holds_outputs(settings, asynchronous)  # (so save_hold_mib is allocated)
+    every = ConnectorSettings(capture_outputs=True, output_boundaries=OutputBoundaries.EVERY)
+    assert not holds_outputs(every, config()) and not holds_outputs(ConnectorSettings(), asynchronous)
 
 
 def test_each_bad_configuration_is_one_line_with_its_fix() -> None:
@@ -47,9 +52,6 @@ def test_each_bad_configuration_is_one_line_with_its_fix() -> None:
         (config(shutdown=0), HYBRID, ConnectorSettings(), "kv_both", "--shutdown-timeout 45"),
         (config(max_len=100_000), CacheShape(False, 2048),
          ConnectorSettings(), "kv_both", "smaller --block-size"),
-        (_with(config(), scheduler_config=SimpleNamespace(async_scheduling=True)), HYBRID,
-         ConnectorSettings(capture_outputs=True, output_boundaries=OutputBoundaries.EVERY), "kv_both",
-         "--no-async-scheduling"),
         (_with(config(), speculative_config=SimpleNamespace(method="ngram")), HYBRID,
          ConnectorSettings(capture_outputs=True), "kv_both", "only prompt boundaries"),
     ]
@@ -89,7 +91,7 @@ def test_output_boundaries_last_is_refused_when_save_hold_mib_cannot_hold_one_bo
     state = CacheGroup.uniform(GroupKind.STATE, [TensorSpec((16,), "float32")], family=StateFamily.GDN)
     gdn = CacheLayout(model="m", block_size=4, groups=(attn, state))  # 64 bytes of state per boundary
     assert outputs_refused(gdn, hold_bytes=64) is None
-    assert outputs_refused(gdn, hold_bytes=None) is None  # output_boundaries every holds nothing
+    assert outputs_refused(gdn, hold_bytes=None) is None  # no output boundary held (every, synchronous)
     why = outputs_refused(gdn, hold_bytes=0)
     assert why is not None and "save_hold_mib" in why and "\n" not in why
     assert outputs_refused(CacheLayout(model="m", block_size=4, groups=(attn,)), hold_bytes=0) is None

@@ -1,8 +1,8 @@
 """``bench/turns.py`` on one small geometry under the installed vLLM: where the chat template
 drops the previous answer, a turn restored through the store computes nothing the previous
 turn computed, under both schedulers; no prefixvault cell recomputes more than vLLM's own
-cache; and with ``capture_outputs`` (sync scheduling) a kept answer is restored to its last
-output boundary."""
+cache; and with ``capture_outputs`` a kept answer is restored to its last output boundary,
+under both schedulers and with both ``output_boundaries``."""
 
 from __future__ import annotations
 
@@ -25,10 +25,10 @@ def test_a_turn_recomputes_none_of_the_previous_prompt() -> None:
     result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     (run,) = result["runs"]
     cells = run["cells"]
-    assert len(cells) == 2 * 2 * 3  # schedulers x templates x columns
+    assert len(cells) == 2 * 2 * 4  # schedulers x templates x columns
     for scheduler in ("sync", "async"):
         base = f"{scheduler}/bs528-unitblock-ckpt0"
-        for column in ("prefixvault", "capture"):
+        for column in ("prefixvault", "capture", "every"):
             dropped = cells[f"{base}-dropped/{column}"]
             assert dropped["total"] == 0, dropped
             assert all(t["restored"] == t["previous"] for t in dropped["turns"][1:]), dropped["turns"]
@@ -43,4 +43,9 @@ def test_a_turn_recomputes_none_of_the_previous_prompt() -> None:
     assert asynchronous["overlapped"] > 0  # the batch queue ran two deep
     # async scheduling: output boundaries held and keyed at the request's end, as under sync
     assert asynchronous["output_boundaries"] > 0 and asynchronous["total"] == capture["total"], asynchronous
+    # output_boundaries every: stored as each step ends (sync), or held until the token is
+    # known and stored while the request runs (async): the same depth either way
+    for scheduler in ("sync", "async"):
+        every = cells[f"{scheduler}/bs528-unitblock-ckpt0-kept/every"]
+        assert every["output_boundaries"] > 0 and every["total"] == capture["total"], (scheduler, every)
     assert not result["flagged"]

@@ -396,6 +396,32 @@ def test_a_hold_whose_keys_come_with_its_release_is_stored_under_them(staging: i
     worker.close()
 
 
+@pytest.mark.parametrize("staging", [0, 1 << 20])
+def test_a_running_requests_release_stores_its_hold_and_never_reports_it_sent(staging: int) -> None:
+    """``output_boundaries: every`` under async scheduling: a deferred hold released while its
+    request still runs (``Release.running``) is stored under the keys its release names; the
+    request is not reported sent (vLLM would free a running request's blocks), and an error
+    of ours after the release settles the save once, not twice."""
+    vault = Vault(MemoryStore(), layout())
+    worker, caches = engine(vault, staging=staging, hold=1 << 20)
+    deferred = dataclasses.replace(held(vault), hashes=[], deferred=True)
+    worker.step([deferred], [], step=1)
+    caches["s"][STATE_BLOCK] = 99.0  # the next decode step advances the state in place
+    release = Release("r", True, vault.hashes(TOKENS), running=True)
+    worker.step([], [release], step=3)
+    assert worker.take_sent() == set()
+    assert settle(worker, {release.sid(3)}) == {release.sid(3)}
+    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS
+    restored(vault, worker, caches)  # the state held at its step
+    assert worker.holds._slots is not None and worker.holds._slots.taken == 0 and not worker.holds._held
+    worker.step([deferred], [], step=4)
+    worker.step([], [dataclasses.replace(release, hashes=[])], step=5)  # a release naming no keys: dropped
+    worker.fail_releases([dataclasses.replace(release, hashes=[])], step=5)  # (then an error after it)
+    assert worker.take_settled() == [(release.sid(5), False)] and worker.take_sent() == set()
+    assert worker.holds._slots.taken == 0
+    worker.close()
+
+
 def test_a_release_and_a_new_hold_of_the_same_request_in_one_step() -> None:
     """A request preempted while holding drops its hold; computed again, it may hold anew in
     the same step the drop reaches the workers: the drop goes first, the new hold stays."""

@@ -42,7 +42,6 @@ from prefixvault.vllm.compat import (
 )
 from prefixvault.vllm.config import (
     ConnectorSettings,
-    OutputBoundaries,
     hands_over_loads,
     hot_set_bytes,
     in_step_refused,
@@ -53,7 +52,7 @@ from prefixvault.vllm.config import (
 from prefixvault.vllm.layout import Unsupported, build_layout, cache_shape
 from prefixvault.vllm.mailbox import Mailboxes
 from prefixvault.vllm.metadata import PrefixVaultMetadata, SavesSettled
-from prefixvault.vllm.preflight import can_cache, outputs_refused, preflight
+from prefixvault.vllm.preflight import can_cache, holds_outputs, outputs_refused, preflight
 from prefixvault.vllm.scheduler import SchedulerSide
 from prefixvault.vllm.stats import PrefixVaultPromMetrics, PrefixVaultStats, Snapshot
 from prefixvault.vllm.worker import WorkerSide
@@ -110,8 +109,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             if role == KVConnectorRole.SCHEDULER:
                 log.warning("prefixvault: off for this engine: %s; every request is computed", refused)
             return  # inert: vLLM runs as without a connector
-        last = self.settings.output_boundaries is OutputBoundaries.LAST
-        refused = outputs_refused(self.layout, self.settings.save_hold_mib << 20 if last else None) \
+        holds = holds_outputs(self.settings, vllm_config)
+        refused = outputs_refused(self.layout, self.settings.save_hold_mib << 20 if holds else None) \
             if self.settings.capture_outputs else None
         if refused:
             if role == KVConnectorRole.SCHEDULER:
@@ -160,8 +159,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
             groups = [g.layer_names for g in kv_cache_config.kv_cache_groups]
-            hold_outputs = (self.settings.capture_outputs
-                            and self.settings.output_boundaries is OutputBoundaries.LAST)
+            hold_outputs = holds_outputs(self.settings, vllm_config)
             self._worker = WorkerSide(self.layout, self.vault, get_tensor_model_parallel_rank(), groups,
                                      staging_bytes=staging_bytes(self.settings, self.layout, vllm_config),
                                      hold_bytes=self.settings.save_hold_mib << 20 if hold_outputs else 0,

@@ -1,4 +1,4 @@
-"""Output holds (``output_boundaries: last``): a decoding request's last output boundary, kept until it ends.
+"""Output holds: a decoding request's output boundary, kept until it ends or its key is known.
 
 A held save copies only its states, in the step that ends on the boundary, into a slot of its
 own (``SlotPool``: fixed-size slots in one pre-faulted buffer, taken and given back in any
@@ -7,6 +7,10 @@ same slot. When the request finishes, its ``Release`` says what to do: a stored 
 (kept by vLLM until every worker reports the request sent) are staged beside the held states
 and the save goes to the save lane as any other (``saves.py``); a dropped one gives its slot
 back. A request without a slot free holds nothing (``save_dropped{reason="hold_full"}``).
+Under async scheduling a step's output boundary is held before its key is known (a deferred
+hold); with ``output_boundaries: every`` its release comes while the request still runs
+(``Release.running``): stored the same way, but never reported sent, the blocks being the
+running request's own.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from prefixvault.codec import ObjectKind
 from prefixvault.lane import report
 from prefixvault.staging import SlotPool
 from prefixvault.vault import ObjectRef
-from prefixvault.vllm.metadata import Release, SaveSpec, save_id
+from prefixvault.vllm.metadata import Release, SaveSpec
 from prefixvault.vllm.saves import SaveDrop, Saves
 from prefixvault.vllm.worker_context import WorkerContext
 
@@ -67,6 +71,9 @@ class Holds:
         # save: vLLM keeps its blocks until it is reported sent.
         self._sent: set[str] = set()
         self._lock = threading.Lock()
+        # Running requests' releases (``Release.running``) settled by the last ``release``:
+        # ``fail_releases`` after it settles only the others (each save is settled once).
+        self._settled_running: set[str] = set()
 
     def allocate(self) -> None:
         """The slots, once the caches are registered: one boundary's states each."""
@@ -120,10 +127,11 @@ class Holds:
         self._held[spec.req_id] = HeldSave(spec=spec, slot=slot, payloads=payloads)
 
     def release(self, releases: Sequence[Release], step: int) -> None:
-        """Store (``Release.store``) or drop the finished requests' held saves. A stored one's
-        KV blocks are copied out now and the request is reported sent (vLLM frees its blocks),
-        whatever happens to the save. Never raises: after an error of ours, the held saves left
-        are dropped, and every request to store is still reported sent, its save settled."""
+        """Store (``Release.store``) or drop the released held saves. A stored one's KV blocks
+        are copied out now and, its request finished, the request is reported sent (vLLM frees
+        its blocks) whatever happens to the save. Never raises: after an error of ours, the held
+        saves left are dropped, and every finished request to store is still reported sent, and
+        every save settled."""
         try:
             self._release(releases, step)
         except Exception as e:
@@ -132,25 +140,33 @@ class Holds:
             self.fail_releases(releases, step)
 
     def _release(self, releases: Sequence[Release], step: int) -> None:
+        self._settled_running = set()
         for rel in releases:
             held = self._held.pop(rel.req_id, None)
             if not rel.store:
                 if held is not None:
                     self._give(held.slot)
                 continue
-            if held is not None and held.spec.deferred:
-                held = self._named(held, rel.hashes)
-            sid = save_id(step, rel.req_id)
+            sid = rel.sid(step)
             try:
                 if held is None:  # its hold was dropped when made (no slot)
                     self._saves.settle(sid, False)
                 else:
-                    self._store_held(sid, held)
+                    if held.spec.deferred:
+                        try:
+                            held = self._named(held, rel.hashes)
+                        except BaseException:
+                            self._give(held.slot)
+                            raise
+                    self._store_held(sid, held)  # (its slot goes back whatever happens)
             except Exception as e:  # one save's error costs that save only
                 self._saves.fail(sid, f"storing the held save of request {rel.req_id}", e)
             finally:
-                with self._lock:
-                    self._sent.add(rel.req_id)
+                if rel.running:
+                    self._settled_running.add(sid)
+                else:
+                    with self._lock:
+                        self._sent.add(rel.req_id)
 
     def _store_held(self, sid: str, held: HeldSave) -> None:
         """Stage (or, without staging, store) a held save: its KV blocks from the engine, its
@@ -209,11 +225,14 @@ class Holds:
             held = self._held.pop(rel.req_id, None)
             if held is not None:
                 self._give(held.slot)
-            if rel.store:
+            if rel.store and rel.running:
+                if rel.sid(step) not in self._settled_running:
+                    self._saves.settle(rel.sid(step), False)
+            elif rel.store:
                 with self._lock:
                     done = rel.req_id in self._sent
                 if not done:
-                    self._saves.settle(save_id(step, rel.req_id), False)
+                    self._saves.settle(rel.sid(step), False)
                     with self._lock:
                         self._sent.add(rel.req_id)
 

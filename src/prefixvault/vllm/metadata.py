@@ -108,12 +108,21 @@ class SaveSpec:
 
 @dataclass
 class Release:
-    """A request with a held save finished: store it (``store``: it did not fail, and
-    vLLM keeps its blocks until every worker reports it sent) or drop it."""
+    """A request's held save to store (``store``: its request did not fail, and vLLM keeps
+    its blocks until every worker reports it sent) or drop: once the request finishes, or, for
+    a deferred hold of ``output_boundaries: every``, once its tokens are known."""
 
     req_id: str
     store: bool
     hashes: list[bytes] = field(default_factory=list)  # a deferred hold's (``SaveSpec.deferred``)
+    # The request is still running (``output_boundaries: every`` under async scheduling: its
+    # deferred hold is stored once its tokens are known): its blocks are its own, so it is
+    # never reported sent (vLLM would free the blocks of a running request).
+    running: bool = False
+
+    def sid(self, step: int) -> str:
+        """Names the save it becomes (apart from a save the request plans in the same step)."""
+        return save_id(step, self.req_id) + ("+held" if self.running else "")
 
 
 @dataclass

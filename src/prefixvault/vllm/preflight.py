@@ -58,7 +58,7 @@ def preflight(vllm_config: Any, shape: CacheShape, settings: ConnectorSettings, 
                        f"{max_len}: only the engine's own checkpoints are saved (about one per "
                        "prompt); use a shorter interval or capture 'steps'")
     if settings.capture_outputs and shape.has_state:
-        out += outputs_silenced(vllm_config, settings.output_boundaries)
+        out += outputs_silenced(vllm_config)
     if role == "kv_producer":
         out.append("kv_role is kv_producer: this engine saves but never restores; use kv_both "
                    "(or kv_consumer) on engines that should hit")
@@ -80,18 +80,25 @@ def preflight(vllm_config: Any, shape: CacheShape, settings: ConnectorSettings, 
     return out
 
 
-def outputs_silenced(vllm_config: Any, boundaries: OutputBoundaries = OutputBoundaries.LAST) -> list[str]:
+def asynchronous(vllm_config: Any) -> bool:
+    """Whether the engine schedules a step before the previous one's tokens are sampled."""
+    return getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) is True
+
+
+def holds_outputs(settings: ConnectorSettings, vllm_config: Any) -> bool:
+    """Whether decoding requests hold output boundaries' states (``save_hold_mib``): with
+    ``output_boundaries: last`` each request's last one until it finishes; under async
+    scheduling with ``every`` each one for the step or two until its token is known."""
+    return settings.capture_outputs and (settings.output_boundaries is OutputBoundaries.LAST
+                                         or asynchronous(vllm_config))
+
+
+def outputs_silenced(vllm_config: Any) -> list[str]:
     """The settings under which ``capture_outputs`` publishes no output boundary (prompt
-    boundaries, each prompt's exact end included, are published all the same). Under async
-    scheduling ``output_boundaries: last`` still publishes them (held, keyed at the request's
-    end); ``every`` cannot (a boundary is stored as its step ends, its key not known yet)."""
+    boundaries, each prompt's exact end included, are published all the same). Async
+    scheduling is not one: a decode step's boundary is held as the step ends and keyed once its
+    token is known, with ``output_boundaries: last`` or ``every``."""
     out = []
-    asynchronous = getattr(getattr(vllm_config, "scheduler_config", None), "async_scheduling", False) is True
-    if asynchronous and boundaries is OutputBoundaries.EVERY:
-        out.append("capture_outputs with output_boundaries: every publishes no output boundary under async "
-                   "scheduling (the token a decode step consumes is not known when the step is planned); "
-                   "use output_boundaries: last (the default), or serve with --no-async-scheduling. Each "
-                   "prompt's exact end is still published")
     if getattr(vllm_config, "speculative_config", None) is not None:
         out.append("capture_outputs publishes no output boundary from a step with draft tokens (a "
                    "rejected draft leaves a state past what the request keeps): with speculative "
@@ -101,7 +108,7 @@ def outputs_silenced(vllm_config: Any, boundaries: OutputBoundaries = OutputBoun
 
 def outputs_refused(layout: CacheLayout, hold_bytes: int | None = None) -> str | None:
     """Why ``capture_outputs`` must stay off for this model, or None. ``hold_bytes``: the
-    ``save_hold_mib`` budget of ``output_boundaries: last`` (None with ``every``); one that
+    ``save_hold_mib`` budget where output boundaries are held (``holds_outputs``; else None); one that
     cannot hold one boundary's states would keep blocks and hold lookups for nothing.
 
     A boundary is published only where its objects are the state at exactly that token count.
@@ -117,8 +124,9 @@ def outputs_refused(layout: CacheLayout, hold_bytes: int | None = None) -> str |
     if hold_bytes is not None:
         need = max(sum(g.nbytes(r) for g in layout.groups if g.is_state) for r in range(layout.world_size))
         if need and hold_bytes < need:
-            return (f"capture_outputs is off: output_boundaries 'last' keeps one boundary's states "
-                    f"({need} bytes per worker) for each decoding request in save_hold_mib "
-                    f"({hold_bytes >> 20} MiB), which cannot hold one; raise save_hold_mib or set "
-                    "output_boundaries to 'every'")
+            return (f"capture_outputs is off: a decoding request holds one boundary's states "
+                    f"({need} bytes per worker) in save_hold_mib ({hold_bytes >> 20} MiB; with "
+                    "output_boundaries 'last', and under async scheduling with 'every'), which "
+                    "cannot hold one; raise save_hold_mib (or, without async scheduling, set "
+                    "output_boundaries to 'every')")
     return None

@@ -11,7 +11,11 @@ its request's next save back to that save's parent.
 With ``output_boundaries: last`` a request's output boundary is held, not saved: the workers
 copy its states into a slot and keep them, each new output boundary replacing the last; when
 the request finishes, its hold is released to be stored (its blocks are kept until the workers
-read them) or dropped (``HoldDrop``).
+read them) or dropped (``HoldDrop``). Under async scheduling the token a decode step consumes
+is not known when the step is planned: the step's output boundary is held all the same (a
+deferred hold, its key not named yet); with ``last`` it is named when the request finishes,
+with ``every`` as soon as its tokens are known (a step or two later: released while the request
+runs, ``Release.running``).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from prefixvault.boundary import (
 )
 from prefixvault.vllm.compat import InternalCheckpoints, step_starts
 from prefixvault.vllm.config import OutputBoundaries
-from prefixvault.vllm.metadata import Release, SaveSpec, SavesSettled, save_id
+from prefixvault.vllm.metadata import Release, SaveSpec, SavesSettled
 from prefixvault.vllm.planner import StepView, plan_step
 from prefixvault.vllm.request import TrackedRequest
 from prefixvault.vllm.scheduler_context import SchedulerContext
@@ -72,8 +76,10 @@ class SavePlans:
         self.attn_groups = [i for i, g in enumerate(ctx.layout.groups) if not g.is_state]
         self.hold_last = (ctx.settings.capture_outputs
                           and ctx.settings.output_boundaries is OutputBoundaries.LAST)
-        # Held saves to store or drop, for the next step's workers (a store: with its boundaries).
-        self._releases: list[tuple[Release, list[bytes]]] = []
+        # Held saves to store or drop, for the next step's workers (a store: with its boundaries,
+        # and for a running request's, the parent its next save goes back to if this one is
+        # not published; -1: none).
+        self._releases: list[tuple[Release, list[bytes], int]] = []
 
     # -- a step -----------------------------------------------------------------------------------
 
@@ -101,10 +107,11 @@ class SavePlans:
         """The held saves to store or drop in step ``step``; lookups of a stored one's prefix
         wait for it, as for any save in flight."""
         releases = []
-        for release, boundaries in self._releases:
+        for release, boundaries, parent in self._releases:
             releases.append(release)
             if release.store:
-                self.in_flight.add(save_id(step, release.req_id), boundaries, now)
+                self.in_flight.add(release.sid(step), boundaries, now, release.req_id if parent >= 0 else "",
+                                   parent)
         self._releases = []
         return releases
 
@@ -123,6 +130,8 @@ class SavePlans:
         """What one request's step lets it publish, as the boundary rule decides: a save, a
         hold, or both (a save of its other boundaries, and its prompt's end held)."""
         bs = self.block_size
+        if tr.hold is not None and tr.hold.deferred and not self.hold_last:
+            self._release_known(tr, state)
         chunk = self._chunk(tr, start, start + n_new)
         prompt_len = len(tr.prompt)
         # Generated tokens: boundaries over them are kept with capture_outputs, from decode
@@ -134,10 +143,11 @@ class SavePlans:
         known = tr.known(chunk.end) if outputs and chunk.end > prompt_len else prompt_len
         deferred = False
         if start >= known:  # the tokens this step computes are not known yet (async scheduling)
-            if not (self.hold_last and prompt_len <= start and known < chunk.end):
+            if not (prompt_len <= start and known < chunk.end):
                 return []
-            # An output boundary held until its request finishes needs its key only then, when
-            # every token is known: the state is held now, the key named at release.
+            # An output boundary needs its key only when it is stored: the state is held now
+            # (as the step ends), the key named once the tokens are known (``_release_known``,
+            # or with ``last`` when the request finishes).
             known, deferred = chunk.end, True
         tables = state.get_block_ids(tr.req_id)
         if tables is None:
@@ -151,11 +161,11 @@ class SavePlans:
         tr.last_capture = planned.last_capture
         captures, end = list(planned.captures), planned.end
         specs = []
-        if deferred and not (planned.hold and planned.candidates):
+        if deferred and not planned.candidates:
             return []
         if planned.candidates:
-            specs += self._plan(tr, step, end, tables, captures, chunk, set(planned.candidates), planned.hold,
-                                deferred)
+            specs += self._plan(tr, step, end, tables, captures, chunk, set(planned.candidates),
+                                planned.hold or deferred, deferred)
         if planned.held_end:
             specs += self._plan(tr, step, end, tables, captures, chunk, {planned.held_end}, True)
         return specs
@@ -184,7 +194,7 @@ class SavePlans:
             self.counters.tally("refused", why)
         if not decision.publishable:
             return []
-        if hold and deferred:
+        if hold and deferred:  # (with ``every``, a request's earlier deferred hold was released)
             tr.hold = SaveSpec(tr.req_id, [], list(decision.publishable), tr.saved, hold=True, deferred=True,
                                salt=tr.extra.cache_salt)
             return [tr.hold]
@@ -250,7 +260,7 @@ class SavePlans:
     def drop_hold(self, tr: TrackedRequest, why: HoldDrop) -> None:
         """The workers free a request's held save, unstored; counted by ``why``."""
         assert tr.hold is not None
-        self._releases.append((Release(tr.hold.req_id, False), []))
+        self._releases.append((Release(tr.hold.req_id, False), [], -1))
         self.counters.tally("holds_dropped", why)
         tr.hold = None
 
@@ -295,6 +305,30 @@ class SavePlans:
         for h in boundaries:
             self.admission.admitted(h, Kind.SEQUENCE_END)
         self.counters.add(plans=len(spec.plans))
-        self._releases.append((Release(spec.req_id, True, named), boundaries))
+        self._releases.append((Release(spec.req_id, True, named), boundaries, -1))
         tr.hold = None
         return True
+
+    def _release_known(self, tr: TrackedRequest, state: Any) -> None:
+        """``output_boundaries: every``: store a running request's deferred hold once every
+        token it holds is known (the request is in this step, so its blocks are its own until
+        the workers read them, after this step's forward). A KV block the hold reads that the
+        request let go of (a sliding window) drops it."""
+        spec = tr.hold
+        assert spec is not None
+        top = max(p.tokens for p in spec.plans)
+        if tr.known(top) < top:
+            return
+        tables = state.get_block_ids(tr.req_id)
+        if tables is None or not all(g < len(tables) and i < len(tables[g]) and tables[g][i] == b
+                                     for p in spec.plans for g, i, b in p.blocks):
+            self.drop_hold(tr, HoldDrop.BLOCKS_MOVED)
+            return
+        hashes = self.ctx.chain(tr, top)
+        boundaries = [hashes[-(-p.tokens // self.block_size) - 1] for p in spec.plans]
+        for h in boundaries:
+            self.admission.admitted(h, Kind.OUTPUT)
+        self.counters.add(plans=len(spec.plans))
+        self._releases.append((Release(spec.req_id, True, hashes, running=True), boundaries, spec.parent))
+        tr.saved = max(tr.saved, top)
+        tr.hold = None

@@ -206,11 +206,13 @@ class SchedulerSide:
         self.handover.name_state_copies(meta.loads, scheduler_output, self.guard)
         now = time.monotonic()
         self.saves.in_flight.forget_older_than(now)
-        meta.releases = self.saves.take_releases(self._step, now)
         if self.save_enabled and self.off is None:
             saves = self.saves
             meta.saves = self.guard.call("build_connector_meta",
                                          lambda: saves.plan(scheduler_output, self._step, self._reqs), list)
+        # (after planning: a running request's hold released there is read in this step, the
+        # one step its blocks are known to be its own)
+        meta.releases = self.saves.take_releases(self._step, now)
         return meta
 
     def _measure_step(self, scheduler_output: Any) -> None:
