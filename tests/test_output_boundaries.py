@@ -226,7 +226,8 @@ def test_last_holds_an_output_boundary_whose_token_is_not_known_yet_and_names_it
 def metadata(s: SchedulerSide, start: int, n: int) -> Any:
     """One step's whole metadata (``step``'s, with its step number and releases)."""
     out = SimpleNamespace(
-        scheduled_new_reqs=[], scheduled_cached_reqs=SimpleNamespace(req_ids=["r"], num_computed_tokens=[start]),
+        scheduled_new_reqs=[],
+        scheduled_cached_reqs=SimpleNamespace(req_ids=["r"], num_computed_tokens=[start]),
         num_scheduled_tokens={"r": n}, scheduled_spec_decode_tokens={},
         kv_connector_block_state=SimpleNamespace(boundary_state_offloads={}, get_block_ids=lambda r: TABLES))
     return s.build_connector_meta(out)
@@ -290,3 +291,28 @@ def test_every_drops_a_deferred_hold_whose_blocks_moved_or_whose_request_was_pre
                 TABLES[0][1] = 12
             assert [(r.req_id, r.store) for r in meta.releases] == [("r", False)]
         assert s.counters.holds_dropped == {"preempted" if how == "preempted" else "blocks_moved": 1}, how
+
+
+def test_every_drops_a_deferred_hold_whose_parent_save_was_not_published() -> None:
+    """The save a deferred hold extends settles unpublished before the hold is known: the hold
+    would name that save's missing record, so it is dropped, and the request's next save
+    starts from the parent that was published."""
+    s, req = side(True, OutputBoundaries.EVERY)
+    step(s, 0, 4)
+    step(s, 4, 2)
+    req.all_token_ids += [50, 51]
+    first = metadata(s, 7, 1)  # token 8's id known: saved at once, from the prompt's boundary 4
+    (saved,) = first.saves
+    assert not saved.hold and saved.parent == 4 and [p.tokens for p in saved.plans] == [8]
+    req.all_token_ids += [52, 53, 54]  # tokens up to 10; token 11 (id 55) still being sampled
+    (held,) = step(s, 11, 1)
+    assert held.deferred and held.parent == 8
+    sid = saved.sid(first.step)
+    s.settle(SavesSettled(Counter({sid: 1}), Counter({sid: 1})))  # the save of 8: not published
+    req.all_token_ids += [55, 56]
+    late = metadata(s, 12, 1)
+    assert [(r.req_id, r.store) for r in late.releases] == [("r", False)]
+    assert s.counters.holds_dropped == {"parent_unpublished": 1}
+    req.all_token_ids += [57, 58, 59]
+    (nxt,) = step(s, 15, 1)  # token 16's id known: saved from 4, the last boundary published
+    assert nxt.parent == 4 and [p.tokens for p in nxt.plans] == [16]

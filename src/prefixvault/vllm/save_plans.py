@@ -52,12 +52,14 @@ STORED_AT_FINISH = frozenset({"FINISHED_STOPPED", "FINISHED_LENGTH_CAPPED", "FIN
 
 
 class HoldDrop(StrEnum):
-    """Why a held output boundary (``output_boundaries: last``) was dropped unstored."""
+    """Why a held output boundary was dropped unstored."""
 
     PREEMPTED = "preempted"  # the request was preempted: it is computed again
     REQUEST_FAILED = "request_failed"  # it ended in a way that keeps no output (not ``STORED_AT_FINISH``)
     BLOCKS_MOVED = "blocks_moved"  # a KV block the boundary needs was let go (a sliding window, say)
     INTERNAL_ERROR = "internal_error"  # an error of ours (logged with its traceback)
+    # (``every``, async) the save it extends was not published: it names a record that never came
+    PARENT_UNPUBLISHED = "parent_unpublished"
 
 
 class SavePlans:
@@ -313,9 +315,14 @@ class SavePlans:
         """``output_boundaries: every``: store a running request's deferred hold once every
         token it holds is known (the request is in this step, so its blocks are its own until
         the workers read them, after this step's forward). A KV block the hold reads that the
-        request let go of (a sliding window) drops it."""
+        request let go of (a sliding window) drops it, as does a parent save that settled
+        unpublished since the hold was planned (the hold would name its missing record, and
+        the request's later saves chain from it)."""
         spec = tr.hold
         assert spec is not None
+        if tr.saved < spec.parent:  # its parent's save settled unpublished since it was planned
+            self.drop_hold(tr, HoldDrop.PARENT_UNPUBLISHED)
+            return
         top = max(p.tokens for p in spec.plans)
         if tr.known(top) < top:
             return
@@ -326,8 +333,9 @@ class SavePlans:
             return
         hashes = self.ctx.chain(tr, top)
         boundaries = [hashes[-(-p.tokens // self.block_size) - 1] for p in spec.plans]
-        for h in boundaries:
-            self.admission.admitted(h, Kind.OUTPUT)
+        if self.state_groups:
+            for h in boundaries:
+                self.admission.admitted(h, Kind.OUTPUT)
         self.counters.add(plans=len(spec.plans))
         self._releases.append((Release(spec.req_id, True, hashes, running=True), boundaries, spec.parent))
         tr.saved = max(tr.saved, top)
