@@ -233,16 +233,23 @@ def metadata(s: SchedulerSide, start: int, n: int) -> Any:
     return s.build_connector_meta(out)
 
 
+def held_at_8() -> tuple[SchedulerSide, Any, Any]:
+    """``every``: the prompt saved, then the decode step ending at 8 planned while the token it
+    consumes (7, id 51) is still being sampled: its hold."""
+    s, req = side(True, OutputBoundaries.EVERY)
+    step(s, 0, 4)
+    step(s, 4, 2)
+    req.all_token_ids += [50]
+    held, = step(s, 7, 1)
+    return s, req, held
+
+
 def test_every_holds_a_boundary_whose_token_is_not_known_yet_and_stores_it_once_known() -> None:
     """Under async scheduling ``every`` holds the step's output boundary as ``last`` does, but
     stores it while its request still runs, in the first step planned once its tokens are known:
     keyed as a synchronous engine keys it, never reported sent (the blocks are the running
     request's), and a save that is not published sends the request's next one back to its parent."""
-    s, req = side(True, OutputBoundaries.EVERY)
-    step(s, 0, 4)
-    step(s, 4, 2)
-    req.all_token_ids += [50]  # token 7 (id 51) is still being sampled
-    held, = step(s, 7, 1)
+    s, req, held = held_at_8()
     assert held.hold and held.deferred and held.hashes == [] and [p.tokens for p in held.plans] == [8]
     assert held.parent == 4 and [b for _, b in held.plans[0].states] == [21]
     late = metadata(s, 8, 1)  # the next step: token 8 unknown too (two steps in flight)
@@ -261,23 +268,17 @@ def test_every_holds_a_boundary_whose_token_is_not_known_yet_and_stores_it_once_
     nxt, = step(s, 11, 1)  # token 12's id known: a synchronous save, from the prompt's boundary
     assert not nxt.hold and [p.tokens for p in nxt.plans] == [12] and nxt.parent == 4
     assert [(g, i) for g, i, _ in nxt.plans[0].blocks] == [(0, 1), (0, 2)]
+    # Its hold released, the request holds nothing: vLLM frees its blocks when it finishes.
+    assert finish(s, req, "FINISHED_STOPPED") == (False, [])
     # The request finishes before its deferred hold is known: stored at finish, as with ``last``.
-    s2, req2 = side(True, OutputBoundaries.EVERY)
-    step(s2, 0, 4)
-    step(s2, 4, 2)
-    req2.all_token_ids += [50]
-    step(s2, 7, 1)
+    s2, req2, _ = held_at_8()
     req2.all_token_ids += [51]
     assert finish(s2, req2, "FINISHED_LENGTH_CAPPED") == (True, [("r", True)])
 
 
 def test_every_drops_a_deferred_hold_whose_blocks_moved_or_whose_request_was_preempted() -> None:
     for how in ("window", "preempted"):
-        s, req = side(True, OutputBoundaries.EVERY)
-        step(s, 0, 4)
-        step(s, 4, 2)
-        req.all_token_ids += [50]
-        step(s, 7, 1)
+        s, req, _ = held_at_8()
         req.all_token_ids += [51]
         if how == "preempted":  # asked again: computed again from the start
             ask(s, req, 0)
