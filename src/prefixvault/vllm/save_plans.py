@@ -289,10 +289,7 @@ class SavePlans:
         if getattr(getattr(request, "status", None), "name", "") not in STORED_AT_FINISH:
             self.drop_hold(tr, HoldDrop.REQUEST_FAILED)
             return False
-
-        def kept(g: int, i: int, b: int) -> bool:
-            return g < len(block_ids) and i < len(block_ids[g]) and block_ids[g][i] == b
-        if not all(kept(g, i, b) for p in spec.plans for g, i, b in p.blocks):
+        if not _blocks_kept(spec, block_ids):
             self.drop_hold(tr, HoldDrop.BLOCKS_MOVED)
             return False
         named: list[bytes] = []
@@ -303,12 +300,7 @@ class SavePlans:
                 return False
             spec = dataclasses.replace(spec, hashes=self.ctx.chain(tr, top), deferred=False)
             named = spec.hashes
-        boundaries = [spec.hashes[-(-p.tokens // self.block_size) - 1] for p in spec.plans]  # (a tail's too)
-        for h in boundaries:
-            self.admission.admitted(h, Kind.SEQUENCE_END)
-        self.counters.add(plans=len(spec.plans))
-        self._releases.append((Release(spec.req_id, True, named), boundaries, -1))
-        tr.hold = None
+        self._store_hold(tr, spec.hashes, Release(spec.req_id, True, named), Kind.SEQUENCE_END)
         return True
 
     def _release_known(self, tr: TrackedRequest, state: Any) -> None:
@@ -327,16 +319,30 @@ class SavePlans:
         if tr.known(top) < top:
             return
         tables = state.get_block_ids(tr.req_id)
-        if tables is None or not all(g < len(tables) and i < len(tables[g]) and tables[g][i] == b
-                                     for p in spec.plans for g, i, b in p.blocks):
+        if tables is None or not _blocks_kept(spec, tables):
             self.drop_hold(tr, HoldDrop.BLOCKS_MOVED)
             return
         hashes = self.ctx.chain(tr, top)
-        boundaries = [hashes[-(-p.tokens // self.block_size) - 1] for p in spec.plans]
-        if self.state_groups:
-            for h in boundaries:
-                self.admission.admitted(h, Kind.OUTPUT)
-        self.counters.add(plans=len(spec.plans))
-        self._releases.append((Release(spec.req_id, True, hashes, running=True), boundaries, spec.parent))
+        self._store_hold(tr, hashes, Release(spec.req_id, True, hashes, running=True),
+                         Kind.OUTPUT if self.state_groups else None, spec.parent)
         tr.saved = max(tr.saved, top)
+
+    def _store_hold(self, tr: TrackedRequest, hashes: list[bytes], release: Release, kind: Kind | None,
+                    parent: int = -1) -> None:
+        """Hand the workers ``release``, storing the request's hold under ``hashes``: its
+        boundaries (a tail's too) in flight, told to the admission policy as ``kind`` (None: not)."""
+        spec = tr.hold
+        assert spec is not None
+        boundaries = [hashes[-(-p.tokens // self.block_size) - 1] for p in spec.plans]
+        if kind is not None:
+            for h in boundaries:
+                self.admission.admitted(h, kind)
+        self.counters.add(plans=len(spec.plans))
+        self._releases.append((release, boundaries, parent))
         tr.hold = None
+
+
+def _blocks_kept(spec: SaveSpec, block_ids: Sequence[Sequence[int]]) -> bool:
+    """Whether every KV block a held save reads is still its request's, at the same place."""
+    return all(g < len(block_ids) and i < len(block_ids[g]) and block_ids[g][i] == b
+               for p in spec.plans for g, i, b in p.blocks)
