@@ -557,10 +557,15 @@ def test_a_restore_held_back_by_a_full_step_is_not_measured_as_slow(engines: Eng
         return schedule()
 
     b.scheduler.schedule = slow_step  # type: ignore[method-assign]
-    b.run({0: [make_request("c", first + prompts(52, 9)[0], geo),
-               make_request("hog", prompts(53, 8 * bs)[0], geo)]})  # its prefill: 8 full steps
+    # The hog runs before c is asked (its own lookup, a miss, may take any number of steps on
+    # a busy host): then c's load ends beside the hog's prefill, 8 full steps.
+    b.add(make_request("hog", prompts(53, 8 * bs)[0], geo))
+    while "hog" not in b.step().chunks:
+        assert len(b.steps) < 2000, "the hog never scheduled"
+        time.sleep(0.001)
+    held = b.steps[-1].number
+    b.run({0: [make_request("c", first + prompts(52, 9)[0], geo)]})
     assert b.loads["c"] == 1
-    held = next(st.number for st in b.steps if "hog" in st.chunks)  # (c was asked by then)
     ran = next(st.number for st in b.steps if "c" in st.chunks)
     assert ran - held >= 5, f"not held back: the hog from step {held}, c scheduled in step {ran}"
     est = b.connector.scheduler.costs.estimates()
