@@ -44,10 +44,12 @@ HOT = {"load_cache_mib": 256}
 #: The least and the most drift of cold under load (|Δlogprob|) the text check works with: a
 #: floor should cold happen not to move at all, a ceiling past which the check means nothing.
 #: The drift is the host's: vLLM CPU picks its bf16 kernels by ISA, and the GDN scenario's cold
-#: server drifts by 0.501 under load on an AVX512-BF16 host (two runs, the same value), more than
-#: on the AVX2 hosts the ceiling was set on. The check that finds a wrong state is the
-#: state-by-state comparison with the reference producer (``_check_published``), not this one.
-NOISE_FLOOR, NOISE_CEILING = 0.02, 0.6
+#: server drifts under load by about 0.2 on AVX2 hosts, 0.501 on an AVX512-BF16 host (two runs,
+#: the same value) and 0.654 on an AMX host (Xeon, amx_bf16). The ceiling leaves room above the
+#: largest seen; the bound stays relative (twice the drift measured in the same run), and the check
+#: that finds a wrong state is the state-by-state comparison with the reference producer
+#: (``_check_published``), not this one.
+NOISE_FLOOR, NOISE_CEILING = 0.02, 1.0
 
 
 @dataclass(frozen=True)
@@ -200,8 +202,10 @@ def test_consumer_under_load_departs_from_cold_no_more_than_cold_does(runs: Runs
     # Cold itself moves under load (vLLM CPU is not batch-invariant); most requests must not.
     assert len(invariant) >= REQUESTS // 2, f"cold is invariant on only {invariant}"
     cold = runs.cold1.completions
-    noise = max(divergence(cold[i], runs.cold_load.completions[i]).drift for i in range(REQUESTS))
-    assert noise <= NOISE_CEILING, f"cold drifts by {noise:.3g} with load: the bound would mean nothing"
+    drifts = [divergence(cold[i], runs.cold_load.completions[i]).drift for i in range(REQUESTS)]
+    noise = max(drifts)
+    shown = [round(d, 3) for d in drifts]
+    assert noise <= NOISE_CEILING, f"cold drifts by {noise:.3g} with load ({shown}): the bound means nothing"
     bound = 2 * max(noise, NOISE_FLOOR)
     for name in ("consumer_load", "consumer1"):
         got: StaggeredRun = getattr(runs, name)
