@@ -87,6 +87,25 @@ def test_no_capture_where_the_state_is_not_certain() -> None:
     assert len(step(s, 7, 1)) == 1
 
 
+def test_a_streaming_input_session_is_neither_looked_up_nor_saved() -> None:
+    """vLLM rewrites a streaming-input session's last token when its next input chunk arrives
+    (``resumable``, the realtime API): any boundary keyed over it could name other tokens than
+    those computed, so the session is not tracked at all."""
+    for boundaries in OutputBoundaries:
+        s = SchedulerSide(ConnectorSettings(capture_outputs=True, output_boundaries=boundaries),
+                          LAYOUT, Vault(MemoryStore(), LAYOUT), load=True, save=True)
+        req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, num_tokens=6, cache_salt=None,
+                              lora_request=None, mm_features=None, all_token_ids=list(PROMPT),
+                              status=SimpleNamespace(name="RUNNING"), resumable=True)
+        assert ask(s, req, 0) == (0, False) and s.tracked("r") is None
+        assert step(s, 0, 4) == [] and step(s, 4, 2) == []
+        req.all_token_ids += [50]  # the step computing token 7 is planned before its id is known
+        assert step(s, 7, 1) == []
+        req.all_token_ids += [51, 52]
+        assert step(s, 8, 1) == []
+        assert finish(s, req, "FINISHED_STOPPED") == (False, [])
+
+
 # -- output_boundaries "last": hold each output boundary, store the last one at finish -----------
 
 def finish(s: SchedulerSide, req: Any, status: str, tables: Any = TABLES

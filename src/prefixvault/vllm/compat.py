@@ -79,6 +79,14 @@ def skips_external(request: Any) -> bool:
     return False
 
 
+def streams_input(request: Any) -> bool:
+    """Whether ``request`` is a streaming-input session (vLLM's ``resumable`` requests, 0.32-0.34:
+    the realtime API). Between its input chunks vLLM drops the last sampled token and writes the
+    next chunk over it (``Scheduler._update_request_as_session``), so token ids the connector has
+    already keyed change under it: such a request is neither looked up nor saved."""
+    return getattr(request, "resumable", False) is True
+
+
 def step_starts(scheduler_output: Any) -> dict[str, int]:
     """Tokens each request scheduled in a step had computed before it: new requests and
     cached ones name them apart in vLLM's ``SchedulerOutput`` (the same in 0.32-0.34)."""

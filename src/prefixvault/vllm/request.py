@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from prefixvault.identity import content_digest
 from prefixvault.keys import ExtraKeys, MultimodalItem
+from prefixvault.vllm.compat import streams_input
 from prefixvault.vllm.metadata import SaveSpec
 
 if TYPE_CHECKING:
@@ -338,9 +339,10 @@ class TrackedRequest:
     @classmethod
     def of(cls, request: Any, epoch: str | None = None) -> TrackedRequest | None:
         """Track vLLM's ``request``, keyed in ``epoch`` (``ExtraKeys.epoch``); None for one with
-        no token ids to key on (prompt embeddings)."""
+        no token ids to key on (prompt embeddings) or whose token ids vLLM rewrites as it runs
+        (a streaming-input session: ``compat.streams_input``)."""
         prompt = getattr(request, "prompt_token_ids", None)
-        if prompt is None:
+        if prompt is None or streams_input(request):
             return None
         extra = extra_keys(request)
         if epoch is not None:
