@@ -34,11 +34,16 @@ def side(capture_outputs: bool, boundaries: OutputBoundaries = OutputBoundaries.
     settings = ConnectorSettings(capture=capture, capture_interval=interval, capture_outputs=capture_outputs,
                                  output_boundaries=boundaries)
     s = SchedulerSide(settings, LAYOUT, vault, load=True, save=True)
-    req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, num_tokens=6, cache_salt=None,
-                          lora_request=None, mm_features=None, all_token_ids=list(PROMPT),
-                          status=SimpleNamespace(name="RUNNING"))
+    req = request()
     ask(s, req, 0)
     return s, req
+
+
+def request(**fields: Any) -> SimpleNamespace:
+    """vLLM's request "r" for ``PROMPT``, running, with the fields the connector reads."""
+    return SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, num_tokens=6, cache_salt=None,
+                           lora_request=None, mm_features=None, all_token_ids=list(PROMPT),
+                           status=SimpleNamespace(name="RUNNING"), **fields)
 
 
 TABLES = ([11, 12, 13, 14], [20, 21, 22, 23])
@@ -94,9 +99,7 @@ def test_a_streaming_input_session_is_neither_looked_up_nor_saved() -> None:
     for boundaries in OutputBoundaries:
         s = SchedulerSide(ConnectorSettings(capture_outputs=True, output_boundaries=boundaries),
                           LAYOUT, Vault(MemoryStore(), LAYOUT), load=True, save=True)
-        req = SimpleNamespace(request_id="r", prompt_token_ids=PROMPT, num_tokens=6, cache_salt=None,
-                              lora_request=None, mm_features=None, all_token_ids=list(PROMPT),
-                              status=SimpleNamespace(name="RUNNING"), resumable=True)
+        req = request(resumable=True)
         assert ask(s, req, 0) == (0, False) and s.tracked("r") is None
         assert step(s, 0, 4) == [] and step(s, 4, 2) == []
         req.all_token_ids += [50]  # the step computing token 7 is planned before its id is known
