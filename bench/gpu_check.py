@@ -56,7 +56,7 @@ from prefixvault.stores.local import LocalStore
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
 from prefixvault.vllm.kernel_blocks import group_ios, rebuild
-from prefixvault.vllm.metadata import LoadSpec, SaveSpec
+from prefixvault.vllm.metadata import LoadSpec, Release, SaveSpec
 from prefixvault.vllm.worker import WorkerSide
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -395,7 +395,9 @@ class Runner:
         finally:
             torch.cuda.set_sync_debug_mode("default")
 
-    def step(self, n: int, saves: list[SaveSpec], loads: list[LoadSpec], drafter: bool) -> None:
+    def step(self, n: int, saves: list[SaveSpec], loads: list[LoadSpec], drafter: bool,
+             releases: list[Release] | None = None) -> None:
+        releases = releases or []
         self.forward()
         self.hook("start_load_kv", lambda: self.worker.load(loads, n))
         if drafter:
@@ -404,7 +406,7 @@ class Runner:
         if self.cuda:
             e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             e0.record()
-        self.hook("wait_for_save", lambda: self.worker.step(saves, [], n))
+        self.hook("wait_for_save", lambda: self.worker.step(saves, releases, n))
         if e1 is not None:
             e1.record()  # behind the engine's wait for the step's device-side gathers
         finished = self.hook("get_finished", self.worker.take_finished)
@@ -413,7 +415,7 @@ class Runner:
             self.failed |= finished[1]
         settled = self.hook("worker_meta", self.worker.take_settled) or []
         self.settled.update(sid for sid, _ in settled)
-        if e0 is not None and e1 is not None and saves:
+        if e0 is not None and e1 is not None and (saves or releases):
             e1.synchronize()
             self.held_ms.append(e0.elapsed_time(e1))
 
@@ -423,8 +425,12 @@ def check_worker(config: dict[str, Any], device: torch.device, store_kind: str, 
     """``WorkerSide`` end to end on the fixture's views: each step saves one request's blocks of
     a whole prefill step (every attention block of ~8192 tokens, or what the engine has, and
     every state group's state at its end) through the runner's hooks, alternately with and
-    without a drafter; then a second engine loads every saved boundary into other blocks,
-    which must hold the bytes the first engine's blocks held right after that step's forward.
+    without a drafter; then an output boundary (``output_boundaries: last``) is held (its
+    states copied into a pinned slot in its step), decoding rewrites its state blocks, and its
+    release two steps later gathers its blocks with that step's work; then a second engine
+    loads every saved boundary into other blocks, which must hold the bytes the first engine's
+    blocks held right after that step's forward (for the held boundary: its states after the
+    hold's step, its blocks after the release's).
     Also: how long the engine's stream is held per step (CUDA), and a restore's bandwidth
     against a plain pinned copy of as many bytes."""
     layout = fixture_layout(config)
@@ -432,17 +438,19 @@ def check_worker(config: dict[str, Any], device: torch.device, store_kind: str, 
     vault = Vault(store, layout)
     bs, nb = layout.block_size, int(config["num_blocks"])
     states = [g for g, grp in enumerate(layout.groups) if grp.is_state]
-    # blocks one step saves (block 0 is vLLM's null block: never a request's)
-    per_step = max(1, min(8192 // bs, (nb - 1) // steps - len(states)))
+    # blocks one step saves (block 0 is vLLM's null block: never a request's); one more
+    # request's worth for the held output boundary
+    per_step = max(1, min(8192 // bs, (nb - 1) // (steps + 1) - len(states)))
     producer = Engine(config, device, 20)
     save_bytes = per_step * sum(io.object_bytes for g, io in enumerate(producer.ios) if g not in states) + \
         sum(producer.ios[g].object_bytes for g in states)
     staging = 2 * save_bytes + (1 << 20)
+    hold_bytes = 2 * sum(producer.ios[g].object_bytes for g in states)  # two boundaries' states
     names = producer.groups
 
     def worker_for(engine: Engine) -> WorkerSide:
         w = WorkerSide(layout, vault, 0, names, staging_bytes=staging, num_blocks=nb,
-                       save_device_bytes=save_bytes)
+                       save_device_bytes=save_bytes, hold_bytes=hold_bytes)
         w.register_kv_caches(engine.views)
         return w
 
@@ -450,21 +458,37 @@ def check_worker(config: dict[str, Any], device: torch.device, store_kind: str, 
     runner = Runner(producer, worker)
     rows: list[dict[str, Any]] = []  # per step: request, tokens, hashes, tables, snapshots
     free = iter(range(1, nb))
-    for n in range(1, steps + 1):
+    for n in range(1, steps + 2):
         tokens = [n * 1_000_000 + t for t in range(per_step * bs)]
         blocks = [next(free) for _ in range(per_step)]
         state_blocks = {g: next(free) for g in states}
         tables = {g: blocks for g in range(len(layout.groups)) if g not in states}
         caps = [StateCapture(g, len(tokens), b, n) for g, b in state_blocks.items()]
         plan = plan_saves(layout, len(tokens), tables, caps, step=n)
-        spec = SaveSpec(f"r{n}", vault.hashes(tokens), list(plan.publishable))
-        runner.step(n, [spec], [], drafter=n % 2 == 0)
-        snap = {g: logical(producer.views, names[g], blocks if g not in states else [state_blocks[g]], nb)
-                for g in range(len(layout.groups))}  # the bytes right after this step's forward
-        rows.append({"spec": spec, "tokens": tokens, "snap": snap, "sid": spec.sid(n)})
+
+        def snap(gs: list[int], blocks: list[int] = blocks, state_blocks: dict[int, int] = state_blocks
+                 ) -> dict[int, torch.Tensor]:  # the bytes right after the last forward
+            return {g: logical(producer.views, names[g], blocks if g not in states else [state_blocks[g]], nb)
+                    for g in gs}
+        groups = list(range(len(layout.groups)))
+        if n <= steps:
+            spec = SaveSpec(f"r{n}", vault.hashes(tokens), list(plan.publishable))
+            runner.step(n, [spec], [], drafter=n % 2 == 0)
+            rows.append({"spec": spec, "tokens": tokens, "snap": snap(groups), "sid": spec.sid(n)})
+            continue
+        # the held output boundary: its states now, its blocks when it is released
+        spec = SaveSpec("h", vault.hashes(tokens), list(plan.publishable), hold=True)
+        runner.step(n, [spec], [], drafter=False)
+        held_states = snap(states)
+        runner.step(n + 1, [], [], drafter=True)  # decoding rewrites the state blocks
+        release = Release("h", True)
+        runner.step(n + 2, [], [], drafter=False, releases=[release])
+        kv = snap([g for g in groups if g not in states])
+        rows.append({"spec": spec, "tokens": tokens, "snap": {**kv, **held_states},
+                     "sid": release.sid(n + 2)})
     deadline = time.monotonic() + 120
     while {r["sid"] for r in rows} - runner.settled and time.monotonic() < deadline:
-        runner.step(steps + 1, [], [], drafter=False)  # idle steps: the worker reports settled saves
+        runner.step(steps + 4, [], [], drafter=False)  # idle steps: the worker reports settled saves
         time.sleep(0.01)
     published = [vault.lookup(r["spec"].hashes, len(r["tokens"]) + 1) for r in rows]
     ok_published = published == [len(r["tokens"]) for r in rows]
@@ -508,7 +532,7 @@ def check_worker(config: dict[str, Any], device: torch.device, store_kind: str, 
     store.close()
     held = runner.held_ms
     row: dict[str, Any] = {
-        "config": producer.name(), "store": store_kind, "steps": steps,
+        "config": producer.name(), "store": store_kind, "steps": steps, "held_boundary": True,
         "objects_per_step": per_step + len(states),
         "save_mib_per_step": round(save_bytes / 2**20, 1), "save_device_mib": round(save_bytes / 2**20, 1),
         "published": ok_published, "restored_exact": exact,

@@ -10,14 +10,15 @@ import threading
 import numpy as np
 import torch
 from test_vault import BS, layout
-from test_worker_saves import STATE_BLOCK, TOKENS, restored, settle, spec
+from test_worker_saves import STATE_BLOCK, TOKENS, held, restored, settle, spec
 
+from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.scenarios.cache_layouts import attention_layers, state_layers
-from prefixvault.scenarios.stream_log import Op, RecordingOps, engine_waits, held_for_transfers
+from prefixvault.scenarios.stream_log import Op, RecordingOps, engine_waits, held_for_transfers, host_waits
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
 from prefixvault.vllm.kernel_blocks import group_ios
-from prefixvault.vllm.metadata import save_id
+from prefixvault.vllm.metadata import Release, SaveSpec, save_id
 from prefixvault.vllm.worker import WorkerSide
 
 BLOCKS = 12
@@ -107,13 +108,15 @@ def test_the_save_lane_waits_until_the_engines_thread_issued_the_step() -> None:
     assert waited.is_set() and torch.equal(out, expected(groups[1], [6]))
 
 
-def worker_on(ops: RecordingOps, vault: Vault) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
+def worker_on(ops: RecordingOps, vault: Vault, hold_bytes: int = 0
+              ) -> tuple[WorkerSide, dict[str, torch.Tensor]]:
     """The worker of test_worker_saves on CPU tensors, its copies queued through ``ops``."""
     caches = {"a": torch.zeros(16, 2, BS, 4), "w": torch.zeros(16, 2, BS, 4), "s": torch.zeros(16, 4, 4)}
     for name, t in caches.items():
         for b in range(16):
             t[b] = b + {"a": 0.25, "w": 0.5, "s": 0.75}[name]
-    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], staging_bytes=1 << 20)
+    worker = WorkerSide(vault.layout, vault, 0, [["a"], ["w"], ["s"]], staging_bytes=1 << 20,
+                        hold_bytes=hold_bytes)
     worker.caches.stream_ops = ops
     worker.register_kv_caches(caches)
     return worker, caches
@@ -138,6 +141,60 @@ def test_a_workers_step_of_several_saves_holds_the_engine_once_and_restores_exac
     restored(vault, worker, caches)  # load -> scatter, through the same stand-ins
     assert any(op.what == "to_device" for op in ops.take())
     assert np.all(caches["s"][14].numpy() == STATE_BLOCK + 0.75)
+    worker.close()
+
+
+def one_wait_for_device_copies(log: list[Op], groups: set[int]) -> None:
+    """The step's gathers (of ``groups``) all before the first transfer, the engine's stream
+    waiting once and for device-side copies only, the engine's thread never for a transfer."""
+    assert {op.group for op in log if op.what == "gather"} == groups
+    assert last(log, "gather") < first(log, "to_host")
+    assert len(engine_waits(log)) == 1 and not held_for_transfers(log)
+    assert host_waits(log) == []
+
+
+def test_output_boundaries_go_with_the_steps_saves_and_the_engines_thread_never_waits_for_them() -> None:
+    """``output_boundaries``: a hold's states (copied in its step) and, when its request
+    finishes, its release's blocks are gathered with the step's other saves; yet the state
+    stored is the one of the hold's step, and the request is reported sent in its step."""
+    ops = RecordingOps()
+    vault = Vault(MemoryStore(), layout())
+    worker, caches = worker_on(ops, vault, hold_bytes=1 << 20)
+    other = [t + 1000 for t in TOKENS]
+    worker.step([held(vault), spec(vault, "q", other)], [], step=1)
+    one_wait_for_device_copies(ops.take(), {0, 1, 2})
+    assert worker.holds._held["r"].copies  # the state's gather, waited for only by the save lane
+    caches["s"][STATE_BLOCK] = 99.0  # decoding goes on: the state block moves past the boundary
+    worker.step([spec(vault, "q", other)], [Release("r", True)], step=2)
+    one_wait_for_device_copies(ops.take(), {0, 1, 2})
+    assert worker.take_sent() == {"r"}
+    want = {save_id(1, "q"), save_id(2, "q"), save_id(2, "r")}
+    assert settle(worker, want) == want
+    assert worker.holds._slots is not None and worker.holds._slots.taken == 0
+    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS
+    restored(vault, worker, caches)  # the state of step 1, not the engine's block now
+    worker.close()
+
+
+def test_a_save_failing_mid_step_costs_that_save_only_and_the_steps_later_saves_still_go() -> None:
+    """A save whose copies fail half way hands its staging back once its copies queued so far
+    ended (which issues the step's batch on the engine's thread); the step's later saves go in
+    a batch of their own."""
+    ops = RecordingOps()
+    vault = Vault(MemoryStore(), layout())
+    worker, caches = worker_on(ops, vault)
+    tables = {0: [1, 2, 3], 1: [10, 11, 12]}
+    bad = plan_saves(vault.layout, 3 * BS, tables, [StateCapture(2, 3 * BS, 99, 1)], step=1)  # no block 99
+    other = [t + 1000 for t in TOKENS]
+    worker.step([SaveSpec("bad", vault.hashes(other), list(bad.publishable)), spec(vault)], [], step=1)
+    log = ops.take()
+    assert len(engine_waits(log)) == 2  # (the second batch queued behind the first's transfers)
+    assert settle(worker, {save_id(1, "r")}) == {save_id(1, "bad"), save_id(1, "r")}
+    assert worker.counters.save_errors == 1
+    assert vault.lookup(vault.hashes(TOKENS), 3 * BS + 1) == 3 * BS
+    for t in caches.values():
+        t[:] = 99
+    restored(vault, worker, caches)
     worker.close()
 
 

@@ -188,6 +188,11 @@ class SaveBatch:
         self._parts.append((io, block_ids, out))
         return Done(batch=self)
 
+    @property
+    def issued(self) -> bool:
+        """Whether it was issued (or failed issuing): nothing more can be added to it."""
+        return self._issued.is_set()
+
     def landed(self) -> Any:
         """The event after every transfer to the host (None: nothing was queued)."""
         if not self._issued.is_set() and threading.get_ident() == self._owner:

@@ -114,12 +114,17 @@ class SlotPool:
     Invariant (under ``_lock``): ``_free`` holds every slot index not taken, each once.
     """
 
-    def __init__(self, slot_bytes: int, count: int) -> None:
+    def __init__(self, slot_bytes: int, count: int, buffer: np.ndarray | None = None) -> None:
+        """``buffer``: memory to hand out (pinned, for a device's copies to run beside the
+        engine); else allocated."""
         if slot_bytes <= 0 or count <= 0:
             raise ValueError("a slot pool needs a positive slot size and count")
         self.slot_bytes = slot_bytes
         self.count = count
-        self._buf = np.empty(slot_bytes * count, np.uint8)
+        need = slot_bytes * count
+        self._buf = np.empty(need, np.uint8) if buffer is None else buffer.reshape(-1)[:need]
+        if self._buf.dtype != np.uint8 or self._buf.size != need:
+            raise ValueError(f"slot buffer must be {need} uint8 bytes")
         self._buf.fill(0)  # pre-fault: a hold is copied inside the engine's step
         self._free = list(range(count - 1, -1, -1))
         self._lock = threading.Lock()

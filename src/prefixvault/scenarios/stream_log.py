@@ -4,8 +4,9 @@
 its place on a machine without a GPU: each copy is done at once (so the bytes are checked too)
 and every call is appended to ``log`` in the order it was queued. The order is what the GPU
 would run in: within one stream, queued order; across streams, only what events impose. What a
-test reads from the log: which side of the engine's wait each copy was queued on, and how many
-events the engine's stream waited for.
+test reads from the log: which side of the engine's wait each copy was queued on, how many
+events the engine's stream waited for, and which threads waited on the host for an event
+(``host_wait``: on the engine's thread, a wait for a transfer stalls the engine).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from prefixvault.blockio import StreamOps
 @dataclass(frozen=True)
 class Op:
     """One queued call: ``what`` (gather, to_host, to_device, record, wait_event, wait_stream,
-    synchronize), on ``stream`` (a name), for ``group`` or ``event`` where it has one."""
+    synchronize, host_wait), on ``stream`` (a name; for ``host_wait``, the waiting thread's),
+    for ``group`` or ``event`` where it has one."""
 
     what: str
     stream: str
@@ -43,8 +45,8 @@ class FakeEvent:
         self.recorded_on = stream.name
         self.ops.append(Op("record", stream.name, event=self.id))
 
-    def synchronize(self) -> None:
-        pass  # every copy was done when it was queued
+    def synchronize(self) -> None:  # every copy was done when it was queued: only logged
+        self.ops.append(Op("host_wait", threading.current_thread().name, event=self.id))
 
 
 @dataclass(eq=False)
@@ -127,6 +129,12 @@ class RecordingOps(StreamOps):
 def engine_waits(ops: Sequence[Op]) -> list[Op]:
     """The events the engine's stream waited for."""
     return [op for op in ops if op.what == "wait_event" and op.stream == "engine"]
+
+
+def host_waits(ops: Sequence[Op], thread: str | None = None) -> list[Op]:
+    """The host's waits for an event, on ``thread`` (by name; default: the calling one)."""
+    name = threading.current_thread().name if thread is None else thread
+    return [op for op in ops if op.what == "host_wait" and op.stream == name]
 
 
 def held_for_transfers(ops: Sequence[Op]) -> bool:

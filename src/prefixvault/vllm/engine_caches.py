@@ -139,19 +139,22 @@ class EngineCaches:
         """The saves of one step (engine thread): their gathers (``copy_out``), every group's,
         are queued together when it ends, so that the engine's stream waits once, for the
         device-side copies only (``blockio.SaveBatch``). Without streams each is done at once."""
-        batch = self.ios[0].save_batch() if self.ios else None
-        self._batch = batch
+        self._batch = self.ios[0].save_batch() if self.ios else None
         try:
             yield
         finally:
-            self._batch = None
+            batch, self._batch = self._batch, None
             if batch is not None:
                 batch.issue()
 
     def copy_out(self, group: int, block_ids: Sequence[int], dest: memoryview) -> Done:
         """Copy blocks of one group into ``dest``, one object after another, in one gather; on
         a device it may still be running (queued when the step ends, inside ``one_step``): wait
-        for the ``Done`` before reading ``dest``."""
+        for the ``Done`` before reading ``dest``. Waiting for it on the engine's thread inside
+        ``one_step`` (a save that failed, handing its memory back) issues what the step queued
+        so far; the step's later gathers then go in a batch of their own."""
+        if self._batch is not None and self._batch.issued:
+            self._batch = self.ios[0].save_batch()
         return self.ios[group].gather(list(block_ids), _host(dest, len(block_ids)), self._batch)
 
     # -- copies in (loads) ------------------------------------------------------------------------

@@ -1,12 +1,17 @@
 """Output holds: a decoding request's output boundary, kept until it ends or its key is known.
 
 A held save copies only its states, in the step that ends on the boundary, into a slot of its
-own (``SlotPool``: fixed-size slots in one pre-faulted buffer, taken and given back in any
-order, since requests finish in any order); the request's next held save replaces it in the
-same slot. When the request finishes, its ``Release`` says what to do: a stored one's KV blocks
-(kept by vLLM until every worker reports the request sent) are staged beside the held states
-and the save goes to the save lane as any other (``saves.py``); a dropped one gives its slot
-back. A request without a slot free holds nothing (``save_dropped{reason="hold_full"}``).
+own (``SlotPool``: fixed-size slots in one pre-faulted buffer, pinned on a device, taken and
+given back in any order, since requests finish in any order); the request's next held save
+replaces it in the same slot. When the request finishes, its ``Release`` says what to do: a
+stored one's KV blocks (kept by vLLM until every worker reports the request sent) are staged
+beside the held states and the save goes to the save lane as any other (``saves.py``); a
+dropped one gives its slot back. A request without a slot free holds nothing
+(``save_dropped{reason="hold_full"}``).
+Both copies, the hold's states and the release's blocks, go with the step's other saves
+(``EngineCaches.one_step``): on a device the engine's stream waits for the device-side gathers
+only, and nothing on the engine's thread waits for a transfer to the host; the save lane waits
+for them (``HeldSave.copies``) before it reads the slot.
 Under async scheduling a step's output boundary is held before its key is known (a deferred
 hold); with ``output_boundaries: every`` its release comes while the request still runs
 (``Release.running``): stored the same way, but never reported sent, the blocks being the
@@ -22,6 +27,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from prefixvault.blockio import Done
 from prefixvault.codec import ObjectKind
 from prefixvault.lane import report
 from prefixvault.staging import SlotPool
@@ -50,6 +56,10 @@ class HeldSave:
     spec: SaveSpec
     slot: int | None  # None: it had no states to hold
     payloads: dict[str, memoryview]  # the held states by object key: views of the slot
+    # The copies into the slot, maybe still running on a device: wait for them before reading
+    # ``payloads``. A copy into a slot is queued after every earlier one on the same side
+    # stream, so a slot given back and taken again is written in order.
+    copies: tuple[Done, ...] = ()
 
 
 class Holds:
@@ -83,7 +93,8 @@ class Holds:
                 log.warning("prefixvault: one boundary's states (%d bytes) do not fit save_hold_mib (%d "
                             "bytes): no output boundary is stored; raise it", slot, self._hold_bytes)
             else:
-                self._slots = SlotPool(slot, self._hold_bytes // slot)
+                count = self._hold_bytes // slot
+                self._slots = SlotPool(slot, count, self._ctx.caches.host_buffer(slot * count))
 
     def hold(self, spec: SaveSpec, sid: str) -> None:
         """Hold a save (``SaveSpec.hold``): nothing is stored, nor settled, until its request
@@ -109,22 +120,28 @@ class Holds:
                                      SaveDrop.HOLD_FULL if self._slots else SaveDrop.HOLD_TOO_LARGE)
                 return
         payloads: dict[str, memoryview] = {}
+        copies: list[Done] = []
         try:
             if states:
                 assert self._slots is not None and slot is not None
-                view, off = self._slots.view(slot), 0
+                by_group: dict[int, list[tuple[ObjectRef, int]]] = {}
                 for ref, block_id in states:
-                    size = self._ctx.caches.object_bytes(ref.group)
-                    if off + size > len(view):
+                    by_group.setdefault(ref.group, []).append((ref, block_id))
+                view, off = self._slots.view(slot), 0
+                for g, objs in by_group.items():  # one gather per group, queued with the step's saves
+                    size = self._ctx.caches.object_bytes(g)
+                    end = off + len(objs) * size
+                    if end > len(view):
                         raise ValueError("a held save has more states than one boundary's")
-                    self._ctx.caches.read_into(ref, block_id, view[off : off + size])
-                    payloads[ref.key] = view[off : off + size]
-                    off += size
+                    copies.append(self._ctx.caches.copy_out(g, [b for _, b in objs], view[off:end]))
+                    for j, (ref, _) in enumerate(objs):
+                        payloads[ref.key] = view[off + j * size : off + (j + 1) * size]
+                    off = end
         except BaseException:  # the slot may hold half of two boundaries: drop the hold
             self._held.pop(spec.req_id, None)
             self._give(slot)
             raise
-        self._held[spec.req_id] = HeldSave(spec=spec, slot=slot, payloads=payloads)
+        self._held[spec.req_id] = HeldSave(spec=spec, slot=slot, payloads=payloads, copies=tuple(copies))
 
     def release(self, releases: Sequence[Release], step: int) -> None:
         """Store (``Release.store``) or drop the released held saves. A stored one's KV blocks
@@ -174,6 +191,12 @@ class Holds:
         spec = dataclasses.replace(held.spec, hold=False)
         slot, states = held.slot, held.payloads
         if self._saves.stored_in_step:
+            try:
+                for c in held.copies:  # made in an earlier step: issued, and landed by now on a host
+                    c.wait()
+            except BaseException:
+                self._give(slot)
+                raise
             def read(ref: ObjectRef, block_id: int) -> memoryview:
                 return states[ref.key] if ref.key in states else self._ctx.caches.read(ref, block_id)
 
@@ -188,7 +211,8 @@ class Holds:
                 self._give(slot)
             return
         try:
-            staged = self._saves.stage(sid, spec, states, give_back=functools.partial(self._give, slot))
+            staged = self._saves.stage(sid, spec, states, held.copies,
+                                       give_back=functools.partial(self._give, slot))
         except BaseException:
             self._give(slot)
             raise
@@ -196,11 +220,8 @@ class Holds:
             self._give(slot)
             self._saves.settle(sid, False)
             return
-        try:
-            self._saves.wait_copied(staged)  # the blocks are freed once this request is reported sent
-        except BaseException:
-            self._give(slot)
-            raise
+        # Not waited for here: the blocks may be freed (the request reported sent) once the
+        # step's gathers are issued, and the save lane waits for the transfers.
         self._saves.enqueue(staged)
 
     def _named(self, held: HeldSave, hashes: list[bytes]) -> HeldSave:
@@ -215,7 +236,8 @@ class Holds:
         before, _ = self._ctx.vault.objects_of(rank, stand_ins, plans, salt)
         after, _ = self._ctx.vault.objects_of(rank, spec.hashes, plans, salt)
         keys = {a.key: b.key for (a, _), (b, _) in zip(before, after, strict=True)}
-        return HeldSave(spec=spec, slot=held.slot, payloads={keys[k]: v for k, v in held.payloads.items()})
+        return HeldSave(spec=spec, slot=held.slot, payloads={keys[k]: v for k, v in held.payloads.items()},
+                        copies=held.copies)
 
     def fail_releases(self, releases: Sequence[Release], step: int) -> None:
         """After an error of ours in ``release`` (or with the worker off): drop the held saves

@@ -123,10 +123,12 @@ class Saves:
         self.settle(sid, False)
 
     def stage(self, sid: str, spec: SaveSpec, held: dict[str, memoryview] | None = None,
+              held_copies: Sequence[Done] = (),
               give_back: Callable[[], None] | None = None) -> StagedSave | None:
         """The spec's objects copied into one staging reservation, one gather per cache group
-        (on a device, still in flight: ``wait_copied``); None if dropped. Objects in ``held``
-        are not copied: their payloads are the held bytes."""
+        (on a device, maybe still in flight: the save lane waits for ``StagedSave.copies``);
+        None if dropped. Objects in ``held`` are not copied: their payloads are the held bytes,
+        copied by ``held_copies``, which the lane waits for too."""
         assert self._ctx.vault is not None and self._staging is not None
         objects, _ = self._ctx.vault.objects_of(self._ctx.rank, spec.hashes, spec.plans, spec.salt)
         by_group: dict[int, list[tuple[ObjectRef, int]]] = {}
@@ -139,8 +141,8 @@ class Saves:
         total = sum(len(objs) * self._ctx.caches.object_bytes(g) for g, objs in by_group.items())
         if not total:  # nothing to copy (records only): no staging, nothing to hand back
             nothing = Reservation(0, 0, memoryview(b""), released=True)
-            return StagedSave(sid=sid, spec=spec, reservation=nothing, payloads=payloads, copies=[],
-                              give_back=give_back)
+            return StagedSave(sid=sid, spec=spec, reservation=nothing, payloads=payloads,
+                              copies=list(held_copies), give_back=give_back)
         r = self._staging.reserve(total)
         if r is None:
             reason = SaveDrop.TOO_LARGE if total > self._staging.capacity else SaveDrop.STAGING_FULL
@@ -164,22 +166,8 @@ class Saves:
                 c.wait()  # never hand back memory a copy may still write
             self._staging.release(r)
             raise
-        return StagedSave(sid=sid, spec=spec, reservation=r, payloads=payloads, copies=copies,
-                          give_back=give_back)
-
-    def wait_copied(self, job: StagedSave) -> None:
-        """Return once every copy into the save's staging ended. If one failed, its staging goes
-        back and the error is raised (the save was not handed to the lane)."""
-        try:
-            for c in job.copies:
-                c.wait()
-        except BaseException:
-            for c in job.copies:
-                with contextlib.suppress(Exception):
-                    c.wait()  # never hand back memory a copy may still write
-            assert self._staging is not None
-            self._staging.release(job.reservation)
-            raise
+        return StagedSave(sid=sid, spec=spec, reservation=r, payloads=payloads,
+                          copies=[*copies, *held_copies], give_back=give_back)
 
     def enqueue(self, job: StagedSave) -> None:
         """Hand a staged save to the save lane (which gives back what it holds once it is stored)."""

@@ -125,16 +125,19 @@ class WorkerSide:
                 if not spec.hold:  # a hold is settled when its request is released
                     self.saves.settle(spec.sid(step), False)
             return
-        if releases:
-            self.holds.release(releases, step)
-        if not saves or self._vault is None:
+        if not releases and (not saves or self._vault is None):
             return
-        with self.caches.one_step():  # every save's gathers queued together: the engine waits once
-            for spec in saves:
-                if spec.hold:
-                    self.holds.hold(spec, spec.sid(step))
-                else:
-                    self.saves.save(spec, spec.sid(step))
+        # Every gather of the step (releases' blocks, holds' states, saves) queued together: the
+        # engine's stream waits once, for the device-side copies only.
+        with self.caches.one_step():
+            if releases:
+                self.holds.release(releases, step)
+            if saves and self._vault is not None:
+                for spec in saves:
+                    if spec.hold:
+                        self.holds.hold(spec, spec.sid(step))
+                    else:
+                        self.saves.save(spec, spec.sid(step))
 
     def load(self, specs: Sequence[LoadSpec], step: int = 0) -> None:
         """Write the synchronous loads of ``step`` now (vLLM calls this before the step's
