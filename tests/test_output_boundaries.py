@@ -11,6 +11,7 @@ from typing import Any
 
 from vllm_support.asking import ask
 
+from prefixvault.admission import Kind
 from prefixvault.keys import chain_hashes
 from prefixvault.layout import CacheGroup, CacheLayout, GroupKind, TensorSpec
 from prefixvault.stores.memory import MemoryStore
@@ -29,11 +30,12 @@ PROMPT = list(range(1, 7))  # 6 tokens: the prompt's last block boundary is 4, i
 
 
 def side(capture_outputs: bool, boundaries: OutputBoundaries = OutputBoundaries.EVERY,
-         capture: CapturePolicy = CapturePolicy.STEPS, interval: int = 0) -> tuple[SchedulerSide, Any]:
-    vault = Vault(MemoryStore(), LAYOUT)
+         capture: CapturePolicy = CapturePolicy.STEPS, interval: int = 0, layout: CacheLayout = LAYOUT
+         ) -> tuple[SchedulerSide, Any]:
+    vault = Vault(MemoryStore(), layout)
     settings = ConnectorSettings(capture=capture, capture_interval=interval, capture_outputs=capture_outputs,
                                  output_boundaries=boundaries)
-    s = SchedulerSide(settings, LAYOUT, vault, load=True, save=True)
+    s = SchedulerSide(settings, layout, vault, load=True, save=True)
     req = request()
     ask(s, req, 0)
     return s, req
@@ -150,6 +152,25 @@ def test_last_holds_each_output_boundary_and_stores_the_last_at_finish() -> None
     assert s.counters.plans == 3
     # Lookups of the finished prefix wait for the save, as for any save in flight.
     assert s.saves.in_flight.names_any([second.hashes[2]])
+
+
+def test_a_hold_stored_at_finish_is_told_to_the_admission_policy_only_for_a_model_with_state() -> None:
+    """The admission policy weighs states (``reuse`` watches whether a stored one comes back):
+    a held output boundary stored at finish is told to it as a sequence end where the model has
+    state groups, and not at all where it has none (as every other save of such a model)."""
+    attention_only = CacheLayout(model="outputs-attention", block_size=BS, groups=LAYOUT.groups[:1])
+    for layout, told in ((LAYOUT, 1), (attention_only, 0)):
+        s, req = side(True, OutputBoundaries.LAST, layout=layout)
+        assert s.saves is not None
+        seen: list[Kind] = []
+        s.saves.admission.admitted = lambda key, kinds, seen=seen: seen.append(kinds)  # type: ignore[method-assign]
+        step(s, 0, 4)
+        step(s, 4, 2)
+        seen.clear()
+        held, = decode_to(s, req, 8)
+        assert held.hold
+        assert finish(s, req, "FINISHED_STOPPED") == (True, [("r", True)])
+        assert seen == [Kind.SEQUENCE_END] * told, layout.model
 
 
 def test_last_drops_the_hold_of_a_failed_preempted_or_moved_request() -> None:
@@ -314,6 +335,21 @@ def test_every_drops_a_deferred_hold_whose_blocks_moved_or_whose_request_was_pre
                 TABLES[0][1] = 12
             assert [(r.req_id, r.store) for r in meta.releases] == [("r", False)]
         assert s.counters.holds_dropped == {"preempted" if how == "preempted" else "blocks_moved": 1}, how
+
+
+def test_a_request_ended_before_its_held_token_was_sampled_drops_the_hold_as_unsampled() -> None:
+    """Async scheduling: a request aborted while the token its deferred hold ends on was being
+    sampled (vLLM drops that token): nothing names the hold, which is dropped, and counted as
+    such, not as an error of ours."""
+    for mode in (OutputBoundaries.EVERY, OutputBoundaries.LAST):
+        s, req = side(True, mode)
+        step(s, 0, 4)
+        step(s, 4, 2)
+        req.all_token_ids += [50]
+        held, = step(s, 7, 1)  # token 7 (id 51) still being sampled
+        assert held.deferred
+        assert finish(s, req, "FINISHED_ABORTED") == (False, [("r", False)])
+        assert s.counters.holds_dropped == {"unsampled": 1}, mode
 
 
 def test_every_drops_a_deferred_hold_whose_parent_save_was_not_published() -> None:

@@ -60,6 +60,9 @@ class HoldDrop(StrEnum):
     INTERNAL_ERROR = "internal_error"  # an error of ours (logged with its traceback)
     # (``every``, async) the save it extends was not published: it names a record that never came
     PARENT_UNPUBLISHED = "parent_unpublished"
+    # (async) the request ended (aborted, say) before the token its hold ends on was known: the
+    # hold was made over a token still being sampled, which vLLM then dropped
+    UNSAMPLED = "unsampled"
 
 
 class SavePlans:
@@ -296,11 +299,12 @@ class SavePlans:
         if spec.deferred:  # keyed now: every token it holds is known once the request finished
             top = max(p.tokens for p in spec.plans)
             if tr.known(top) < top:
-                self.drop_hold(tr, HoldDrop.INTERNAL_ERROR)
+                self.drop_hold(tr, HoldDrop.UNSAMPLED)
                 return False
             spec = dataclasses.replace(spec, hashes=self.ctx.chain(tr, top), deferred=False)
             named = spec.hashes
-        self._store_hold(tr, spec.hashes, Release(spec.req_id, True, named), Kind.SEQUENCE_END)
+        self._store_hold(tr, spec.hashes, Release(spec.req_id, True, named),
+                         Kind.SEQUENCE_END if self.state_groups else None)
         return True
 
     def _release_known(self, tr: TrackedRequest, state: Any) -> None:
