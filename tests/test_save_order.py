@@ -6,8 +6,10 @@ per step, recorded before any transfer. Stream operations recorded on CPU stand-
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
+import pytest
 import torch
 from test_vault import BS, layout
 from test_worker_saves import STATE_BLOCK, TOKENS, held, restored, settle, spec
@@ -195,6 +197,45 @@ def test_a_save_failing_mid_step_costs_that_save_only_and_the_steps_later_saves_
     for t in caches.values():
         t[:] = 99
     restored(vault, worker, caches)
+    worker.close()
+
+
+class FailingOps(RecordingOps):
+    """Stand-ins whose device-side gathers fail while ``failing`` is set (a CUDA error, say)."""
+
+    failing = False
+
+    def gather(self, dest: torch.Tensor, src: torch.Tensor, idx: torch.Tensor, page: int, group: int) -> None:
+        if self.failing:
+            raise RuntimeError("a device-side gather failed")
+        super().gather(dest, src, idx, page, group)
+
+
+def test_a_step_whose_gathers_failed_loses_its_own_saves_and_holds_only() -> None:
+    """The step's batch fails when it is issued: its save and its hold are lost (each settled
+    unpublished, the hold when its request finishes, the request still reported sent), every
+    staging byte and slot goes back, and a later step's save is stored."""
+    ops = FailingOps()
+    vault = Vault(MemoryStore(), layout())
+    worker, caches = worker_on(ops, vault, hold_bytes=1 << 20)
+    ops.failing = True
+    with pytest.raises(RuntimeError, match="gather failed"):  # (the connector's guard takes it)
+        worker.step([held(vault), spec(vault, "q", [t + 1000 for t in TOKENS])], [], step=1)
+    ops.failing = False
+    worker.step([spec(vault, "p")], [Release("r", True)], step=2)
+    assert worker.take_sent() == {"r"}
+    got: dict[str, bool] = {}
+    deadline = time.monotonic() + 5
+    while len(got) < 3 and time.monotonic() < deadline:
+        got.update(worker.take_settled())
+        time.sleep(0.005)
+    assert got == {save_id(1, "q"): False, save_id(2, "r"): False, save_id(2, "p"): True}
+    assert worker.counters.save_errors == 2
+    assert worker.holds._slots is not None and worker.holds._slots.taken == 0
+    assert worker.saves._staging is not None and worker.saves._staging.in_use == 0
+    for t in caches.values():
+        t[:] = 99
+    restored(vault, worker, caches)  # p's save, whole
     worker.close()
 
 

@@ -419,6 +419,9 @@ def test_a_running_requests_release_stores_its_hold_and_never_reports_it_sent(st
     worker.fail_releases([dataclasses.replace(release, hashes=[])], step=5)  # (then an error after it)
     assert worker.take_settled() == [(release.sid(5), False)] and worker.take_sent() == set()
     assert worker.holds._slots.taken == 0
+    worker.fail_releases([release], step=6)  # an error of ours in a step, then another after it
+    worker.fail_releases([release], step=6)
+    assert worker.take_settled() == [(release.sid(6), False)]
     worker.close()
 
 

@@ -114,6 +114,14 @@ class Done:
         if event is not None:
             event.synchronize()
 
+    @property
+    def failed(self) -> bool:
+        """Whether it is known to have failed by now (its step's gathers could not be queued),
+        without waiting."""
+        return self._batch is not None and self._batch.failed
+
+
+
 
 class CopyStream:
     """One direction's side stream and device buffer. Copies are queued on it one after
@@ -192,6 +200,11 @@ class SaveBatch:
     def issued(self) -> bool:
         """Whether it was issued (or failed issuing): nothing more can be added to it."""
         return self._issued.is_set()
+
+    @property
+    def failed(self) -> bool:
+        """Whether issuing it failed (every ``Done`` of it then raises)."""
+        return self._issued.is_set() and self._error is not None
 
     def landed(self) -> Any:
         """The event after every transfer to the host (None: nothing was queued)."""

@@ -10,8 +10,9 @@ dropped one gives its slot back. A request without a slot free holds nothing
 (``save_dropped{reason="hold_full"}``).
 Both copies, the hold's states and the release's blocks, go with the step's other saves
 (``EngineCaches.one_step``): on a device the engine's stream waits for the device-side gathers
-only, and nothing on the engine's thread waits for a transfer to the host; the save lane waits
-for them (``HeldSave.copies``) before it reads the slot.
+only, and the save lane, not the engine's thread, waits for the transfers to the host
+(``HeldSave.copies``) before it reads the slot (without a staging budget, a held save stored in
+the step waits for its states' transfer then).
 Under async scheduling a step's output boundary is held before its key is known (a deferred
 hold); with ``output_boundaries: every`` its release comes while the request still runs
 (``Release.running``): stored the same way, but never reported sent, the blocks being the
@@ -190,6 +191,9 @@ class Holds:
         states from the slot, which goes back once the save is stored."""
         spec = dataclasses.replace(held.spec, hold=False)
         slot, states = held.slot, held.payloads
+        if any(c.failed for c in held.copies):  # its step's gathers failed: this save alone is lost
+            self._give(slot)
+            raise RuntimeError(f"the copy of request {held.spec.req_id}'s held states failed in its step")
         if self._saves.stored_in_step:
             try:
                 for c in held.copies:  # made in an earlier step: issued, and landed by now on a host
@@ -250,6 +254,7 @@ class Holds:
             if rel.store and rel.running:
                 if rel.sid(step) not in self._settled_running:
                     self._saves.settle(rel.sid(step), False)
+                    self._settled_running.add(rel.sid(step))  # (called again after a second error)
             elif rel.store:
                 with self._lock:
                     done = rel.req_id in self._sent

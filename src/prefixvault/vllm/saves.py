@@ -163,7 +163,8 @@ class Saves:
                 off += len(objs) * size
         except BaseException:
             for c in copies:
-                c.wait()  # never hand back memory a copy may still write
+                with contextlib.suppress(Exception):  # (a batch that failed left nothing running)
+                    c.wait()  # never hand back memory a copy may still write
             self._staging.release(r)
             raise
         return StagedSave(sid=sid, spec=spec, reservation=r, payloads=payloads,
@@ -193,18 +194,32 @@ class Saves:
         """On the save lane: store every save queued by now as one batch (one existence check
         and one put for all their objects: a slow store is not paid per save), publish them
         together (``Vault.publish_many``), then give their staging back. An error raised here
-        resolves nothing: the lane drops the batch (``_drop_saves``)."""
+        resolves nothing: the lane drops the batch (``_drop_saves``). A save whose copies failed
+        (its step's gathers) is the only one lost for it."""
         assert self._ctx.vault is not None
         payloads: dict[str, memoryview] = {}
+        copied: list[StagedSave] = []
+        copy_errors = 0
         for job in batch:
-            for c in job.copies:
-                c.wait()
+            try:
+                for c in job.copies:
+                    c.wait()
+            except Exception as e:
+                report(self._ctx.guard, "save", e, f"the copies of save {job.sid}")
+                copy_errors += 1
+                continue
+            copied.append(job)
             payloads.update(job.payloads)
-        specs = [job.spec for job in batch]
-        all_acks = self._ctx.vault.save_many(self._ctx.rank, [(s.hashes, s.plans) for s in specs],
-                                         lambda ref, _block: payloads[ref.key],
-                                         salts=[s.salt for s in specs])
-        self._finish_saves(batch, self._publish(specs, all_acks, raise_store_errors=True))
+        specs = [job.spec for job in copied]
+        published: dict[int, bool] = {}
+        if copied:
+            all_acks = self._ctx.vault.save_many(self._ctx.rank, [(s.hashes, s.plans) for s in specs],
+                                             lambda ref, _block: payloads[ref.key],
+                                             salts=[s.salt for s in specs])
+            outcomes = self._publish(specs, all_acks, raise_store_errors=True)
+            published = {id(job): ok for job, ok in zip(copied, outcomes, strict=True)}
+        self._ctx.counters.add(save_errors=copy_errors)
+        self._finish_saves(batch, [published.get(id(job), False) for job in batch])
 
     def _drop_saves(self, batch: list[StagedSave], reason: Failure, error: BaseException | None) -> None:
         """Saves the lane could not store: counted (an error, or dropped for the queue or the
