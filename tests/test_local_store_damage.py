@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -187,6 +187,16 @@ def link_slab(path: Path) -> None:
     b.symlink_to(a)
 
 
+def rename_key_column(path: Path) -> None:
+    """The keys table's schema text damaged: it names another column than the store's queries."""
+    conn = sqlite3.connect(path / "index.db")
+    conn.execute("PRAGMA writable_schema = ON")
+    conn.execute("UPDATE sqlite_master SET sql = replace(sql, 'key TEXT PRIMARY KEY', 'kez TEXT PRIMARY KEY')"
+                 " WHERE name = 'keys'")
+    conn.commit()
+    conn.close()
+
+
 def write_writers_file(path: Path) -> None:
     shutil.rmtree(path / "writers", ignore_errors=True)
     (path / "writers").write_text("not a directory")
@@ -220,6 +230,7 @@ SCENARIOS: dict[str, Callable[[Path], None]] = {
     "a slab row is gone": index_sql("DELETE FROM slabs WHERE id = (SELECT MIN(id) FROM slabs);"),
     "a slot number out of range": index_sql(
         "UPDATE keys SET slot = 1000000 WHERE key = (SELECT MIN(key) FROM keys WHERE slab IS NOT NULL);"),
+    "the keys table's schema text names another column": rename_key_column,
     "stored capacity 0": index_sql("UPDATE meta SET value = 0 WHERE name = 'capacity';"),
     "next generation moved back": index_sql("UPDATE meta SET value = 1 WHERE name = 'next_gen';"),
     "random flips in every slab": flip_bytes,
@@ -443,6 +454,8 @@ OPS = st.tuples(st.sampled_from(["bytes", "truncate", "dir", "link", "remove", "
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(ops=st.lists(OPS, min_size=1, max_size=3))
+@example(ops=[("bytes", "index.db", 1463)])  # schema text damaged: "no such column" on open
+@example(ops=[("bytes", "index.db", 243)])  # an index page answering keys not asked
 def test_no_damage_leaves_the_store_unusable_after_repair(tmp_path_factory: pytest.TempPathFactory,
                                                          ops: list[tuple[str, str, int]]) -> None:
     path = tmp_path_factory.mktemp("campaign") / "s"

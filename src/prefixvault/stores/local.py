@@ -88,6 +88,9 @@ READ_ATTEMPTS = 3
 #: How long a fork waits for a thread of this process to finish a store call before it forks
 #: anyway; a store still busy then is unusable in the child (a clear error, never a hang).
 FORK_WAIT_S = 5.0
+#: SQLite's errors for a statement of ours naming what the index's schema lacks: its schema
+#: text is damaged (never a transient failure, as a lock or an I/O error is).
+_SCHEMA_GONE = ("no such column", "no such table")
 
 __all__ = ["IndexFull", "IndexRepair", "LocalStore", "LocalUsage", "StoreDamaged"]
 
@@ -279,6 +282,9 @@ class LocalStore(Store):
             if isinstance(exc, sqlite3.DatabaseError) and not isinstance(
                     exc, (sqlite3.OperationalError, sqlite3.ProgrammingError, sqlite3.IntegrityError)):
                 raise _directory.damaged(self.path, str(exc)) from None
+            if isinstance(exc, sqlite3.OperationalError) and str(exc).startswith(_SCHEMA_GONE):
+                # Our own statements name what our schema has: the index's schema text was damaged.
+                raise _directory.damaged(self.path, str(exc)[:200]) from None
             if isinstance(exc, sqlite3.Error):
                 raise error(f"local store {self.path}: {what} failed: {exc}") from None
             detail = exc.strerror or str(exc)
@@ -497,7 +503,7 @@ class LocalStore(Store):
                     f"SELECT key, slab, slot, gen FROM keys WHERE key IN ({marks(len(chunk))})",
                     chunk,
                 ):
-                    if want[key] == (slab, slot, gen):
+                    if want.get(key) == (slab, slot, gen):  # (a damaged index may answer other keys)
                         same.add(key)
         return set(want) - same
 
