@@ -121,8 +121,6 @@ class Done:
         return self._batch is not None and self._batch.failed
 
 
-
-
 class CopyStream:
     """One direction's side stream and device buffer. Copies are queued on it one after
     another (under ``lock``), so every group of a worker can use the same buffer: stream order

@@ -157,6 +157,39 @@ class EngineCaches:
             self._batch = self.ios[0].save_batch()
         return self.ios[group].gather(list(block_ids), _host(dest, len(block_ids)), self._batch)
 
+    def nbytes_of(self, objects: Sequence[tuple[ObjectRef, int]]) -> int:
+        """Bytes ``copy_objects`` needs for ``objects`` (ref, block id) on this rank."""
+        return sum(self.object_bytes(ref.group) for ref, _ in objects)
+
+    def copy_objects(self, objects: Sequence[tuple[ObjectRef, int]], dest: memoryview
+                     ) -> tuple[dict[str, memoryview], list[Done]]:
+        """Copy ``objects`` (ref, block id) into ``dest``, one gather per cache group
+        (``copy_out``), group after group: their payloads by object key (views of ``dest``) and
+        the copies to wait for before reading them. ``dest`` too small raises before any copy;
+        a copy that cannot be queued raises once those queued before it ended (the caller may
+        then hand ``dest`` out again)."""
+        by_group: dict[int, list[tuple[ObjectRef, int]]] = {}
+        for ref, block_id in objects:
+            by_group.setdefault(ref.group, []).append((ref, block_id))
+        if self.nbytes_of(objects) > len(dest):
+            raise ValueError(f"{self.nbytes_of(objects)} bytes of objects do not fit {len(dest)}")
+        payloads: dict[str, memoryview] = {}
+        copies: list[Done] = []
+        off = 0
+        try:
+            for g, objs in by_group.items():
+                size = self.object_bytes(g)
+                copies.append(self.copy_out(g, [b for _, b in objs], dest[off : off + len(objs) * size]))
+                for ref, _ in objs:
+                    payloads[ref.key] = dest[off : off + size]
+                    off += size
+        except BaseException:
+            for c in copies:
+                with contextlib.suppress(Exception):  # (a batch that failed left nothing running)
+                    c.wait()  # never hand back memory a copy may still write
+            raise
+        return payloads, copies
+
     # -- copies in (loads) ------------------------------------------------------------------------
 
     def mark(self) -> list[Any]:

@@ -123,21 +123,9 @@ class Holds:
         payloads: dict[str, memoryview] = {}
         copies: list[Done] = []
         try:
-            if states:
+            if states:  # one gather per group, queued with the step's saves
                 assert self._slots is not None and slot is not None
-                by_group: dict[int, list[tuple[ObjectRef, int]]] = {}
-                for ref, block_id in states:
-                    by_group.setdefault(ref.group, []).append((ref, block_id))
-                view, off = self._slots.view(slot), 0
-                for g, objs in by_group.items():  # one gather per group, queued with the step's saves
-                    size = self._ctx.caches.object_bytes(g)
-                    end = off + len(objs) * size
-                    if end > len(view):
-                        raise ValueError("a held save has more states than one boundary's")
-                    copies.append(self._ctx.caches.copy_out(g, [b for _, b in objs], view[off:end]))
-                    for j, (ref, _) in enumerate(objs):
-                        payloads[ref.key] = view[off + j * size : off + (j + 1) * size]
-                    off = end
+                payloads, copies = self._ctx.caches.copy_objects(states, self._slots.view(slot))
         except BaseException:  # the slot may hold half of two boundaries: drop the hold
             self._held.pop(spec.req_id, None)
             self._give(slot)

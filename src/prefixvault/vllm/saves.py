@@ -131,14 +131,10 @@ class Saves:
         copied by ``held_copies``, which the lane waits for too."""
         assert self._ctx.vault is not None and self._staging is not None
         objects, _ = self._ctx.vault.objects_of(self._ctx.rank, spec.hashes, spec.plans, spec.salt)
-        by_group: dict[int, list[tuple[ObjectRef, int]]] = {}
-        payloads: dict[str, memoryview] = {}
-        for ref, block_id in objects:
-            if held is not None and ref.key in held:
-                payloads[ref.key] = held[ref.key]
-            else:
-                by_group.setdefault(ref.group, []).append((ref, block_id))
-        total = sum(len(objs) * self._ctx.caches.object_bytes(g) for g, objs in by_group.items())
+        held = held or {}
+        payloads = {ref.key: held[ref.key] for ref, _ in objects if ref.key in held}
+        to_copy = [(ref, block_id) for ref, block_id in objects if ref.key not in held]
+        total = self._ctx.caches.nbytes_of(to_copy)
         if not total:  # nothing to copy (records only): no staging, nothing to hand back
             nothing = Reservation(0, 0, memoryview(b""), released=True)
             return StagedSave(sid=sid, spec=spec, reservation=nothing, payloads=payloads,
@@ -151,22 +147,12 @@ class Saves:
                             "raise it, or such saves are never stored", total, self._staging.capacity)
             self._ctx.counters.tally("save_dropped", reason)
             return None
-        copies: list[Done] = []
-        off = 0
         try:
-            for g, objs in by_group.items():
-                size = self._ctx.caches.object_bytes(g)
-                region = r.view[off : off + len(objs) * size]
-                copies.append(self._ctx.caches.copy_out(g, [b for _, b in objs], region))
-                for j, (ref, _) in enumerate(objs):
-                    payloads[ref.key] = region[j * size : (j + 1) * size]
-                off += len(objs) * size
+            copied, copies = self._ctx.caches.copy_objects(to_copy, r.view)
         except BaseException:
-            for c in copies:
-                with contextlib.suppress(Exception):  # (a batch that failed left nothing running)
-                    c.wait()  # never hand back memory a copy may still write
-            self._staging.release(r)
+            self._staging.release(r)  # (what was queued into it ended)
             raise
+        payloads.update(copied)
         return StagedSave(sid=sid, spec=spec, reservation=r, payloads=payloads,
                           copies=[*copies, *held_copies], give_back=give_back)
 
@@ -198,28 +184,26 @@ class Saves:
         (its step's gathers) is the only one lost for it."""
         assert self._ctx.vault is not None
         payloads: dict[str, memoryview] = {}
-        copied: list[StagedSave] = []
-        copy_errors = 0
-        for job in batch:
+        copied: list[int] = []  # indexes in ``batch`` of the saves whose copies ended well
+        for i, job in enumerate(batch):
             try:
                 for c in job.copies:
                     c.wait()
             except Exception as e:
                 report(self._ctx.guard, "save", e, f"the copies of save {job.sid}")
-                copy_errors += 1
                 continue
-            copied.append(job)
+            copied.append(i)
             payloads.update(job.payloads)
-        specs = [job.spec for job in copied]
-        published: dict[int, bool] = {}
+        outcomes = [False] * len(batch)
         if copied:
+            specs = [batch[i].spec for i in copied]
             all_acks = self._ctx.vault.save_many(self._ctx.rank, [(s.hashes, s.plans) for s in specs],
                                              lambda ref, _block: payloads[ref.key],
                                              salts=[s.salt for s in specs])
-            outcomes = self._publish(specs, all_acks, raise_store_errors=True)
-            published = {id(job): ok for job, ok in zip(copied, outcomes, strict=True)}
-        self._ctx.counters.add(save_errors=copy_errors)
-        self._finish_saves(batch, [published.get(id(job), False) for job in batch])
+            for i, ok in zip(copied, self._publish(specs, all_acks, raise_store_errors=True), strict=True):
+                outcomes[i] = ok
+        self._ctx.counters.add(save_errors=len(batch) - len(copied))
+        self._finish_saves(batch, outcomes)
 
     def _drop_saves(self, batch: list[StagedSave], reason: Failure, error: BaseException | None) -> None:
         """Saves the lane could not store: counted (an error, or dropped for the queue or the
