@@ -271,12 +271,37 @@ def test_losing_the_workers_mailbox_is_said_once(caplog: pytest.LogCaptureFixtur
     handover = InStepHandover(layout(), ReadAheadBudget(1 << 20), "engine-z", lambda why: lost.append(why))
     assert not handover.reads_ahead()  # never found: nothing to say
     mailbox = Mailboxes.serve("engine-z", "uni")
+    assert not handover.reads_ahead()  # looked for once a step: found in the next
+    handover.next_step()
     assert mailbox is not None and handover.reads_ahead()
     mailbox.withdraw()
     with caplog.at_level(logging.WARNING, logger="vllm.prefixvault"):
+        handover.next_step()
         assert not handover.reads_ahead() and not handover.reads_ahead()
+        handover.next_step()
+        assert not handover.reads_ahead()
     assert caplog.text.count("mailbox for synchronous loads is gone") == 1
     assert lost == ["mailbox_gone"]  # counted once (``in_step_lost``)
+
+
+def test_the_workers_mailbox_is_looked_for_once_a_step(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Looking for a shared mailbox reads shared memory and ``/proc``; a step's asks (several
+    calls each) look once, and the next step looks again (a mailbox withdrawn meanwhile is
+    found gone there: within a step, a put then fails or the worker reads the store)."""
+    mailbox = Mailboxes.serve("engine-w", "uni")
+    finds: list[str | None] = []
+    real = Mailboxes.find
+    monkeypatch.setattr(Mailboxes, "find",
+                        lambda engine_id, root=None: finds.append(engine_id) or real(engine_id))
+    handover = InStepHandover(layout(), ReadAheadBudget(1 << 20), "engine-w")
+    for _ in range(5):
+        assert handover.reads_ahead() and handover.mailbox() is mailbox
+    assert finds == ["engine-w"]
+    assert mailbox is not None
+    mailbox.withdraw()
+    assert handover.reads_ahead()  # (this step's answer)
+    handover.next_step()
+    assert not handover.reads_ahead() and finds == ["engine-w", "engine-w"]
 
 
 def test_an_engine_id_two_workers_of_one_process_serve_is_served_by_neither() -> None:

@@ -125,9 +125,22 @@ class InStepHandover:
         self.engine_id = engine_id
         self.state_groups = [i for i, g in enumerate(layout.groups) if g.is_state]
         self._found = False  # a worker's mailbox was found once (its loss is then said, once)
+        # The mailbox as last looked for, until the next step (``next_step``): looking for it
+        # reads shared memory and ``/proc`` (a dozen system calls, each letting another thread
+        # take the interpreter lock), which every ask of a step would otherwise repeat several
+        # times. Found gone meanwhile, a put fails (the load is then asynchronous) or the worker
+        # reads the store: the same as a mailbox withdrawn between a find and a put.
+        self._cached: tuple[Mailbox | None] | None = None
+
+    def next_step(self) -> None:
+        """A new step is being asked about: the mailbox is looked for again, once."""
+        self._cached = None
 
     def mailbox(self) -> Mailbox | None:
+        if self._cached is not None:
+            return self._cached[0]
         found = Mailboxes.find(self.engine_id)
+        self._cached = (found,)
         if found is not None:
             self._found = True
         elif self._found:

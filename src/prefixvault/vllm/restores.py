@@ -159,6 +159,7 @@ class Restores:
         """Step ``step`` is being built: the loads allocated for it (handed over whatever
         happens next), and a new wait budget for the asks of the step after it."""
         self._step = step
+        self.handover.next_step()
         # With restore_in_step a step waits for its lookups whatever they cost (a local store's
         # read is a copy); else only as long as a restore a step sooner pays back (``costs``).
         self._wait.next_step(None if self.in_step else self.costs.wait_for_lookups(LOOKUP_WAIT_S))
