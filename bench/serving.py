@@ -22,12 +22,15 @@ generated text equals cold's, and which part from cold's, the consumer's beside 
 (which restores nothing: where its texts part too, batching did it); then the ratios
 consumer/cold (what restoring gains and costs), consumer/local (a restore against a hit in the
 engine's own cache: TTFT, after the first wave too, and ITL p99, which the own cache's faster
-first tokens also raise above cold's) and producer/cold (what saving costs: the producer computes everything, as
-cold does, and stores it); and the consumer's bytes read from the store over one copy of every
-object it restored (``store_reads_per_copy``: about 1 with the hot set of recent loads; a shared
-prefix's blocks read once per request without it) and the share of restored bytes the hot set
-served (``hot_share``); and the consumer's lookups, loads (and how many were synchronous: their
-bytes read ahead and handed to the worker), what ``restore_when`` judged and its misses by reason.
+first tokens also raise above cold's) and producer/cold (what saving costs: the producer
+computes everything, as cold does, and stores it); and the consumer's bytes read from the
+store over one copy of every object it restored (``store_reads_per_copy``: about 1 with the hot
+set of recent loads; a shared prefix's blocks read once per request without it) and the share
+of restored bytes the hot set served (``hot_share``); and the consumer's lookups, loads (and
+how many were synchronous: their bytes read ahead and handed to the worker), what
+``restore_when`` judged and its misses by reason; and what the connector adds to each engine
+step on the scheduler's thread and the engine's (``scheduler_us``, ``worker_step_us`` over
+vLLM's steps), the consumer's scheduler time also per lookup.
 The last line is one JSON object.
 """
 
@@ -98,10 +101,16 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     estimates: dict[str, float] = {}  # its cost estimates at the end (``costs``): where a restore's time goes
     second: dict[str, Any] = {}
 
+    spent: dict[str, dict[str, float]] = {}  # the connector's time in the steps, by server
+
     def serve(tag: str, command: list[str], again: bool = False) -> tuple[dict[str, Any], float]:
         with server(command, work / f"{tag}-server.log", env=env) as url:
             result = benchmark(url, name, work / f"{tag}.json", load)
             hits = metric(url, "vllm:external_prefix_cache_hits_total")
+            if tag in ("producer", "consumer"):
+                spent[tag] = {k: metric(url, f"vllm:prefixvault_{k}_total")
+                              for k in ("scheduler_us", "worker_step_us")}
+                spent[tag]["steps"] = metric(url, "vllm:iteration_tokens_total_count")
             if tag == "producer":  # what the saves came to (counters of the version measured)
                 for k in ("records_published", "save_dropped", "save_errors"):
                     saves[k] = metric(url, f"vllm:prefixvault_{k}_total")
@@ -156,6 +165,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     # own cache shows how far)
     out["vs_local"] = {k: round(out["consumer"][k] / out["local"][k], 3) if out["local"][k] else None
                        for k in ("mean_ttft_ms", "p99_ttft_ms", "p99_itl_ms", WARM)}
+    for tag, figures in spent.items():  # the connector's microseconds per engine step, each side's thread
+        steps = figures["steps"] or 1.0
+        out[tag]["connector_us_per_step"] = {"scheduler": round(figures["scheduler_us"] / steps),
+                                             "worker": round(figures["worker_step_us"] / steps)}
+    lookups = out["consumer"]["lookups"]
+    out["consumer"]["scheduler_us_per_lookup"] = (round(spent["consumer"]["scheduler_us"] / lookups)
+                                                  if lookups else None)
     out["producer"].update(saves)  # counted until its requests were done (queued saves drain after)
     out["ratios"] = {k: round(out["consumer"][k] / out["cold"][k], 3) if out["cold"][k] else None
                      for k in COLUMNS}
@@ -216,6 +232,9 @@ def main() -> None:
           f"external hit tokens {c['external_hit_tokens']:.0f}, texts equal {out['texts_equal']}")
     print(f"consumer: {c['lookups']:.0f} lookups, {c['loads']:.0f} loads ({c['loads_synchronous']:.0f} "
           f"synchronous); judged {c['judged']}; misses {c['misses']}")
+    print(f"connector's time per engine step (microseconds, scheduler / worker thread): consumer "
+          f"{c['connector_us_per_step']}, producer {out['producer']['connector_us_per_step']}; consumer's "
+          f"scheduler per lookup {c['scheduler_us_per_lookup']}")
     differ = out["texts_differ"]
     print(f"texts apart from cold: consumer {differ['consumer']}, producer (restores nothing) "
           f"{differ['producer']}; consumer only {out['texts_differ_only_consumer']}")

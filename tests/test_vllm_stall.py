@@ -83,6 +83,9 @@ def check_metrics(url: str) -> None:
     for lane in ("lookup", "save"):
         assert value(rf'vllm:prefixvault_lane_jobs_total{{[^}}]*lane="{lane}"[^}}]*}}') > 0, lane
     assert value(r"vllm:prefixvault_lookups_total{[^}]*}") > 0
+    # what the connector added to the steps, on each side's thread (it looked up and saved)
+    assert value(r"vllm:prefixvault_scheduler_us_total{[^}]*}") > 0
+    assert value(r"vllm:prefixvault_worker_step_us_total{[^}]*}") > 0
 
 
 def test_a_stalled_store_does_not_stall_decoding(tmp_path: Path) -> None:

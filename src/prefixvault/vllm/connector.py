@@ -10,10 +10,13 @@ Enable it with::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
+import time
 from collections import Counter
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
@@ -70,11 +73,33 @@ VAULT_TALLIES = {"rejected": "rejected", "misses": "lookup_misses", "refused": "
 SCHEDULER_FIGURES = {"lookups": "lookups", "lookup_errors": "lookup_errors", "hit_tokens": "hit_tokens",
                      "samples": "verify_samples", "sample_errors": "verify_sample_errors",
                      "refused": "refused", "holds_dropped": "holds_dropped", "judged": "restore_judgments",
-                     "in_step_lost": "in_step_lost"}
+                     "in_step_lost": "in_step_lost", "busy_us": "scheduler_us"}
 WORKER_FIGURES = {"save_errors": "save_errors", "loads": "loads", "loaded_tokens": "loaded_tokens",
                   "loads_in_step": "loads_in_step", "loads_in_step_read": "loads_in_step_read",
                   "saved_boundaries": "saved_boundaries", "published": "saves_published",
-                  "save_dropped": "save_dropped", "failure_reasons": "load_failures"}
+                  "save_dropped": "save_dropped", "failure_reasons": "load_failures",
+                  "busy_us": "worker_step_us"}
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def spent_in(side: str) -> Callable[[F], F]:
+    """Count a vLLM call's wall time in the connector under ``busy_us`` of ``side``'s counters
+    (``scheduler`` or ``worker``): what the connector adds to each step, on the scheduler's
+    thread (its schedule: lookups answered, saves planned) or the engine's (synchronous loads
+    written, saves gathered), both on a step's critical path."""
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def timed(self: PrefixVaultConnector, *args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter_ns()
+            try:
+                return method(self, *args, **kwargs)
+            finally:
+                owner = self._scheduler if side == "scheduler" else self._worker
+                if owner is not None:
+                    owner.counters.add(busy_us=(time.perf_counter_ns() - start) // 1000)
+        return cast(F, timed)
+    return wrap
 
 
 class ForkedConnector(RuntimeError):
@@ -233,6 +258,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         if scheduler is not None:  # an error leaves divergent hits unoffered (never watched)
             self.guard.call("bind_kv_cache_manager", lambda: scheduler.bind(kv_cache_manager), lambda: None)
 
+    @spent_in("scheduler")
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
@@ -241,10 +267,12 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         self.guard.call("alignment", self.alignment.check, lambda: None)  # before the first chunk
         return self.scheduler.get_num_new_matched_tokens(request, num_computed_tokens)  # never raises
 
+    @spent_in("scheduler")
     def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
         if self.scheduler is not None:
             self.scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
 
+    @spent_in("scheduler")
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         if self.scheduler is None:
             return PrefixVaultMetadata()
@@ -254,6 +282,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
+    @spent_in("scheduler")
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         # Saves are copied out in the step that computes them, so blocks are freed now; except
@@ -312,6 +341,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         cache that sleep releases, so sleep mode stays refused with this connector."""
         return False
 
+    @spent_in("worker")
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         worker = self.worker
@@ -323,6 +353,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None
 
+    @spent_in("worker")
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of synchronous loads that could not be written (``vllm/mailbox.py``)."""
         worker = self.worker
@@ -331,6 +362,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         return None
 
+    @spent_in("worker")
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         worker = self.worker
@@ -339,6 +371,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
             self.guard.call("wait_for_save", lambda: worker.step(meta.saves, meta.releases, meta.step),
                             lambda: worker.fail_releases(meta.releases, meta.step))
 
+    @spent_in("worker")
     def build_connector_worker_meta(self) -> SavesSettled | None:
         worker = self.worker
         if worker is None:
@@ -355,6 +388,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         return SavesSettled(Counter(sid for sid, _ in settled), Counter(sid for sid, ok in settled if not ok),
                             off=int(off), load_bytes=load_bytes, load_s=load_s, caps=caps)
 
+    @spent_in("scheduler")
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         report = connector_output.kv_connector_worker_meta
         scheduler = self.scheduler
@@ -370,6 +404,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         results = self.get_transfer_results(finished_req_ids)
         return results.finished_sending or None, results.finished_recving or None
 
+    @spent_in("worker")
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.worker is None:
             return KVConnectorTransferResults()

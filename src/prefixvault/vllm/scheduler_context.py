@@ -37,6 +37,7 @@ class SchedulerCounters(Counters):
     plans: int = 0
     samples: int = 0
     sample_errors: int = 0
+    busy_us: int = 0  # wall time of vLLM's calls into the scheduler side (``connector.spent_in``)
 
 
 @dataclass(frozen=True, kw_only=True)
