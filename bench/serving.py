@@ -30,7 +30,8 @@ of restored bytes the hot set served (``hot_share``); and the consumer's lookups
 how many were synchronous: their bytes read ahead and handed to the worker), what
 ``restore_when`` judged and its misses by reason; and what the connector adds to each engine
 step on the scheduler's thread and the engine's (``scheduler_us``, ``worker_step_us`` over
-vLLM's steps), the consumer's scheduler time also per lookup.
+``scheduler_steps``), and the consumer's scheduler-side time per lookup (all of it, over its
+lookups: misses and the other calls included).
 The last line is one JSON object.
 """
 
@@ -109,8 +110,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             hits = metric(url, "vllm:external_prefix_cache_hits_total")
             if tag in ("producer", "consumer"):
                 spent[tag] = {k: metric(url, f"vllm:prefixvault_{k}_total")
-                              for k in ("scheduler_us", "worker_step_us")}
-                spent[tag]["steps"] = metric(url, "vllm:iteration_tokens_total_count")
+                              for k in ("scheduler_us", "worker_step_us", "scheduler_steps")}
             if tag == "producer":  # what the saves came to (counters of the version measured)
                 for k in ("records_published", "save_dropped", "save_errors"):
                     saves[k] = metric(url, f"vllm:prefixvault_{k}_total")
@@ -166,12 +166,13 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     out["vs_local"] = {k: round(out["consumer"][k] / out["local"][k], 3) if out["local"][k] else None
                        for k in ("mean_ttft_ms", "p99_ttft_ms", "p99_itl_ms", WARM)}
     for tag, figures in spent.items():  # the connector's microseconds per engine step, each side's thread
-        steps = figures["steps"] or 1.0
-        out[tag]["connector_us_per_step"] = {"scheduler": round(figures["scheduler_us"] / steps),
-                                             "worker": round(figures["worker_step_us"] / steps)}
-    lookups = out["consumer"]["lookups"]
+        steps = figures["scheduler_steps"]  # (0: a version before these figures, --connector-path)
+        out[tag]["connector_us_per_step"] = {
+            "scheduler": round(figures["scheduler_us"] / steps) if steps else None,
+            "worker": round(figures["worker_step_us"] / steps) if steps else None}
+    lookups, counted = out["consumer"]["lookups"], spent["consumer"]["scheduler_steps"]
     out["consumer"]["scheduler_us_per_lookup"] = (round(spent["consumer"]["scheduler_us"] / lookups)
-                                                  if lookups else None)
+                                                  if lookups and counted else None)
     out["producer"].update(saves)  # counted until its requests were done (queued saves drain after)
     out["ratios"] = {k: round(out["consumer"][k] / out["cold"][k], 3) if out["cold"][k] else None
                      for k in COLUMNS}
@@ -234,7 +235,7 @@ def main() -> None:
           f"synchronous); judged {c['judged']}; misses {c['misses']}")
     print(f"connector's time per engine step (microseconds, scheduler / worker thread): consumer "
           f"{c['connector_us_per_step']}, producer {out['producer']['connector_us_per_step']}; consumer's "
-          f"scheduler per lookup {c['scheduler_us_per_lookup']}")
+          f"scheduler-side time per lookup {c['scheduler_us_per_lookup']}")
     differ = out["texts_differ"]
     print(f"texts apart from cold: consumer {differ['consumer']}, producer (restores nothing) "
           f"{differ['producer']}; consumer only {out['texts_differ_only_consumer']}")

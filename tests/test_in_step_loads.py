@@ -15,12 +15,14 @@ import pytest
 import torch
 from test_vault import fill, layout
 
+from prefixvault.codec import ObjectKind
 from prefixvault.guard import Guard
 from prefixvault.keys import ExtraKeys
+from prefixvault.objects import ObjectRef
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.tenancy import NamespaceKey
 from prefixvault.vault import Vault
-from prefixvault.vllm.in_step import InStepHandover, ReadAheadBudget
+from prefixvault.vllm.in_step import InStepHandover, ReadAhead, ReadAheadBudget
 from prefixvault.vllm.lookups import Lookups
 from prefixvault.vllm.mailbox import Mailboxes, MemoryMailbox
 from prefixvault.vllm.metadata import LoadMode, LoadSpec
@@ -302,6 +304,43 @@ def test_the_workers_mailbox_is_looked_for_once_a_step(monkeypatch: pytest.Monke
     assert handover.reads_ahead()  # (this step's answer)
     handover.next_step()
     assert not handover.reads_ahead() and finds == ["engine-w", "engine-w"]
+
+
+def test_a_mailbox_withdrawn_within_a_step_is_never_promised_a_load() -> None:
+    """The mailbox found at a step's first ask is kept for its other asks: withdrawn meanwhile
+    (the worker released its caches), a put is refused, so the load is asynchronous, never a
+    synchronous one no worker takes, and the loss is ``mailbox_gone``, said once."""
+    lost: list[str] = []
+    mailbox = Mailboxes.serve("engine-v", "uni")
+    assert mailbox is not None
+    handover = InStepHandover(layout(), ReadAheadBudget(1 << 20), "engine-v", lambda why: lost.append(why))
+    assert handover.reads_ahead()
+    ref = ObjectRef("k", ObjectKind.BLOCK, 0, 0, b"h", 16, 0)
+    ahead = ReadAhead(objects={ref: memoryview(b"x")}, nbytes=1, budget=ReadAheadBudget(1 << 20))
+    assert handover.hand_over("a", ahead, [ref], step=1) > 0
+    mailbox.withdraw()
+    assert handover.hand_over("b", ahead, [ref], step=1) == 0
+    assert handover.hand_over("c", ahead, [ref], step=1) == 0 and lost == ["mailbox_gone"]
+    assert len(mailbox) == 0  # (what it held goes with it)
+
+
+def test_a_put_refused_by_a_mailbox_still_served_is_a_failed_handover(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Shared memory full: the mailbox is still there, so the loss is ``handover_failed``."""
+    lost: list[str] = []
+    mailbox = Mailboxes.serve("engine-u", "uni")
+    assert isinstance(mailbox, MemoryMailbox)
+
+    def full(*args: object) -> int:
+        raise OSError(28, "no space left")
+
+    monkeypatch.setattr(mailbox, "put", full)
+    handover = InStepHandover(layout(), ReadAheadBudget(1 << 20), "engine-u", lambda why: lost.append(why))
+    ref = ObjectRef("k", ObjectKind.BLOCK, 0, 0, b"h", 16, 0)
+    ahead = ReadAhead(objects={ref: memoryview(b"x")}, nbytes=1, budget=ReadAheadBudget(1 << 20))
+    assert handover.hand_over("a", ahead, [ref], step=1) == 0 and lost == ["handover_failed"]
+    assert handover.reads_ahead()  # (still served: the next restore tries again)
+    mailbox.withdraw()
 
 
 def test_an_engine_id_two_workers_of_one_process_serve_is_served_by_neither() -> None:

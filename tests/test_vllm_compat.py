@@ -409,7 +409,7 @@ def test_a_forked_child_gets_a_clear_error_from_the_connector_never_a_hang() -> 
 
     def hold() -> None:  # a connector thread inside a critical section at the fork
         assert side.restores is not None
-        with side.restores.lane._cond:  # the lookup lane's lock
+        with side.restores.lane._cond, side.counters._lock:  # the lookup lane's lock, the counters'
             held.set()
             release.wait(30)
 

@@ -73,21 +73,24 @@ VAULT_TALLIES = {"rejected": "rejected", "misses": "lookup_misses", "refused": "
 SCHEDULER_FIGURES = {"lookups": "lookups", "lookup_errors": "lookup_errors", "hit_tokens": "hit_tokens",
                      "samples": "verify_samples", "sample_errors": "verify_sample_errors",
                      "refused": "refused", "holds_dropped": "holds_dropped", "judged": "restore_judgments",
-                     "in_step_lost": "in_step_lost", "busy_us": "scheduler_us"}
+                     "in_step_lost": "in_step_lost", "busy_ns": "scheduler_us", "steps": "scheduler_steps"}
 WORKER_FIGURES = {"save_errors": "save_errors", "loads": "loads", "loaded_tokens": "loaded_tokens",
                   "loads_in_step": "loads_in_step", "loads_in_step_read": "loads_in_step_read",
                   "saved_boundaries": "saved_boundaries", "published": "saves_published",
                   "save_dropped": "save_dropped", "failure_reasons": "load_failures",
-                  "busy_us": "worker_step_us"}
+                  "busy_ns": "worker_step_us"}
+#: Figures counted in nanoseconds and exported in microseconds.
+IN_NANOSECONDS = ("scheduler_us", "worker_step_us")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
 
 def spent_in(side: str) -> Callable[[F], F]:
-    """Count a vLLM call's wall time in the connector under ``busy_us`` of ``side``'s counters
-    (``scheduler`` or ``worker``): what the connector adds to each step, on the scheduler's
-    thread (its schedule: lookups answered, saves planned) or the engine's (synchronous loads
-    written, saves gathered), both on a step's critical path."""
+    """Count a vLLM call's wall time in the connector under ``busy_ns`` of ``side``'s counters
+    (``scheduler`` or ``worker``): what the connector adds to the engine's steps, on the
+    scheduler's thread (asks answered, saves planned, the workers' reports taken) or the
+    engine's (synchronous loads written, saves gathered). Not counted in a forked child (its
+    counters' lock may be held by a thread that did not fork)."""
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def timed(self: PrefixVaultConnector, *args: Any, **kwargs: Any) -> Any:
@@ -95,9 +98,9 @@ def spent_in(side: str) -> Callable[[F], F]:
             try:
                 return method(self, *args, **kwargs)
             finally:
-                owner = self._scheduler if side == "scheduler" else self._worker
-                if owner is not None:
-                    owner.counters.add(busy_us=(time.perf_counter_ns() - start) // 1000)
+                owner = getattr(self, "_scheduler" if side == "scheduler" else "_worker", None)
+                if owner is not None and os.getpid() == getattr(self, "_pid", None):
+                    owner.counters.add(busy_ns=time.perf_counter_ns() - start)
         return cast(F, timed)
     return wrap
 
@@ -439,6 +442,9 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                 kind, _, reason = name.partition(":")
                 if kind in names:
                     totals[names[kind] + (f":{reason}" if reason else "")] = value
+        for name in IN_NANOSECONDS:
+            if name in totals:
+                totals[name] //= 1000
         lanes = [*(self.scheduler.lanes if self.scheduler is not None else []),
                  *(self.worker.lanes if self.worker is not None else [])]
         for lane in lanes:

@@ -128,8 +128,9 @@ class InStepHandover:
         # The mailbox as last looked for, until the next step (``next_step``): looking for it
         # reads shared memory and ``/proc`` (a dozen system calls, each letting another thread
         # take the interpreter lock), which every ask of a step would otherwise repeat several
-        # times. Found gone meanwhile, a put fails (the load is then asynchronous) or the worker
-        # reads the store: the same as a mailbox withdrawn between a find and a put.
+        # times. Invariant: a mailbox withdrawn since refuses a put (``OSError``: its directory
+        # is gone, or ``MemoryMailbox`` was withdrawn), so a cached one never gets a load
+        # promised synchronous that no worker takes; ``hand_over`` then looks again.
         self._cached: tuple[Mailbox | None] | None = None
 
     def next_step(self) -> None:
@@ -137,10 +138,13 @@ class InStepHandover:
         self._cached = None
 
     def mailbox(self) -> Mailbox | None:
-        if self._cached is not None:
-            return self._cached[0]
+        if self._cached is None:
+            self._cached = (self._find(),)
+        return self._cached[0]
+
+    def _find(self) -> Mailbox | None:
+        """Look for the worker's mailbox; found gone after it was found, that is said once."""
         found = Mailboxes.find(self.engine_id)
-        self._cached = (found,)
         if found is not None:
             self._found = True
         elif self._found:
@@ -170,15 +174,19 @@ class InStepHandover:
             return 0
         try:
             return mailbox.put(req_id, {r.key: read_ahead.objects[r] for r in refs}, step)
-        except OSError as e:  # (a worker in a child process: shared memory full) asynchronous
-            self._lost(InStepLoss.HANDOVER_FAILED)
-            log.warning("prefixvault: request %s: its bytes could not be handed to the worker (%s); "
-                        "it restores one step later", req_id, e)
+        except OSError as e:  # asynchronous: the mailbox withdrawn (gone), or shared memory full
+            self._cached = None
+            if self.mailbox() is not None:  # (gone: counted and said once, as ``mailbox_gone``)
+                self._lost(InStepLoss.HANDOVER_FAILED)
+                log.warning("prefixvault: request %s: its bytes could not be handed to the worker (%s); "
+                            "it restores one step later", req_id, e)
             return 0
 
     def take_back(self, req_id: str) -> None:
-        """Bytes handed over for a synchronous load vLLM did not allocate: out of the mailbox."""
-        mailbox = self.mailbox()
+        """Bytes handed over for a synchronous load vLLM did not allocate: out of the mailbox.
+        (Between steps too, an abort say: it looks without keeping what it found for the next
+        step's asks.)"""
+        mailbox = self._cached[0] if self._cached is not None else Mailboxes.find(self.engine_id)
         if mailbox is not None:
             mailbox.drop(req_id)
 

@@ -30,6 +30,7 @@ neither: their schedulers could not tell whose it is.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import itertools
 import json
@@ -81,11 +82,14 @@ class MemoryMailbox:
         self._tokens = itertools.count(1)
         # req_id -> (token, step, objects), under _lock
         self._items: dict[str, tuple[int, int, Objects]] = {}
+        self._withdrawn = False  # its worker takes no more: a put is refused
 
     def put(self, req_id: str, objects: Objects, step: int) -> int:
         """Hand over a request's objects for the load of ``step``; the token that load names
-        them by (never 0)."""
+        them by (never 0). Raises ``OSError`` once withdrawn (no worker would take them)."""
         with self._lock:
+            if self._withdrawn:
+                raise OSError(errno.ENODEV, "the worker withdrew its mailbox")
             token = next(self._tokens)
             self._items[req_id] = (token, step, objects)
         return token
@@ -107,6 +111,9 @@ class MemoryMailbox:
             self._items.pop(req_id, None)
 
     def withdraw(self) -> None:
+        with self._lock:
+            self._withdrawn = True
+            self._items.clear()
         Mailboxes.withdraw_memory(self)
 
     def __len__(self) -> int:

@@ -197,6 +197,7 @@ class SchedulerSide:
 
     def build_connector_meta(self, scheduler_output: Any) -> PrefixVaultMetadata:
         self._step += 1
+        self.counters.add(steps=1)
         self.guard.call("build_connector_meta", lambda: self._measure_step(scheduler_output), lambda: None)
         meta = PrefixVaultMetadata(step=self._step,
                                    idle=not getattr(scheduler_output, "total_num_scheduled_tokens", 1))

@@ -37,7 +37,8 @@ class SchedulerCounters(Counters):
     plans: int = 0
     samples: int = 0
     sample_errors: int = 0
-    busy_us: int = 0  # wall time of vLLM's calls into the scheduler side (``connector.spent_in``)
+    busy_ns: int = 0  # wall time of vLLM's calls into the scheduler side (``connector.spent_in``)
+    steps: int = 0  # steps built (``build_connector_meta``)
 
 
 @dataclass(frozen=True, kw_only=True)

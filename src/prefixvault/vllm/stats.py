@@ -46,11 +46,11 @@ COUNTERS: dict[str, str] = {
     "internal_errors": "Errors of prefixvault turned into a miss, a skipped save or a recomputed load",
     "breaker_opened": "Times the store's circuit breaker opened (the store failed repeatedly)",
     "breaker_refused": "Store calls not made because the breaker was open (misses, skipped saves)",
-    "scheduler_us": "Microseconds the engine's scheduler spent in the connector (lookups answered, "
-                    "saves planned): what it adds to the steps' schedule; per step, over "
-                    "vllm:iteration_tokens_total_count",
-    "worker_step_us": "Microseconds the engine's thread spent in the connector in its steps "
-                      "(synchronous loads written, saves gathered; each rank counts its own)",
+    "scheduler_us": "Microseconds vLLM's scheduler spent in the connector's calls (asks answered, "
+                    "saves planned, the workers' reports taken); per step, over scheduler_steps",
+    "scheduler_steps": "Steps vLLM's scheduler built with the connector (its build_connector_meta calls)",
+    "worker_step_us": "Microseconds the engine's thread spent in the connector's calls in its steps "
+                      "(synchronous loads written, saves gathered; the ranks' sum)",
 }
 #: Labelled counters: help text and label names (after the engine's).
 LABELLED: dict[str, tuple[str, tuple[str, ...]]] = {

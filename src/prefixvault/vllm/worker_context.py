@@ -31,7 +31,7 @@ class WorkerCounters(Counters):
     loads_in_step_read: int = 0  # of those, read from the store in the step (not handed over)
     failure_reasons: dict[str, int] = field(default_factory=dict)  # failed loads, by ``LoadFailure``
     save_dropped: dict[str, int] = field(default_factory=dict)  # saves not stored, by ``SaveDrop``
-    busy_us: int = 0  # wall time of vLLM's calls into the worker side in its steps (``connector.spent_in``)
+    busy_ns: int = 0  # wall time of vLLM's calls into the worker side in its steps (``connector.spent_in``)
 
 
 @dataclass(frozen=True, kw_only=True)
