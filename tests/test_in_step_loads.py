@@ -306,6 +306,11 @@ def test_the_workers_mailbox_is_looked_for_once_a_step(monkeypatch: pytest.Monke
     assert not handover.reads_ahead() and finds == ["engine-w", "engine-w"]
 
 
+def one_object_read_ahead() -> tuple[ObjectRef, ReadAhead]:
+    ref = ObjectRef("k", ObjectKind.BLOCK, 0, 0, b"h", 16, 0)
+    return ref, ReadAhead(objects={ref: memoryview(b"x")}, nbytes=1, budget=ReadAheadBudget(1 << 20))
+
+
 def test_a_mailbox_withdrawn_within_a_step_is_never_promised_a_load() -> None:
     """The mailbox found at a step's first ask is kept for its other asks: withdrawn meanwhile
     (the worker released its caches), a put is refused, so the load is asynchronous, never a
@@ -315,8 +320,7 @@ def test_a_mailbox_withdrawn_within_a_step_is_never_promised_a_load() -> None:
     assert mailbox is not None
     handover = InStepHandover(layout(), ReadAheadBudget(1 << 20), "engine-v", lambda why: lost.append(why))
     assert handover.reads_ahead()
-    ref = ObjectRef("k", ObjectKind.BLOCK, 0, 0, b"h", 16, 0)
-    ahead = ReadAhead(objects={ref: memoryview(b"x")}, nbytes=1, budget=ReadAheadBudget(1 << 20))
+    ref, ahead = one_object_read_ahead()
     assert handover.hand_over("a", ahead, [ref], step=1) > 0
     mailbox.withdraw()
     assert handover.hand_over("b", ahead, [ref], step=1) == 0
@@ -336,8 +340,7 @@ def test_a_put_refused_by_a_mailbox_still_served_is_a_failed_handover(
 
     monkeypatch.setattr(mailbox, "put", full)
     handover = InStepHandover(layout(), ReadAheadBudget(1 << 20), "engine-u", lambda why: lost.append(why))
-    ref = ObjectRef("k", ObjectKind.BLOCK, 0, 0, b"h", 16, 0)
-    ahead = ReadAhead(objects={ref: memoryview(b"x")}, nbytes=1, budget=ReadAheadBudget(1 << 20))
+    ref, ahead = one_object_read_ahead()
     assert handover.hand_over("a", ahead, [ref], step=1) == 0 and lost == ["handover_failed"]
     assert handover.reads_ahead()  # (still served: the next restore tries again)
     mailbox.withdraw()

@@ -79,8 +79,6 @@ WORKER_FIGURES = {"save_errors": "save_errors", "loads": "loads", "loaded_tokens
                   "saved_boundaries": "saved_boundaries", "published": "saves_published",
                   "save_dropped": "save_dropped", "failure_reasons": "load_failures",
                   "busy_ns": "worker_step_us"}
-#: Figures counted in nanoseconds and exported in microseconds.
-IN_NANOSECONDS = ("scheduler_us", "worker_step_us")
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -440,11 +438,9 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         for side, names in sides:
             for name, value in side.counters.snapshot().items() if side is not None else ():
                 kind, _, reason = name.partition(":")
-                if kind in names:
-                    totals[names[kind] + (f":{reason}" if reason else "")] = value
-        for name in IN_NANOSECONDS:
-            if name in totals:
-                totals[name] //= 1000
+                if kind in names:  # (a figure counted in nanoseconds is exported in microseconds)
+                    totals[names[kind] + (f":{reason}" if reason else "")] = \
+                        value // 1000 if kind.endswith("_ns") else value
         lanes = [*(self.scheduler.lanes if self.scheduler is not None else []),
                  *(self.worker.lanes if self.worker is not None else [])]
         for lane in lanes:
