@@ -33,6 +33,9 @@ class StoreKind:
     inexact_lru: str | None = None
     #: whether the store holds empty objects (else it must refuse them cleanly)
     empty_objects: bool = True
+    #: why a read racing an overwrite of the same size may return parts of both versions, if it
+    #: may (the same-key writer tests then check that every torn read is such a mix)
+    torn_overwrites: str | None = None
 
 
 #: Conformance tests that assert exact (sub-second) LRU order; skipped for inexact_lru kinds.
@@ -109,6 +112,9 @@ STORE_KINDS: dict[str, StoreKind] = {
         inexact_lru="mooncake_master evicts a fraction of objects at a high watermark by approximate "
         "LRU, and never an object whose read lease (10 s by default) is live",
         empty_objects=False,
+        torn_overwrites="mooncake_master's upsert writes an object of unchanged size in place (its "
+        "'case B'), under readers that fetched the replica's address before; the vault verifies "
+        "every object and keeps one read whole again (Loader._wrong_again)",
     ),
 }
 

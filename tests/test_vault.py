@@ -163,8 +163,45 @@ def test_corrupt_object_is_rejected_counted_and_removed() -> None:
     loaded = vault.load(refs)
     assert loaded.failed == {state_ref: "payload checksum"}
     assert vault.counters.rejected["payload checksum"] == 1
-    assert store.exists_many([state_ref.key]) == [False]
+    assert store.exists_many([state_ref.key]) == [False]  # wrong again when read once more
+    assert vault.counters.torn_reads == 0
     assert vault.lookup(hashes, 32) == 0  # the record no longer yields a hit
+
+
+class TearingStore(MemoryStore):
+    """Returns the next read of the keys in ``tear`` with one byte of another version, as a read
+    that races a same-size overwrite on Mooncake does (``stores.mooncake``); a real Mooncake
+    does so only by chance (``test_store_conformance``), so the tear is made here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tear: set[str] = set()
+
+    def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
+        sizes = super().get_into(keys, buffers)
+        for key, buf, size in zip(keys, buffers, sizes, strict=True):
+            if key in self.tear and size:
+                self.tear.discard(key)
+                buf.cast("B")[size - 1] ^= 0x40
+        return sizes
+
+
+def test_a_torn_read_costs_that_load_and_keeps_the_object() -> None:
+    store = TearingStore()
+    vault = Vault(store, layout())
+    tokens = list(range(32))
+    fill(vault, tokens, [24])
+    hashes = vault.hashes(tokens)
+    refs = vault.needed(hashes, 24)
+    state_ref = next(r for r in refs if r.kind.name == "STATE")
+    store.tear.add(state_ref.key)
+    loaded = vault.load(refs)
+    assert loaded.failed == {state_ref: "payload checksum"}
+    assert vault.counters.rejected["payload checksum"] == 1
+    assert vault.counters.torn_reads == 1
+    assert store.exists_many([state_ref.key]) == [True], "a whole object was removed"
+    assert vault.load(refs).ok  # the next load restores it
+    assert vault.lookup(hashes, 32) == 24
 
 
 def test_object_of_another_boundary_is_rejected() -> None:

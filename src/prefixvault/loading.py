@@ -4,7 +4,8 @@
 Every object is checked against the header the reader expects and its checksum (in a namespace
 with a secret: decrypted and its AES-GCM tag verified, as it is copied out of the store), and
 against the deny-list, before its payload is handed out. Bad
-objects are counted by reason; those proved wrong are removed from the store (bytes of another
+objects are counted by reason; those proved wrong, and wrong again when read once more, are
+removed from the store (bytes of another
 format or key are someone else's, and stay; an object of another version under a key this
 reader named is proved wrong: ``codec.proved_wrong``). Each object is opened with the key of the
 tenant its ref names (``ObjectRef.salt``): one load may serve the requests of several tenants.
@@ -53,7 +54,7 @@ class Loader:
     store: Store
     names: ObjectNames
     tenants: TenantKeys  # the key of each ref's tenant
-    counters: Counters  # get_*, hot_*, reread_bytes; what was refused (``rejected``)
+    counters: Counters  # get_*, hot_*, reread_bytes, torn_reads; what was refused (``rejected``)
     deny: DenySync
     hot: HotSet | None
     # hashes of the keys read last (READS_SEEN)
@@ -112,7 +113,7 @@ class Loader:
         payloads: dict[ObjectRef, memoryview] = {}
         objects: dict[ObjectRef, memoryview] = {}
         failed: dict[ObjectRef, str] = {}
-        bad_keys: list[str] = []
+        bad: list[tuple[ObjectRef, ObjectHeader]] = []
         for i, (ref, header, view, size) in enumerate(zip(refs, headers, views, got, strict=True)):
             if size is None:
                 failed[ref] = "missing"
@@ -134,20 +135,43 @@ class Loader:
                 self.counters.tally("rejected", e.reason, 1)
                 self.counters.add(get_failed=1)
                 if proved_wrong(e.reason, own_fingerprint=True):  # (every key read is named here)
-                    bad_keys.append(ref.key)
+                    bad.append((ref, header))
                 continue
             payloads[ref] = payload
             self.counters.add(get_keys=1)
             self.counters.add(get_bytes=size)
             if self._read_before(ref.key):
                 self.counters.add(reread_bytes=size)
-        if bad_keys:  # proved wrong only: bytes of another format or key are someone else's
-            self.store.delete_many(bad_keys)
+        if bad:  # proved wrong only: bytes of another format or key are someone else's
+            wrong = self._wrong_again(bad)
+            if wrong:
+                self.store.delete_many(wrong)
         if self.hot is not None:
             for ref, payload in payloads.items():
                 self.hot.put(ref.key, payload)
         payloads.update(hot)
         return Loaded(payloads, failed, objects)
+
+    def _wrong_again(self, bad: Sequence[tuple[ObjectRef, ObjectHeader]]) -> list[str]:
+        """The keys of ``bad`` whose bytes, read once more, are wrong again: only those are
+        removed. A read that raced an overwrite of the same key may return parts of two whole
+        versions (Mooncake writes an object of unchanged size in place: ``stores.mooncake``),
+        and the object then stored is good: removing it would lose another producer's work.
+        Such a read is counted (``torn_reads``) and costs this load only. One more read, on
+        failures only."""
+        blobs = self.store.get_many([ref.key for ref, _ in bad])
+        wrong: list[str] = []
+        for (ref, header), blob in zip(bad, blobs, strict=True):
+            if blob is None:
+                continue  # gone meanwhile: nothing to remove
+            try:
+                self._open(ref, header, memoryview(blob))  # the rules of every read, deny-list too
+            except IntegrityError as e:
+                if proved_wrong(e.reason, own_fingerprint=True):
+                    wrong.append(ref.key)
+                continue
+            self.counters.add(torn_reads=1)
+        return wrong
 
     def _get_into(self, keys: Sequence[str], views: Sequence[memoryview],
                   prefetched: Mapping[str, bytes]) -> list[int | None]:

@@ -167,21 +167,26 @@ class Publisher:
 
     def _index_tails(self, tails: Sequence[tuple[bytes, int, bytes, NamespaceKey | None, KeySpace]]) -> None:
         """List each published tail in its block boundary's index (one read and one write for
-        all of them): read, merge, replace. An index that does not verify is replaced. (An
-        index is its tenant's: the parent hash that names it is keyed by the tenant's key.)"""
+        all of them): read, merge, replace. An index that does not verify when read once more
+        is replaced (a read that raced another publisher's replacement may be torn on a store
+        that overwrites in place: ``stores.mooncake``; replacing that index would drop its
+        tails). (An index is its tenant's: the parent hash that names it is keyed by the
+        tenant's key.)"""
         by_key: dict[str, tuple[bytes, NamespaceKey | None, list[tuple[int, bytes]]]] = {}
         for parent, past, name, key, space in tails:
             by_key.setdefault(space.tail_index(parent), (parent, key, []))[2].append((past, name))
         keys = list(by_key)
+        indexes = self._read_indexes({k: by_key[k][:2] for k in keys})
+        failed = {k: by_key[k][:2] for k in keys if isinstance(indexes[k], IntegrityError)}
+        if failed:
+            indexes.update(self._read_indexes(failed))
         updated: list[tuple[str, list[bytes]]] = []
-        for k, blob in zip(keys, self.store.get_many(keys), strict=True):
+        for k in keys:
             parent, key, added = by_key[k]
-            index = TailIndex(parent, ())
-            if blob is not None:
-                try:
-                    index = TailIndex.decode(blob, self.keys.fingerprint, parent, self.layout.block_size, key)
-                except IntegrityError as e:
-                    self.counters.tally("rejected", f"tail index {e.reason}", 1)
+            found = indexes[k]
+            if isinstance(found, IntegrityError):
+                self.counters.tally("rejected", f"tail index {found.reason}", 1)
+            index = found if isinstance(found, TailIndex) else TailIndex(parent, ())
             new = index
             for past, name in added:
                 new = new.with_tail(past, name)
@@ -189,6 +194,20 @@ class Publisher:
                 updated.append((k, [new.encode(self.keys.fingerprint, key)]))
         if updated:
             self.store.put_many(updated)
+
+    def _read_indexes(self, named: dict[str, tuple[bytes, NamespaceKey | None]]
+                      ) -> dict[str, TailIndex | IntegrityError | None]:
+        """The tail indexes stored under ``named``'s keys (parent hash, tenant key each), in one
+        read: each decoded, None where there is none, or why it does not verify."""
+        out: dict[str, TailIndex | IntegrityError | None] = {}
+        for k, blob in zip(named, self.store.get_many(list(named)), strict=True):
+            parent, key = named[k]
+            try:
+                out[k] = None if blob is None else TailIndex.decode(blob, self.keys.fingerprint, parent,
+                                                                     self.layout.block_size, key)
+            except IntegrityError as e:
+                out[k] = e
+        return out
 
     def _record(self, hashes: Sequence[bytes], tokens: int, parent: int,
                 key: NamespaceKey | None, space: KeySpace) -> tuple[str, bytes]:

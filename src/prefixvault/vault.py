@@ -74,6 +74,7 @@ class VaultCounters(Counters):
     hot_keys: int = 0  # objects a load took from the hot set, not the store
     hot_bytes: int = 0
     reread_bytes: int = 0  # bytes read for objects this vault had read before (of the last READS_SEEN)
+    torn_reads: int = 0  # objects wrong when loaded and whole when read again (a read raced an overwrite)
     records_published: int = 0
     layout_writes: int = 0
     records_existing: int = 0

@@ -16,10 +16,13 @@ that mounts the memory, so a consumer finds what a producer left after the produ
 ``mooncake://?config=/path/mooncake.json`` or bare ``mooncake://`` with ``MOONCAKE_CONFIG_PATH``
 set (the JSON file vLLM's Mooncake connectors read).
 
-Behaviour that differs from the local store, on purpose:
+Behaviour that differs from the local store:
 - objects are at least one byte (Mooncake refuses empty objects; put reports False);
 - ``delete_many`` removes past Mooncake's read lease (``force``): a reader racing a delete
   may get bytes that fail the codec's checksum, which the vault counts as a miss;
+- an overwrite of unchanged size is written in place (Mooncake's upsert reuses the replica),
+  so a read racing it may return parts of both versions; the vault verifies every object and
+  reads a failed one once more before it removes anything (``loading.Loader._wrong_again``);
 - a master restart forgets every object (unless the master runs with HA/snapshots);
 - eviction is the master's (approximate LRU at a high watermark), not exact LRU.
 """

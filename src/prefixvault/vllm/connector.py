@@ -67,7 +67,7 @@ log = logging.getLogger("vllm.prefixvault")
 
 #: The vault's figures exported as they are, and its tallies by their metric names.
 VAULT_FIGURES = ("put_keys", "put_bytes", "put_failed", "get_keys", "get_bytes", "get_failed", "hot_keys",
-                 "hot_bytes", "reread_bytes", "records_published")
+                 "hot_bytes", "reread_bytes", "torn_reads", "records_published")
 VAULT_TALLIES = {"rejected": "rejected", "misses": "lookup_misses", "refused": "publish_refused"}
 #: Each side's figures (and tallies, by their reasons) by their metric names.
 SCHEDULER_FIGURES = {"lookups": "lookups", "lookup_errors": "lookup_errors", "hit_tokens": "hit_tokens",

@@ -28,6 +28,8 @@ COUNTERS: dict[str, str] = {
     "hot_keys": "Objects a load took from the worker's hot set (load_cache_mib), not the store",
     "hot_bytes": "Bytes a load took from the worker's hot set, not the store",
     "reread_bytes": "Bytes read again from the store for objects this worker read before (hot set too small)",
+    "torn_reads": "Objects that failed verification on load and verified when read again (the read raced "
+                  "another writer's overwrite of the key): that load missed, the object was kept",
     "records_published": "Boundary records published",
     "lookups": "Requests looked up in the store",
     "lookup_errors": "Lookups that failed (counted as misses)",
