@@ -5,17 +5,19 @@ and real files; this test's process plays the scheduler's."""
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pytest
 from test_vault import fill, layout
 
 from prefixvault.stores.memory import MemoryStore
 from prefixvault.vault import Vault
-from prefixvault.vllm.mailbox import Mailboxes, SharedMailbox, shared_dir
+from prefixvault.vllm.mailbox import Mailboxes, SharedMailbox, _write_all, shared_dir
 
 TOKENS = list(range(64))
 
@@ -109,6 +111,15 @@ def test_a_worker_in_a_child_process_takes_the_bytes_its_scheduler_hands_over(tm
     assert Mailboxes.find("engine-a", tmp_path) is None and not path.exists()  # withdrawn: gone
 
 
+def test_a_mailbox_file_holds_every_part_in_order(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    parts: list[bytes | memoryview] = [rng.randbytes(rng.choice([0, 1, 100, 70_000])) for _ in range(2500)]
+    parts.append(memoryview(np.arange(300_000, dtype=np.float32)))  # not bytes: cast to bytes
+    _write_all(tmp_path / "f", parts)
+    assert (tmp_path / "f").read_bytes() == b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+    assert (tmp_path / "f").stat().st_mode & 0o777 == 0o600
+
+
 def test_a_damaged_handoff_is_not_taken(tmp_path: Path) -> None:
     worker = Worker("engine-b", tmp_path)
     try:
@@ -124,6 +135,10 @@ def test_a_damaged_handoff_is_not_taken(tmp_path: Path) -> None:
         data[8:16] = b"\x80\x04K\x05.\x00\x00\x00"  # an index that is not one (a pickled 5)
         file.write_bytes(bytes(data))
         assert worker.ask(f"take req {token} 2") == "none" and len(mailbox) == 0
+        token = mailbox.put("req", _payloads(), step=3)
+        (file,) = [p for p in mailbox.path.iterdir() if p.name.startswith("3-")]
+        file.write_bytes(b"")  # emptied: nothing to map
+        assert worker.ask(f"take req {token} 3") == "none" and len(mailbox) == 0
     finally:
         worker.stop()
 

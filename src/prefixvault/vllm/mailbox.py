@@ -35,6 +35,7 @@ import hashlib
 import itertools
 import json
 import logging
+import mmap
 import os
 import shutil
 import struct
@@ -128,6 +129,8 @@ SHARED_ROOT = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.g
 _WORKER = "worker"  # the file naming the serving worker's pid
 _REFUSED = "refused"  # two workers served this engine id to one scheduler process: neither does
 _HEADER = struct.Struct("<Q")
+#: Buffers one ``writev`` takes at most (POSIX's IOV_MAX on Linux).
+_IOV_MAX = 1024
 
 
 def pid_namespace() -> int:
@@ -214,11 +217,7 @@ class SharedMailbox:
         name = f"{step}-{token}-{self._req(req_id)}"
         tmp = self.path / f".{name}"
         try:
-            with open(tmp, "wb") as f:
-                f.write(_HEADER.pack(len(header)))
-                f.write(header)
-                for k in keys:
-                    f.write(objects[k])
+            _write_all(tmp, [_HEADER.pack(len(header)), header, *(objects[k] for k in keys)])
             os.rename(tmp, self.path / name)
         except OSError:
             with contextlib.suppress(OSError):
@@ -253,8 +252,7 @@ class SharedMailbox:
         path = self.path / found
         try:
             with open(path, "rb") as f:
-                data = memoryview(bytearray(os.fstat(f.fileno()).st_size))
-                f.readinto(data)
+                data = _mapped(f.fileno())
             objects = _parse(data)
         except Exception as e:  # whatever is wrong with it, the worker reads the store instead
             log.warning("prefixvault: the objects handed over for request %s could not be read: %s",
@@ -284,6 +282,38 @@ class SharedMailbox:
 
     def __len__(self) -> int:
         return len(self._entries())
+
+
+def _write_all(path: Path, parts: list[bytes | memoryview]) -> None:
+    """A new file of ``parts``, in as few system calls as the kernel allows (a write per part
+    would let the scheduler's thread lose the interpreter lock once per object, in its step)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        views = [memoryview(p).cast("B") for p in parts if len(p)]
+        at = 0  # views before it are written whole
+        while at < len(views):
+            n = os.writev(fd, views[at : at + _IOV_MAX])
+            while at < len(views) and n >= len(views[at]):
+                n -= len(views[at])
+                at += 1
+            if n:  # a short write, within one buffer: the rest of it next
+                views[at] = views[at][n:]
+    finally:
+        os.close(fd)
+
+
+def _mapped(fd: int) -> memoryview:
+    """A mailbox file's bytes, mapped rather than read: the engine's thread takes them in its
+    step, and a read copies every byte once more into memory that is new to the process (its
+    first touch several times dearer than the copy). Its pages are mapped at once (populated),
+    read-only and private; the mapping lives as long as a view of it (the file, unlinked next,
+    with it). Nothing writes the file once it is renamed into place: only this process's user
+    can (the directory is private), and that user could as well write the engine's memory."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        raise ValueError("0 bytes: no index")
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+    return memoryview(mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ))
 
 
 def _parse(data: memoryview) -> dict[str, memoryview]:
