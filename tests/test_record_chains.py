@@ -111,6 +111,31 @@ def test_audit_walks_chains_and_keeps_what_it_cannot_prove_broken() -> None:
     assert sorted(left) == [4, 8, 16, 20]  # unverifiable records stay; lookups still check objects
 
 
+def test_an_audit_removes_nothing_a_torn_read_made_look_wrong() -> None:
+    """A read racing a same-size overwrite may be torn on Mooncake: the audit reads an object that
+    fails once more, and a repair removes only what is wrong twice."""
+    from test_tails import TearingIndexStore
+
+    store = TearingIndexStore()
+    vault = Vault(store, layout())
+    tokens = list(range(6 * BS))
+    produce(vault, tokens, chunk=2 * BS)
+    hashes = vault.hashes(tokens)
+    reached = vault.block_ref(0, 0, hashes[2], 2).key
+    more = vault.hashes(list(range(7 * BS)))  # saved, never published: no record reaches it
+    vault.save(0, more, plan_saves(vault.layout, 7 * BS, {0: list(range(1, 8)), 1: list(range(1000, 1007))},
+                                   [StateCapture(2, 7 * BS, 5056, 1)], 1, since=6 * BS).publishable, payload)
+    unreached = vault.block_ref(0, 0, more[6], 6).key
+    assert store.exists_many([unreached]) == [True]
+    store.tear.update([reached, unreached])
+    report = audit(store, repair=True)
+    assert not store.tear  # both were read, torn, and read again
+    assert report.findings == [] and report.unreached_bad == [] and report.repaired == 0
+    assert store.exists_many([reached, unreached]) == [True, True]
+    store.put_many([(reached, [b"\0"])])  # wrong however often it is read
+    assert len(audit(store, repair=True).findings) == 4
+
+
 def test_a_lost_layout_never_costs_valid_records_and_heals() -> None:
     store = MemoryStore()
     vault = Vault(store, layout())
