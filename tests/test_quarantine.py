@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from test_vault import BS, layout
+from test_vault import BS, TearingStore, layout
 
 from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.codec import ObjectKind, content_digest, decode
@@ -332,3 +332,19 @@ def test_a_plain_sample_inside_a_keyed_namespace_is_a_forgery(store: Store, cold
     assert watch_once(store, cold.url).quarantined == [] and store.exists_many([record]) == [True]
     assert len(watch_once(store, cold.url, "tenantA", key=KEY).quarantined) == 1
     assert store.exists_many([record]) == [False]
+
+
+def test_a_torn_read_of_the_deny_list_never_drops_its_entries() -> None:
+    """Two vaults list bytes; one's read of the stored list is torn (as a read racing a
+    same-size write-back may be on Mooncake): it reads the list once more and keeps what the
+    other listed, where replacing the list with its own would drop it."""
+    store = TearingStore()
+    a, b = Vault(store, layout()), Vault(store, layout())
+    a._deny.add([("default/x/s/0/0/" + "a" * 32, b"\x01" * 16)])
+    b._deny.add([("default/x/s/0/0/" + "b" * 32, b"\x02" * 16)])  # the stored list holds both
+    store.tear.add(a.deny_key())
+    a.refresh_deny(force=True)
+    assert not store.tear and not any(k.startswith("deny-list") for k in a.counters.rejected)
+    fresh = Vault(store, layout())
+    fresh.refresh_deny(force=True)
+    assert len(fresh.deny) == len(a.deny) == 2

@@ -5,6 +5,7 @@ what they use alive."""
 from __future__ import annotations
 
 import numpy as np
+from test_vault import TearingStore
 
 from prefixvault.boundary import Refusal, StateCapture, plan_saves
 from prefixvault.inventory import audit
@@ -114,9 +115,7 @@ def test_audit_walks_chains_and_keeps_what_it_cannot_prove_broken() -> None:
 def test_an_audit_removes_nothing_a_torn_read_made_look_wrong() -> None:
     """A read racing a same-size overwrite may be torn on Mooncake: the audit reads an object that
     fails once more, and a repair removes only what is wrong twice."""
-    from test_tails import TearingIndexStore
-
-    store = TearingIndexStore()
+    store = TearingStore()
     vault = Vault(store, layout())
     tokens = list(range(6 * BS))
     produce(vault, tokens, chunk=2 * BS)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import pytest
-from test_vault import BS, CountingStore, layout, payload
+from test_vault import BS, CountingStore, TearingStore, layout, payload
 
 from prefixvault.boundary import StateCapture, plan_saves
 from prefixvault.codec import IntegrityError
@@ -225,26 +225,8 @@ def test_a_damaged_tail_index_costs_its_tails_never_a_wrong_hit() -> None:
     assert look(vault, TOKENS[:30]) == 21
 
 
-class TearingIndexStore(MemoryStore):
-    """Returns the next whole-object read of the keys in ``tear`` with one byte changed, as a
-    read racing a same-size overwrite on Mooncake may (made here: a real one tears by chance)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.tear: set[str] = set()
-
-    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
-        out = super().get_many(keys)
-        for i, key in enumerate(keys):
-            blob = out[i]
-            if key in self.tear and blob:
-                self.tear.discard(key)
-                out[i] = blob[:-1] + bytes([blob[-1] ^ 0x40])
-        return out
-
-
 def test_a_torn_read_of_a_tail_index_never_drops_its_tails() -> None:
-    store = TearingIndexStore()
+    store = TearingStore()
     vault = Vault(store, layout())
     publish(vault, TOKENS, 16)
     publish(vault, TOKENS, 21, parent=16)

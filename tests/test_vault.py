@@ -169,19 +169,34 @@ def test_corrupt_object_is_rejected_counted_and_removed() -> None:
 
 
 class TearingStore(MemoryStore):
-    """Returns the next read of the keys in ``tear`` with one byte of another version, as a read
-    that races a same-size overwrite on Mooncake does (``stores.mooncake``); a real Mooncake
-    does so only by chance (``test_store_conformance``), so the tear is made here."""
+    """Returns the next read of each key in ``tear`` (``get_into`` or ``get_many``) with one
+    byte of another version, as a read that races a same-size overwrite on Mooncake does
+    (``stores.mooncake``); a real Mooncake does so only by chance (``test_store_conformance``),
+    so the tear is made here. Keys in ``vanish`` are removed (evicted) before a ``get_many``."""
 
     def __init__(self) -> None:
         super().__init__()
         self.tear: set[str] = set()
+        self.vanish: set[str] = set()
+
+    def _torn(self, key: str) -> bool:
+        if key in self.tear:
+            self.tear.discard(key)
+            return True
+        return False
+
+    def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        self.delete_many([k for k in keys if k in self.vanish])
+        out = super().get_many(keys)
+        for i, (key, blob) in enumerate(zip(keys, out, strict=True)):
+            if blob and self._torn(key):
+                out[i] = blob[:-1] + bytes([blob[-1] ^ 0x40])
+        return out
 
     def get_into(self, keys: Sequence[str], buffers: Sequence[memoryview]) -> list[int | None]:
         sizes = super().get_into(keys, buffers)
         for key, buf, size in zip(keys, buffers, sizes, strict=True):
-            if key in self.tear and size:
-                self.tear.discard(key)
+            if size and self._torn(key):
                 buf.cast("B")[size - 1] ^= 0x40
         return sizes
 
@@ -202,6 +217,19 @@ def test_a_torn_read_costs_that_load_and_keeps_the_object() -> None:
     assert store.exists_many([state_ref.key]) == [True], "a whole object was removed"
     assert vault.load(refs).ok  # the next load restores it
     assert vault.lookup(hashes, 32) == 24
+
+
+def test_a_torn_read_of_an_object_gone_before_it_is_read_again_removes_nothing_more() -> None:
+    store = TearingStore()
+    vault = Vault(store, layout())
+    tokens = list(range(32))
+    fill(vault, tokens, [24])
+    refs = vault.needed(vault.hashes(tokens), 24)
+    state_ref = next(r for r in refs if r.kind.name == "STATE")
+    store.tear.add(state_ref.key)
+    store.vanish.add(state_ref.key)
+    assert vault.load(refs).failed == {state_ref: "payload checksum"}
+    assert vault.counters.torn_reads == 0 and store.exists_many([state_ref.key]) == [False]
 
 
 def test_object_of_another_boundary_is_rejected() -> None:

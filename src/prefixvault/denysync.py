@@ -71,19 +71,26 @@ class DenySync:
         if force or self._due():
             self._take(self.store.get_many([self.store_key()])[0])
 
-    def _take(self, blob: bytes | None) -> None:
+    def _take(self, blob: bytes | None, again: bool = True) -> None:
         """Merge the stored list into this vault's; write the union back where the stored
-        one lacks entries this vault holds (deleted, evicted, or lost to a racing writer)."""
+        one lacks entries this vault holds (deleted, evicted, or lost to a racing writer). A
+        list that does not verify is read once more (``again``) before ours replaces it: a
+        read racing another vault's write-back of the same size may be torn on a store that
+        overwrites in place (``stores.mooncake``), and ours would drop the entries this vault
+        has not merged yet."""
         self._read = time.monotonic()
         if blob is not None and blob == self._blob:
             return  # unchanged since the last read (the common case): nothing to merge
-        self._blob = blob
         stored = DenyList()
         if blob is not None:
             try:
                 stored = DenyList.decode(blob, self.keys.fingerprint, self.key)
             except IntegrityError as e:  # forged, or of another key: ours replaces it
+                if again:
+                    self._take(self.store.get_many([self.store_key()])[0], again=False)
+                    return
                 self.counters.tally("rejected", f"deny-list {e.reason}", 1)
+        self._blob = blob
         if self.held.merge(stored):
             self.grown += 1
         self.held.prune()

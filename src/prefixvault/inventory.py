@@ -332,7 +332,7 @@ def _check_unreached(store: Store, layouts: Mapping[tuple[str, str], CacheLayout
         for (key, ns, fp, rest), blob in zip(items, store.get_many([t[0] for t in items]), strict=True):
             if blob is None:
                 continue  # gone since the scan
-            report.unreached += count
+            report.unreached += int(count)
             layout = layouts.get((ns, fp))
             vault = None
             if layout is not None:

@@ -13,6 +13,7 @@ tenant its ref names (``ObjectRef.salt``): one load may serve the requests of se
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -24,8 +25,10 @@ from prefixvault.counters import Counters
 from prefixvault.denysync import DenySync
 from prefixvault.hotset import HotSet
 from prefixvault.objects import ObjectNames, ObjectRef, chain_order
-from prefixvault.stores.base import Store, Take, copy_into
+from prefixvault.stores.base import Store, StoreError, Take, copy_into
 from prefixvault.tenancy import NamespaceKey, TenantKeys
+
+log = logging.getLogger("vllm.prefixvault")
 
 #: Keys a vault remembers having read, to count bytes read again (``reread_bytes``).
 READS_SEEN = 1 << 16
@@ -64,7 +67,8 @@ class Loader:
     def load(self, refs: Sequence[ObjectRef], staging: np.ndarray | None = None,
              borrow: bool = True, stored: bool = False,
              prefetched: Mapping[str, bytes] | None = None) -> Loaded:
-        """Fetch and verify objects; bad ones are counted, removed from the store and reported.
+        """Fetch and verify objects; bad ones are counted and reported, and removed from the
+        store where they are wrong again when read once more (``_wrong_again``).
 
         With ``borrow``, payloads may be views of memory the store lent: use them before the
         next call on the same store (a load beside other calls on their own thread passes
@@ -158,8 +162,14 @@ class Loader:
         versions (Mooncake writes an object of unchanged size in place: ``stores.mooncake``),
         and the object then stored is good: removing it would lose another producer's work.
         Such a read is counted (``torn_reads``) and costs this load only. One more read, on
-        failures only."""
-        blobs = self.store.get_many([ref.key for ref, _ in bad])
+        failures only; it cannot race the same overwrite: Mooncake refuses a read from the
+        start of an in-place write to its end (the replica is not ready), so a read issued after
+        the torn one returns nothing or a whole version. A read that fails proves nothing."""
+        try:
+            blobs = self.store.get_many([ref.key for ref, _ in bad])
+        except StoreError as e:
+            log.debug("prefixvault: reading %d rejected objects once more failed: %s", len(bad), e)
+            return []
         wrong: list[str] = []
         for (ref, header), blob in zip(bad, blobs, strict=True):
             if blob is None:

@@ -167,11 +167,11 @@ class Publisher:
 
     def _index_tails(self, tails: Sequence[tuple[bytes, int, bytes, NamespaceKey | None, KeySpace]]) -> None:
         """List each published tail in its block boundary's index (one read and one write for
-        all of them): read, merge, replace. An index that does not verify when read once more
-        is replaced (a read that raced another publisher's replacement may be torn on a store
-        that overwrites in place: ``stores.mooncake``; replacing that index would drop its
-        tails). (An index is its tenant's: the parent hash that names it is keyed by the
-        tenant's key.)"""
+        all of them, and a second read of those that do not verify): read, merge, replace. An
+        index that does not verify when read once more is replaced (a read that raced another
+        publisher's replacement may be torn on a store that overwrites in place:
+        ``stores.mooncake``; replacing that index would drop its tails). (An index is its
+        tenant's: the parent hash that names it is keyed by the tenant's key.)"""
         by_key: dict[str, tuple[bytes, NamespaceKey | None, list[tuple[int, bytes]]]] = {}
         for parent, past, name, key, space in tails:
             by_key.setdefault(space.tail_index(parent), (parent, key, []))[2].append((past, name))

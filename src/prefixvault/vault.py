@@ -9,7 +9,8 @@ verified bytes. ``Vault`` is the one entry point adapters use; each idea lives i
   two batched round trips whatever the prompt length (invariant 2);
 - ``loading``: every object is checked against the header the reader expects, its checksum
   (its MAC, in a namespace with a secret) and the deny-list before its payload is handed out;
-  bad objects are counted and removed (invariant 3);
+  bad objects are counted, and removed where they are wrong again when read once more
+  (invariant 3);
 - ``quarantine`` and ``denysync``: bytes proved wrong are listed in the namespace's deny-list
   (``denylist``) and refused by loads, saves and lookups until they expire;
 - ``stored_layout``: the layout object audits read to check records without an engine.
@@ -306,11 +307,12 @@ class Vault:
     def load(self, refs: Sequence[ObjectRef], staging: np.ndarray | None = None,
              borrow: bool = True, stored: bool = False,
              prefetched: Mapping[str, bytes] | None = None) -> Loaded:
-        """Fetch and verify objects; bad ones are counted, removed from the store and reported.
-        With ``borrow``, payloads may be views of memory the store lent: use them before the
-        next call on the same store. ``stored``: keep the objects as stored too
-        (``Loaded.objects``), where a key would otherwise decrypt them in place. ``prefetched``:
-        objects a lookup read already (``LookupResult.prefetched``), taken from there."""
+        """Fetch and verify objects; bad ones are counted and reported, and removed from the
+        store where they are wrong again when read once more. With ``borrow``, payloads may be
+        views of memory the store lent: use them before the next call on the same store.
+        ``stored``: keep the objects as stored too (``Loaded.objects``), where a key would
+        otherwise decrypt them in place. ``prefetched``: objects a lookup read already
+        (``LookupResult.prefetched``), taken from there."""
         return self._loader.load(refs, staging, borrow, stored, prefetched)
 
     def open_sealed(self, ref: ObjectRef, data: memoryview) -> memoryview:

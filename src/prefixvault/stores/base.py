@@ -3,7 +3,9 @@
 Stores move opaque bytes under string keys. They know nothing of models, layouts or
 boundaries; integrity is checked one layer up by the object codec. What a store must
 guarantee is atomic visibility: a reader sees an object whole (old or new bytes) or not
-at all, never a mix, even if a writer dies mid-put.
+at all, never a mix, even if a writer dies mid-put. One store cannot keep it for an
+overwrite of unchanged size, which Mooncake writes in place (``stores.mooncake``): the
+vault reads an object that fails verification once more before it removes or replaces it.
 """
 
 from __future__ import annotations
@@ -186,7 +188,8 @@ class Store(abc.ABC):
         Returns, for each item, True once the object is visible to every process that
         shares the store, False if it could not be stored (full, error, or empty where a
         store cannot hold empty objects: the vault never writes one). An existing object
-        under the same key is replaced atomically.
+        under the same key is replaced atomically (but for Mooncake's overwrite of unchanged
+        size: see the module's docstring).
         """
 
     @abc.abstractmethod

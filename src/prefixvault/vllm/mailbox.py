@@ -213,13 +213,13 @@ class SharedMailbox:
         objects in its order."""
         token = next(self._tokens)
         keys = list(objects)
-        header = json.dumps([[k, len(objects[k])] for k in keys]).encode()
+        header = json.dumps([[k, memoryview(objects[k]).nbytes] for k in keys]).encode()
         name = f"{step}-{token}-{self._req(req_id)}"
         tmp = self.path / f".{name}"
         try:
             _write_all(tmp, [_HEADER.pack(len(header)), header, *(objects[k] for k in keys)])
             os.rename(tmp, self.path / name)
-        except OSError:
+        except BaseException:
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
@@ -293,6 +293,8 @@ def _write_all(path: Path, parts: list[bytes | memoryview]) -> None:
         at = 0  # views before it are written whole
         while at < len(views):
             n = os.writev(fd, views[at : at + _IOV_MAX])
+            if n == 0:
+                raise OSError(errno.EIO, f"{path}: nothing written")
             while at < len(views) and n >= len(views[at]):
                 n -= len(views[at])
                 at += 1
@@ -305,15 +307,18 @@ def _write_all(path: Path, parts: list[bytes | memoryview]) -> None:
 def _mapped(fd: int) -> memoryview:
     """A mailbox file's bytes, mapped rather than read: the engine's thread takes them in its
     step, and a read copies every byte once more into memory that is new to the process (its
-    first touch several times dearer than the copy). Its pages are mapped at once (populated),
-    read-only and private; the mapping lives as long as a view of it (the file, unlinked next,
-    with it). Nothing writes the file once it is renamed into place: only this process's user
-    can (the directory is private), and that user could as well write the engine's memory."""
+    first touch several times dearer than the copy). Its pages are mapped at once (populated)
+    and private: copy-on-write, so nothing written through a view reaches the file (writable,
+    as torch wants the arrays it wraps); the mapping lives as long as a view of it (the file,
+    unlinked next, with it). Nothing writes or cuts the file once it is renamed into place:
+    only this process's user can (the directory is private), and that user could as well write
+    the engine's memory. (A file cut short under its mapping would fault on access, where a
+    read would fail cleanly: only that user could cut it, and nothing of ours does.)"""
     size = os.fstat(fd).st_size
     if size == 0:
         raise ValueError("0 bytes: no index")
     flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
-    return memoryview(mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ))
+    return memoryview(mmap.mmap(fd, size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE))
 
 
 def _parse(data: memoryview) -> dict[str, memoryview]:
