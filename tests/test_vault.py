@@ -149,14 +149,20 @@ def test_record_needs_every_rank() -> None:
     assert vault.lookup(hashes + vault.hashes(list(range(40)))[4:], 40) == 32
 
 
-def test_corrupt_object_is_rejected_counted_and_removed() -> None:
-    store = MemoryStore()
+def stored_at_24(store: Store) -> tuple[Vault, list[bytes], list[ObjectRef], ObjectRef]:
+    """A vault on ``store`` that published boundary 24 of 32 tokens: its hashes, the objects
+    boundary 24 needs, and its state's."""
     vault = Vault(store, layout())
     tokens = list(range(32))
     fill(vault, tokens, [24])
     hashes = vault.hashes(tokens)
     refs = vault.needed(hashes, 24)
-    state_ref = next(r for r in refs if r.kind.name == "STATE")
+    return vault, hashes, refs, next(r for r in refs if r.kind.name == "STATE")
+
+
+def test_corrupt_object_is_rejected_counted_and_removed() -> None:
+    store = MemoryStore()
+    vault, hashes, refs, state_ref = stored_at_24(store)
     blob = bytearray(store.get_many([state_ref.key])[0] or b"")
     blob[HEADER_SIZE + 3] ^= 0x40
     store.put_many([(state_ref.key, [bytes(blob)])])
@@ -203,12 +209,7 @@ class TearingStore(MemoryStore):
 
 def test_a_torn_read_costs_that_load_and_keeps_the_object() -> None:
     store = TearingStore()
-    vault = Vault(store, layout())
-    tokens = list(range(32))
-    fill(vault, tokens, [24])
-    hashes = vault.hashes(tokens)
-    refs = vault.needed(hashes, 24)
-    state_ref = next(r for r in refs if r.kind.name == "STATE")
+    vault, hashes, refs, state_ref = stored_at_24(store)
     store.tear.add(state_ref.key)
     loaded = vault.load(refs)
     assert loaded.failed == {state_ref: "payload checksum"}
@@ -221,11 +222,7 @@ def test_a_torn_read_costs_that_load_and_keeps_the_object() -> None:
 
 def test_a_torn_read_of_an_object_gone_before_it_is_read_again_removes_nothing_more() -> None:
     store = TearingStore()
-    vault = Vault(store, layout())
-    tokens = list(range(32))
-    fill(vault, tokens, [24])
-    refs = vault.needed(vault.hashes(tokens), 24)
-    state_ref = next(r for r in refs if r.kind.name == "STATE")
+    vault, _, refs, state_ref = stored_at_24(store)
     store.tear.add(state_ref.key)
     store.vanish.add(state_ref.key)
     assert vault.load(refs).failed == {state_ref: "payload checksum"}
