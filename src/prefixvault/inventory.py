@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from prefixvault.boundary import needed_blocks
 from prefixvault.codec import IntegrityError, ObjectKind, decode, proved_wrong
 from prefixvault.layout import CacheLayout, GroupKind
+from prefixvault.read_twice import read_opened
 from prefixvault.records import BoundaryRecord
 from prefixvault.stores.base import Store, namespace_of
 from prefixvault.tenancy import NamespaceKey
@@ -269,15 +270,12 @@ class _ScopeAudit:
         for i in range(0, len(todo), self.batch):
             part = todo[i : i + self.batch]
             self.report.objects_checked += len(part)
-            problems = self._problems(part)
-            # Proved wrong only if wrong when read once more: a read that raced an overwrite
-            # may be torn (``stores.mooncake``), and the object then stored whole.
-            again = [r for r, why in problems.items() if self._wrong(why)]
-            if again:
-                problems.update(self._problems(again))
-            for ref, why in problems.items():
+            for ref, got in zip(part, self._opened(part), strict=True):
+                why = None if got is not None else "missing object"
+                if isinstance(got, IntegrityError):
+                    why = got.reason
                 self.checked[ref.key] = why
-                if self._wrong(why):
+                if why is not None and proved_wrong(why, own_fingerprint=True):  # (named by this vault)
                     self.bad_objects.add(ref.key)
         for ref in refs:
             problem = self.checked.get(ref.key)
@@ -285,23 +283,12 @@ class _ScopeAudit:
                 return AuditFinding(rkey, problem, ref.key)
         return None
 
-
-    def _problems(self, refs: list[ObjectRef]) -> dict[ObjectRef, str | None]:
-        """What is wrong with each object of ``refs`` as stored (None: nothing), in one read."""
-        out: dict[ObjectRef, str | None] = {}
-        for ref, blob in zip(refs, self.store.get_many([r.key for r in refs]), strict=True):
-            out[ref] = None if blob is not None else "missing object"
-            if blob is not None:
-                try:
-                    decode(blob, self.vault.expected_header(ref), self.vault.key)
-                except IntegrityError as e:
-                    out[ref] = e.reason
-        return out
-
-    @staticmethod
-    def _wrong(why: str | None) -> bool:
-        """Whether a problem proves the bytes wrong (named by this vault: its own fingerprint)."""
-        return why is not None and proved_wrong(why, own_fingerprint=True)
+    def _opened(self, refs: list[ObjectRef]) -> list[object]:
+        """Each object of ``refs`` decoded, None where there is none, or why it does not verify
+        when read twice (``read_twice``: a read that raced an overwrite may be torn)."""
+        headers = {r.key: self.vault.expected_header(r) for r in refs}
+        return read_opened(self.store, [r.key for r in refs],
+                           lambda k, blob: decode(blob, headers[k], self.vault.key))
 
 
 #: An object no record reaches: its key, namespace, layout fingerprint and the rest of its key.

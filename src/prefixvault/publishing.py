@@ -23,6 +23,7 @@ from prefixvault.counters import Counters
 from prefixvault.keys import KeySpace
 from prefixvault.layout import CacheLayout
 from prefixvault.objects import ObjectNames
+from prefixvault.read_twice import read_opened
 from prefixvault.records import BoundaryRecord
 from prefixvault.stored_layout import StoredLayout
 from prefixvault.stores.base import Store
@@ -176,14 +177,12 @@ class Publisher:
         for parent, past, name, key, space in tails:
             by_key.setdefault(space.tail_index(parent), (parent, key, []))[2].append((past, name))
         keys = list(by_key)
-        indexes = self._read_indexes({k: by_key[k][:2] for k in keys})
-        failed = {k: by_key[k][:2] for k in keys if isinstance(indexes[k], IntegrityError)}
-        if failed:
-            indexes.update(self._read_indexes(failed))
+        fp, bs = self.keys.fingerprint, self.layout.block_size
+        indexes = read_opened(self.store, keys, lambda k, blob: TailIndex.decode(blob, fp, by_key[k][0], bs,
+                                                                                 by_key[k][1]))
         updated: list[tuple[str, list[bytes]]] = []
-        for k in keys:
+        for k, found in zip(keys, indexes, strict=True):
             parent, key, added = by_key[k]
-            found = indexes[k]
             if isinstance(found, IntegrityError):
                 self.counters.tally("rejected", f"tail index {found.reason}", 1)
             index = found if isinstance(found, TailIndex) else TailIndex(parent, ())
@@ -194,20 +193,6 @@ class Publisher:
                 updated.append((k, [new.encode(self.keys.fingerprint, key)]))
         if updated:
             self.store.put_many(updated)
-
-    def _read_indexes(self, named: dict[str, tuple[bytes, NamespaceKey | None]]
-                      ) -> dict[str, TailIndex | IntegrityError | None]:
-        """The tail indexes stored under ``named``'s keys (parent hash, tenant key each), in one
-        read: each decoded, None where there is none, or why it does not verify."""
-        out: dict[str, TailIndex | IntegrityError | None] = {}
-        for k, blob in zip(named, self.store.get_many(list(named)), strict=True):
-            parent, key = named[k]
-            try:
-                out[k] = None if blob is None else TailIndex.decode(blob, self.keys.fingerprint, parent,
-                                                                     self.layout.block_size, key)
-            except IntegrityError as e:
-                out[k] = e
-        return out
 
     def _record(self, hashes: Sequence[bytes], tokens: int, parent: int,
                 key: NamespaceKey | None, space: KeySpace) -> tuple[str, bytes]:

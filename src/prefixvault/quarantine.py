@@ -25,6 +25,7 @@ from prefixvault.denysync import DenySync
 from prefixvault.keys import KeySpace
 from prefixvault.layout import CacheLayout
 from prefixvault.objects import ObjectNames, ObjectRef
+from prefixvault.read_twice import read_opened
 from prefixvault.records import BoundaryRecord
 from prefixvault.stores.base import Store
 from prefixvault.tenancy import NamespaceKey
@@ -81,22 +82,11 @@ class Quarantine:
                     if h is not None and h.tokens > 0:
                         refs.append(self.names.state_ref(gi, r, boundary, (h.tokens - 1) // bs, h.tokens,
                                                          salt))
-        unread = refs
-        for _ in range(2):  # a state that does not verify is read once more: the read may be torn
-            failed: list[ObjectRef] = []
-            for ref, got in zip(unread, self.store.get_many([r.key for r in unread]), strict=True):
-                if got is None:
-                    continue
-                header = self.names.expected_header(ref)
-                try:
-                    _, body = decode(got, header, key)
-                except IntegrityError:
-                    failed.append(ref)  # refused by every load anyway; removed below
-                    continue
-                digests.append((ref.key, content_digest(header, body)))
-            if not failed:
-                break
-            unread = failed
+        headers = {r.key: self.names.expected_header(r) for r in refs}
+        opened = read_opened(self.store, list(headers), lambda k, got: decode(got, headers[k], key)[1])
+        for ref, state in zip(refs, opened, strict=True):
+            if isinstance(state, memoryview):  # (one that does not verify is refused by every load anyway)
+                digests.append((ref.key, content_digest(headers[ref.key], state)))
         if digests:
             self.deny.add(digests)
         keys = list(dict.fromkeys([record_key, *(r.key for r in refs), *self._segment(record, salt)]))
