@@ -2,7 +2,7 @@
 
     python bench/lookup.py [--tokens 1024,8192,32768,131072] [--block-sizes 16,256]
                            [--layouts attention,hybrid] [--repeat 5] [--max-blocks N]
-                           [--redis-delay-ms D] [--tails]
+                           [--redis-delay-ms D | --mooncake-delay-ms D] [--tails]
 
 For each prompt length, block size and layout, a producer publishes *every* block boundary
 of one prompt through the vault's save and publish path (what a connector does, with tiny
@@ -14,7 +14,10 @@ state group, so every boundary also needs a state. Goal: a 131072-token prompt a
 size 16 looks up in <= 20 ms; record bytes per boundary constant in the prompt length.
 
 With ``--redis-delay-ms D`` the store is a real valkey-server behind a loopback link that adds
-D ms to every round trip (``scenarios.netfault.SlowLink``), and the lookup is timed as the
+D ms to every round trip (``scenarios.netfault.SlowLink``); with ``--mooncake-delay-ms D`` it
+is a real Mooncake cluster (``mooncake_master`` and a holder) whose master is behind such a link
+(the transfers themselves go straight to the holder; the link runs in a process of its own, as
+Mooncake's client holds the interpreter lock in some calls). The lookup is timed as the
 connector makes it: until the answer, with the touch of what the hit uses made after it (also
 timed). Each case is also looked up with objects never checked beside the records
 (``SPECULATIVE_KEYS = 0``: two round trips, as before that was done), and the ratio printed.
@@ -25,8 +28,8 @@ index then exists. Two more lookups are timed, each as a connector makes it (wit
 tokens, so tails are looked up): a prompt that shares the blocks but not the tail and goes a
 block further (the index is read, no tail is this prompt's), and the producer's prompt one token
 longer (a tail hit). Each is timed with the store's ``touch_and_get`` as it is (one pipeline on
-Redis) and as two calls (``Store.touch_and_get``'s default: how the index was read before), in
-one run.
+Redis; on Mooncake a check and one read that guesses the index's size) and as two calls
+(``Store.touch_and_get``'s default: how the index was read before), in one run.
 The last line printed is one JSON object.
 """
 
@@ -34,8 +37,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import sys
+import threading
 import time
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -194,6 +200,22 @@ def run_case(kind: str, block_size: int, tokens: int, repeat: int, shared: Store
     }
 
 
+def _serve_link(target: int, delay: float, conn: Connection) -> None:
+    from prefixvault.scenarios.netfault import SlowLink
+
+    conn.send(SlowLink(target, delay).port)
+    threading.Event().wait()
+
+
+def slow_link_process(target: int, delay: float) -> tuple[int, multiprocessing.Process]:
+    """A ``SlowLink`` to ``target`` in a process of its own, and its port."""
+    ours, theirs = multiprocessing.Pipe()
+    proc = multiprocessing.get_context("spawn").Process(target=_serve_link, args=(target, delay, theirs),
+                                                        daemon=True)
+    proc.start()
+    return int(ours.recv()), proc
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="1024,8192,32768,131072")
@@ -203,6 +225,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-blocks", type=int, default=0, help="skip cases with more blocks (0: none)")
     ap.add_argument("--redis-delay-ms", type=float, default=None,
                     help="look up in a real valkey-server behind a link adding this many ms per round trip")
+    ap.add_argument("--mooncake-delay-ms", type=float, default=None,
+                    help="look up in a real Mooncake cluster, its master behind a link adding this many ms")
     ap.add_argument("--tails", action="store_true",
                     help="hybrid layouts: also time lookups where a tail index exists (see above)")
     args = ap.parse_args(argv)
@@ -213,9 +237,23 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"bad number: {e}")
     if args.repeat < 1 or any(t < 1 for t in lengths) or any(b < 1 for b in sizes):
         ap.error("--repeat, --tokens and --block-sizes must be positive")
-    if args.redis_delay_ms is not None and args.redis_delay_ms < 0:
-        ap.error("--redis-delay-ms must not be negative")
+    delays = [d for d in (args.redis_delay_ms, args.mooncake_delay_ms) if d is not None]
+    if any(d < 0 for d in delays):
+        ap.error("a delay must not be negative")
+    if len(delays) > 1:
+        ap.error("--redis-delay-ms and --mooncake-delay-ms: one store at a time")
     store: Store | None = None
+    stop: list[Any] = []
+    store_name = "memory"
+    if args.mooncake_delay_ms is not None:
+        from prefixvault.scenarios.mooncake import MooncakeCluster
+        from prefixvault.stores import open_store
+
+        cluster = MooncakeCluster(segment="1GiB")
+        port, linker = slow_link_process(cluster.rpc_port, args.mooncake_delay_ms / 1000)
+        store = open_store(f"mooncake://127.0.0.1:{port}?admin=127.0.0.1:{cluster.admin_port}&timeout=30")
+        stop = [store.close, linker.kill, cluster.stop]
+        store_name = f"mooncake+{args.mooncake_delay_ms}ms"
     if args.redis_delay_ms is not None:
         from prefixvault.scenarios.netfault import SlowLink
         from prefixvault.scenarios.valkey import Valkey
@@ -224,6 +262,8 @@ def main(argv: list[str] | None = None) -> int:
         valkey = Valkey()
         link = SlowLink(valkey.port, args.redis_delay_ms / 1000)
         store = open_store(f"redis://127.0.0.1:{link.port}/0?timeout=30")
+        stop = [store.close, link.close, valkey.stop]
+        store_name = f"redis+{args.redis_delay_ms}ms"
     cases = []
     print(f"{'layout':<10} {'block':>5} {'tokens':>7} {'records':>7} {'lookup ms':>10} {'2 RT ms':>9} "
           f"{'touch ms':>9} {'hash ms':>8} {'record B/boundary':>18} {'publish s':>9}")
@@ -243,15 +283,13 @@ def main(argv: list[str] | None = None) -> int:
     goal = [c for c in cases if c["block_size"] == 16 and c["tokens"] == 131072]
     summary = {
         "bench": "lookup",
-        "store": "memory" if store is None else f"redis+{args.redis_delay_ms}ms",
+        "store": store_name,
         "goal_ms": GOAL_MS,
         "goal_met": all(c["lookup_ms"] <= GOAL_MS for c in goal) if goal and store is None else None,
         "cases": cases,
     }
-    if store is not None:
-        store.close()
-        link.close()
-        valkey.stop()
+    for done in stop:
+        done()
     print(json.dumps(summary))
     return 0
 

@@ -1,6 +1,7 @@
 """Serving with prefixvault against serving without it, measured by vLLM's own benchmark client.
 
-    python bench/serving.py [--profile gdn-hybrid] [--layers N] [--store local|redis] [--redis-delay-ms 20]
+    python bench/serving.py [--profile gdn-hybrid] [--layers N] [--store local|redis|mooncake]
+                            [--redis-delay-ms 20] [--mooncake-delay-ms 20]
                             [--restore-when faster|always]
                             [--prompts 32] [--concurrency 8] [--prefix 2048] [--suffix 512]
 
@@ -11,7 +12,9 @@ The cold server then serves the same requests a second time: ``local``, every pr
 vLLM's own prefix cache, what a restore is measured against (restored TTFT / local-hit TTFT).
 Workload: vLLM's ``prefix_repetition`` dataset (shared prefixes, random suffixes), greedy,
 ``--ignore-eos``, at most ``--concurrency`` requests in flight. ``--store redis`` puts a Valkey
-server behind a loopback proxy that adds ``--redis-delay-ms`` to every round trip.
+server behind a loopback proxy that adds ``--redis-delay-ms`` to every round trip; ``--store
+mooncake`` a Mooncake cluster (``mooncake_master`` and a holder of 2 GiB, engines mounting
+nothing) whose master is behind such a proxy adding ``--mooncake-delay-ms``.
 ``--connector-path OTHER/src`` makes the servers import prefixvault from another checkout, to
 measure a version before a change with the same client and workload.
 
@@ -83,6 +86,14 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         link = SlowLink(valkey.port, args.redis_delay_ms / 1000)
         cleanup += [link.close, valkey.stop]
         store = f"redis://127.0.0.1:{link.port}/0?prefix=bench:&timeout=5"
+    elif args.store == "mooncake":
+        from prefixvault.scenarios.mooncake import MooncakeCluster
+        from prefixvault.scenarios.netfault import SlowLink
+
+        cluster = MooncakeCluster(segment="2GiB", logs=work / "mooncake")
+        link = SlowLink(cluster.rpc_port, args.mooncake_delay_ms / 1000)
+        cleanup += [link.close, cluster.stop]
+        store = f"mooncake://127.0.0.1:{link.port}?admin=127.0.0.1:{cluster.admin_port}&prefix=bench/&timeout=5"
     else:
         store = f"local://{work}/store?capacity=4GiB"
 
@@ -138,6 +149,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             close()
     out: dict[str, Any] = {"profile": args.profile, "layers": args.layers, "store": args.store,
                            "redis_delay_ms": args.redis_delay_ms if args.store == "redis" else None,
+                           "mooncake_delay_ms": args.mooncake_delay_ms if args.store == "mooncake" else None,
                            "restore_when": args.restore_when or "faster", "prompts": args.prompts,
                            "concurrency": args.concurrency}
     for tag, res in (("cold", cold), ("local", second), ("producer", producer), ("consumer", consumer)):
@@ -201,8 +213,10 @@ def _differ(cold: dict[str, Any], other: dict[str, Any]) -> list[int]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--profile", default="gdn-hybrid")
-    p.add_argument("--store", choices=["local", "redis"], default="local")
+    p.add_argument("--store", choices=["local", "redis", "mooncake"], default="local")
     p.add_argument("--redis-delay-ms", type=float, default=20.0)
+    p.add_argument("--mooncake-delay-ms", type=float, default=20.0,
+                   help="added to every call to mooncake_master (its transfers go straight to the holder)")
     p.add_argument("--layers", type=int, default=None,
                    help="repeat the profile's layer pattern to this many layers (a deeper model, whose "
                         "prefill costs more per restored byte, as a real model's does)")

@@ -239,6 +239,31 @@ def test_a_batch_of_conditional_puts_takes_three_calls(cluster: MooncakeCluster)
         assert store.get_many([k for k, _ in items]) == [b"old"] + [d for _, d in items[1:]]
 
 
+def test_a_lookups_check_and_reads_take_two_calls(cluster: MooncakeCluster) -> None:
+    """A lookup's first round trip (records checked, tail indexes read) costs two calls to
+    Mooncake, whatever the number of indexes found: one existence check, one read with no size
+    asked first (it was a size query per index and a read). A read larger than the guess is
+    still whole, at a size query and a read more."""
+    from prefixvault.stores.mooncake import GUESSED_READ
+
+    with open_store(cluster.uri(prefix="tg/", timeout=str(TIMEOUT))) as store:
+        indexes = [(f"t{i}", blob(i, 2000 + i)) for i in range(4)]
+        large = blob(9, GUESSED_READ + 1)
+        assert store.put_many([(k, [d]) for k, d in [*indexes, ("rec", b"r"), ("big", large)]]) == [True] * 6
+        client = store._api()  # type: ignore[attr-defined]
+        real, calls = client.call, _count_calls(client)
+        keys = ["rec", "gone", *[k for k, _ in indexes], "t-none"]
+        found, read = store.touch_and_get(keys, None, [k for k, _ in indexes] + ["t-none"])
+        assert found == [True, False, True, True, True, True, False]
+        assert read == [d for _, d in indexes] + [None]
+        assert calls == ["batch_is_exist", "batch_get_into"], calls
+        calls.clear()
+        found, read = store.touch_and_get(["big", "t0"], None, ["big", "t0"])
+        client.call = real
+        assert found == [True, True] and read == [large, indexes[0][1]]
+        assert calls == ["batch_is_exist", "batch_get_into", "get_size", "batch_get_into"], calls
+
+
 def test_a_batch_larger_than_the_arena_is_written_an_arena_at_a_time(cluster: MooncakeCluster) -> None:
     """Conditional puts of more bytes than the staging arena holds: ranged puts of an arena's
     worth each, one end for all, and the arena keeps its size."""

@@ -212,6 +212,19 @@ def test_a_tail_index_keeps_the_most_recent_tails_and_refuses_junk() -> None:
         TailIndex.decode(index.encode(fingerprint), fingerprint, parent, BS, key)  # plain, in a keyed one
 
 
+def test_a_full_tail_index_fits_a_lookups_guessed_read() -> None:
+    """A lookup reads tail indexes on Mooncake into ``GUESSED_READ`` bytes each, with no size
+    asked first: a full index (lengths of a million tokens, sealed) fits it with room."""
+    from prefixvault.stores.mooncake import GUESSED_READ
+
+    index = TailIndex(b"p" * 16, ())
+    for n in range(TAILS_PER_INDEX):
+        index = index.with_tail(10**6 + n, n.to_bytes(16, "big"))
+    key = NamespaceKey.derive(b"secret" * 8, "ns")
+    assert len(index.tails) == TAILS_PER_INDEX
+    assert 2 * len(index.encode(b"f" * 16, key)) <= GUESSED_READ
+
+
 def test_a_damaged_tail_index_costs_its_tails_never_a_wrong_hit() -> None:
     store = MemoryStore()
     vault = Vault(store, layout())

@@ -77,6 +77,10 @@ DEFAULT_LOCAL_BUFFER = 16 << 20
 ALIGN = 64
 #: Keys per admin request while scanning.
 SCAN_CHUNK = 200
+#: A lookup's reads (``touch_and_get``: tail indexes, a few KiB each) go into this much memory
+#: each with no size asked first, so they are one call, not one per key and one more. A larger
+#: object costs a size query and a read more (and Mooncake logs that the buffer was too small).
+GUESSED_READ = 16 << 10
 
 # Mooncake's error codes (mooncake-store types.h) that this store tells apart.
 #: What a get into a buffer smaller than the object answers (Mooncake's INVALID_PARAMS).
@@ -736,6 +740,33 @@ class MooncakeStore(Store):
         for i, size in zip(want, got, strict=True):
             if size is not None and size == bufs[i].nbytes:
                 out[i] = bytes(bufs[i])
+        return out
+
+    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None,
+                      reads: Sequence[str]) -> tuple[list[bool], list[bytes | None]]:
+        """Two calls: the existence check (a use: Mooncake grants a lease), then one read of
+        those of ``reads`` it did not find missing, each into ``GUESSED_READ`` bytes. Mooncake
+        has no call that checks some keys and reads others; checking by reading would cost a
+        logged error per missing key (a lookup's probes are mostly missing)."""
+        found = self.touch_many(keys, touch)
+        gone = {k for k, ok in zip(keys, found, strict=True) if not ok}
+        wanted = list(dict.fromkeys(k for k in reads if k not in gone))
+        got = dict(zip(wanted, self._get_guessed(wanted), strict=True)) if wanted else {}
+        return found, [got.get(k) for k in reads]
+
+    def _get_guessed(self, keys: Sequence[str]) -> list[bytes | None]:
+        """``get_many`` in one call where every object fits ``GUESSED_READ`` bytes; those
+        that do not are read again at the size the first read answered (None if it changed)."""
+        bufs = [memoryview(bytearray(GUESSED_READ)) for _ in keys]
+        sizes = self.get_into(keys, bufs)
+        out: list[bytes | None] = [None if size is None or size > GUESSED_READ else bytes(buf[:size])
+                                   for buf, size in zip(bufs, sizes, strict=True)]
+        larger = [(i, size) for i, size in enumerate(sizes) if size is not None and size > GUESSED_READ]
+        if larger:
+            again = [memoryview(bytearray(size)) for _, size in larger]
+            for (i, size), buf, got in zip(larger, again, self.get_into([keys[i] for i, _ in larger], again),
+                                           strict=True):
+                out[i] = bytes(buf) if got == size else None
         return out
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
