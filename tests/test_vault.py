@@ -229,6 +229,27 @@ def test_a_torn_read_of_an_object_gone_before_it_is_read_again_removes_nothing_m
     assert vault.counters.torn_reads == 0 and store.exists_many([state_ref.key]) == [False]
 
 
+def test_a_save_that_finds_its_state_present_and_reads_it_torn_leaves_it() -> None:
+    """A save that finds a state present reads it before skipping the put; a torn read of it
+    neither removes the state nor writes it again (it was removed on that one read, and a
+    lookup racing the save missed it); one wrong on both reads is written again."""
+    store = TearingStore()
+    vault, hashes, refs, state_ref = stored_at_24(store)
+    removed: list[str] = []
+    real = store.delete_many
+    store.delete_many = lambda keys: removed.extend(keys) or real(keys)  # type: ignore[method-assign]
+    store.tear.add(state_ref.key)
+    fill(vault, list(range(32)), [24])
+    assert removed == [] and vault.counters.rejected == {}
+    assert vault.load(refs).ok
+    blob = bytearray(store.get_many([state_ref.key])[0] or b"")
+    blob[HEADER_SIZE + 3] ^= 0x40
+    store.put_many([(state_ref.key, [bytes(blob)])])
+    fill(vault, list(range(32)), [24])
+    assert removed == [state_ref.key] and vault.counters.rejected["payload checksum"] == 1
+    assert vault.load(refs).ok and vault.lookup(hashes, 32) == 24  # written again
+
+
 def test_object_of_another_boundary_is_rejected() -> None:
     store = MemoryStore()
     vault = Vault(store, layout())

@@ -28,6 +28,7 @@ from prefixvault.denysync import DenySync
 from prefixvault.layout import CacheLayout
 from prefixvault.objects import ObjectNames, ObjectRef, chain_order
 from prefixvault.publishing import RankAck
+from prefixvault.read_twice import read_opened
 from prefixvault.stores.base import Buffer, Fill, Store
 from prefixvault.tenancy import NamespaceKey, TenantKeys
 
@@ -150,30 +151,32 @@ class Saver:
     def _recheck_present(self, refs: list[ObjectRef]) -> set[str]:
         """Of objects a save found present, the keys it must write again (removed here): a
         state, or any object of a key the deny-list names, is read and verified before the
-        put is skipped. A state is what a boundary alone relies on, and one found present is
+        put is skipped (one that fails is read once more: only a second failure makes it
+        written again). A state is what a boundary alone relies on, and one found present is
         rare (another producer saved the same boundary), so reading it costs less than the
         write it saves; KV blocks are shared by many prefixes and found present on most
         saves, so they are left to the load that needs them (which removes a bad one, and
         the next save writes it again)."""
-        suspect = [r for r in refs if r.kind is ObjectKind.STATE or self.deny.listed(r.key)]
+        suspect = {r.key: r for r in refs if r.kind is ObjectKind.STATE or self.deny.listed(r.key)}
         if not suspect:
             return set()
+
+        def denied(key: str, blob: bytes) -> bool:
+            ref = suspect[key]
+            header = self.names.expected_header(ref)
+            _, payload = decode(blob, header, self.tenants.get(ref.salt))
+            return self.deny.denied(key, header, payload)
+
         bad: list[str] = []
         gone: set[str] = set()
-        for ref, blob in zip(suspect, self.store.get_many([r.key for r in suspect]), strict=True):
-            if blob is None:
-                gone.add(ref.key)  # evicted since the existence check
-                continue
-            header = self.names.expected_header(ref)
-            try:
-                _, payload = decode(blob, header, self.tenants.get(ref.salt))
-            except IntegrityError as e:
-                self.counters.tally("rejected", e.reason, 1)
-                bad.append(ref.key)
-                continue
-            if self.deny.denied(ref.key, header, payload):
-                self.counters.tally("rejected", "denied", 1)
-                bad.append(ref.key)
+        # (what does not verify is read once more: a torn read proves nothing; ``read_twice``)
+        for key, found in zip(suspect, read_opened(self.store, list(suspect), denied), strict=True):
+            if found is None:
+                gone.add(key)  # evicted since the existence check
+            elif isinstance(found, IntegrityError) or found:
+                reason = found.reason if isinstance(found, IntegrityError) else "denied"
+                self.counters.tally("rejected", reason, 1)
+                bad.append(key)
         if bad:
             self.store.delete_many(bad)
         return gone | set(bad)
