@@ -11,6 +11,7 @@ import json
 import multiprocessing as mp
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -239,11 +240,31 @@ def test_a_batch_of_conditional_puts_takes_three_calls(cluster: MooncakeCluster)
         assert store.get_many([k for k, _ in items]) == [b"old"] + [d for _, d in items[1:]]
 
 
-def test_a_lookups_check_and_reads_take_two_calls(cluster: MooncakeCluster) -> None:
-    """A lookup's first round trip (records checked, tail indexes read) costs two calls to
-    Mooncake, whatever the number of indexes found: one existence check, one read with no size
-    asked first (it was a size query per index and a read). A read larger than the guess is
-    still whole, at a size query and a read more."""
+class _Slowed:
+    """Mooncake's API with every call ``delay`` seconds slower (a master across a network),
+    each call's name and thread recorded."""
+
+    def __init__(self, api: Any, delay: float) -> None:
+        self._api, self._delay = api, delay
+        self.calls: list[tuple[str, str]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        fn = getattr(self._api, name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, threading.current_thread().name))
+            time.sleep(self._delay)
+            return fn(*args, **kwargs)
+
+        return call
+
+
+def test_a_lookups_check_and_reads_take_one_round_trip(cluster: MooncakeCluster) -> None:
+    """A lookup's first round trip (records checked, tail indexes read) is two calls to Mooncake
+    at once, whatever the number of indexes: the check of the keys not read on a lane of its own
+    beside one read of the others, with no size asked first (it was a check, a size query per
+    index found and a read, one after another). A read larger than the guess is still whole, at
+    a size query and a read more."""
     from prefixvault.stores.mooncake import GUESSED_READ
 
     with open_store(cluster.uri(prefix="tg/", timeout=str(TIMEOUT))) as store:
@@ -251,17 +272,25 @@ def test_a_lookups_check_and_reads_take_two_calls(cluster: MooncakeCluster) -> N
         large = blob(9, GUESSED_READ + 1)
         assert store.put_many([(k, [d]) for k, d in [*indexes, ("rec", b"r"), ("big", large)]]) == [True] * 6
         client = store._api()  # type: ignore[attr-defined]
-        real, calls = client.call, _count_calls(client)
-        keys = ["rec", "gone", *[k for k, _ in indexes], "t-none"]
-        found, read = store.touch_and_get(keys, None, [k for k, _ in indexes] + ["t-none"])
-        assert found == [True, False, True, True, True, True, False]
-        assert read == [d for _, d in indexes] + [None]
-        assert calls == ["batch_is_exist", "batch_get_into"], calls
-        calls.clear()
-        found, read = store.touch_and_get(["big", "t0"], None, ["big", "t0"])
-        client.call = real
-        assert found == [True, True] and read == [large, indexes[0][1]]
-        assert calls == ["batch_is_exist", "batch_get_into", "get_size", "batch_get_into"], calls
+        real = client.api
+        client.api = slowed = _Slowed(real, 0.3)
+        try:
+            keys = ["rec", "gone", *[k for k, _ in indexes], "t-none"]
+            t0 = time.monotonic()
+            found, read = store.touch_and_get(keys, None, [k for k, _ in indexes] + ["t-none"])
+            took = time.monotonic() - t0
+            assert found == [True, False, True, True, True, True, False]
+            assert read == [d for _, d in indexes] + [None]
+            assert sorted(slowed.calls) == [("batch_get_into", "prefixvault-mooncake"),
+                                            ("batch_is_exist", "prefixvault-mooncake-checks")], slowed.calls
+            assert took < 0.55, f"the check and the read one after the other ({took:.2f} s)"
+            slowed.calls.clear()
+            found, read = store.touch_and_get(["big", "t0", "rec"], None, ["big", "t0"])
+            assert found == [True, True, True] and read == [large, indexes[0][1]]
+            assert sorted(n for n, _ in slowed.calls) == ["batch_get_into", "batch_get_into",
+                                                          "batch_is_exist", "get_size"], slowed.calls
+        finally:
+            client.api = real
 
 
 def test_a_batch_larger_than_the_arena_is_written_an_arena_at_a_time(cluster: MooncakeCluster) -> None:

@@ -36,6 +36,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -164,12 +165,12 @@ class _Call:
 
 class _Deadline:
     """Runs calls into Mooncake on one lane (``prefixvault.lane``) and stops waiting after a
-    deadline.
+    deadline. A client has two: one for every call, one for existence checks made beside a read.
 
     Mooncake bounds most waits by the timeouts set above, but not all (a handshake with a
     stalled peer waits a minute per object). A call that overruns is left to finish on its
     own; until it does, every new call fails at once instead of queueing behind it, so at
-    most one call is ever stuck and no caller waits longer than its deadline. Nothing else
+    most one call per lane is ever stuck and no caller waits longer than its deadline. Nothing else
     touches the registered regions meanwhile, so a late transfer cannot land in memory in use.
     """
 
@@ -195,6 +196,11 @@ class _Deadline:
                 call.future.set_exception(StoreUnavailable(f"mooncake call not run ({reason.value})"))
 
     def run(self, what: str, seconds: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return self.finish(what, self.start(what, fn, *args, **kwargs), time.monotonic() + seconds)
+
+    def start(self, what: str, fn: Callable[..., Any], *args: Any,
+              **kwargs: Any) -> concurrent.futures.Future[Any]:
+        """Queue ``fn(*args)``; its answer is ``finish``'s."""
         if self._stuck is not None:
             if not self._stuck.done():
                 raise StoreUnavailable(f"{self._stuck_what} has not returned; no new call until it does")
@@ -203,10 +209,15 @@ class _Deadline:
         refused = self._lane.put(call)
         if refused is not None:
             raise StoreUnavailable(f"{what}: not run ({refused.value})")
+        return call.future
+
+    def finish(self, what: str, future: concurrent.futures.Future[Any], deadline: float) -> Any:
+        """The answer of a call ``start`` queued, waiting until ``deadline`` (monotonic) at most."""
+        seconds = max(0.0, deadline - time.monotonic())
         try:
-            return call.future.result(timeout=seconds)
+            return future.result(timeout=seconds)
         except concurrent.futures.TimeoutError:
-            self._stuck, self._stuck_what = call.future, what
+            self._stuck, self._stuck_what = future, what
             raise StoreUnavailable(f"{what} timed out after {seconds:.1f} s") from None
 
     @property
@@ -230,6 +241,9 @@ class _Client:
         _set_timeouts(config.timeout)
         self.config = config
         self.deadline = _Deadline("mooncake")
+        #: Calls that touch no registered memory (existence checks) run here beside ``deadline``'s,
+        #: so a lookup's check and its reads take one round trip of wall time, not two.
+        self.checks = _Deadline("mooncake-checks")
         self.api: Any = MooncakeDistributedStore()
         rc = self.call("setup", 0, self.api.setup, config.local_hostname, config.metadata_server,
                        config.segment, config.local_buffer, config.protocol, config.device, config.master)
@@ -253,8 +267,16 @@ class _Client:
         seconds = self.config.timeout * (3 + nbytes / (1 << 30))
         return self.deadline.run(f"mooncake store {self.config.master}: {what}", seconds, fn, *args, **kwargs)
 
+    def check_beside(self, what: str, fn: Callable[..., Any], *args: Any) -> Callable[[], Any]:
+        """Start ``fn(*args)``, a call that touches no registered memory, on the checks lane;
+        its answer is the returned function's (within ``call``'s bounds from now)."""
+        what = f"mooncake store {self.config.master}: {what}"
+        deadline = time.monotonic() + 3 * self.config.timeout
+        future = self.checks.start(what, fn, *args)
+        return lambda: self.checks.finish(what, future, deadline)
+
     def close(self) -> None:
-        if self.deadline.stuck:
+        if self.deadline.stuck or self.checks.stuck:
             # The stuck call may still write into our regions: keep them (and the client)
             # alive for the life of the process rather than free memory under it.
             _RETIRED.append(self)
@@ -264,6 +286,7 @@ class _Client:
             self.lent.release()
             self.call("close", 0, self.api.close)
         self.deadline.close()
+        self.checks.close()
 
 
 #: Clients closed while a call was stuck inside Mooncake; never freed.
@@ -744,15 +767,25 @@ class MooncakeStore(Store):
 
     def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None,
                       reads: Sequence[str]) -> tuple[list[bool], list[bytes | None]]:
-        """Two calls: the existence check (a use: Mooncake grants a lease), then one read of
-        those of ``reads`` it did not find missing, each into ``GUESSED_READ`` bytes. Mooncake
-        has no call that checks some keys and reads others; checking by reading would cost a
-        logged error per missing key (a lookup's probes are mostly missing)."""
-        found = self.touch_many(keys, touch)
-        gone = {k for k, ok in zip(keys, found, strict=True) if not ok}
-        wanted = list(dict.fromkeys(k for k in reads if k not in gone))
+        """One round trip of wall time: the existence check of the keys not read (a use:
+        Mooncake grants a lease) runs on the checks lane while ``reads`` are read, each into
+        ``GUESSED_READ`` bytes, and a read answers whether its key exists (a missing key costs
+        nothing there, nor a log line). Mooncake has no call that checks some keys and reads
+        others, and checking by reading would log an error per missing key (a lookup's probes
+        are mostly missing)."""
+        wanted = list(dict.fromkeys(reads))
+        read = set(wanted)
+        checked = [k for k in dict.fromkeys(keys) if k not in read]
+        client = self._api()
+        answer: Callable[[], list[int]] = client.check_beside(
+            "exists", client.api.batch_is_exist, [self._key(k) for k in checked]) if checked else list
         got = dict(zip(wanted, self._get_guessed(wanted), strict=True)) if wanted else {}
-        return found, [got.get(k) for k in reads]
+        codes = answer()
+        if any(c < 0 for c in codes):
+            raise self._fail("exists", min(codes))
+        found = {**dict(zip(checked, [c == 1 for c in codes], strict=True)),
+                 **{k: blob is not None for k, blob in got.items()}}
+        return [found[k] for k in keys], [got.get(k) for k in reads]
 
     def _get_guessed(self, keys: Sequence[str]) -> list[bytes | None]:
         """``get_many`` in one call where every object fits ``GUESSED_READ`` bytes; those
