@@ -373,3 +373,39 @@ def test_a_revoke_that_cannot_be_sent_is_sent_before_the_next_put(cluster: Moonc
         assert store.put_if_absent("c", blob(3, 1000))
         assert not client.unrevoked
         assert store.get_many(["a", "b", "c"]) == [blob(1, 1000), blob(2, 1000), blob(3, 1000)]
+
+
+def test_a_lookup_reads_its_hits_objects_in_its_first_round_trip(cluster: MooncakeCluster) -> None:
+    """Over Mooncake, as over Redis, a lookup that reads its hit's objects ahead (a synchronous
+    load's) reads them in its first round trip, beside the check, each into its own size (none
+    asked, none refused as too large): the load then needs no call to the master."""
+    from test_prefetch import TOKENS, _ask
+    from test_vault import fill, layout
+
+    from prefixvault.guard import Guard
+    from prefixvault.vault import Vault
+    from prefixvault.vllm.in_step import ReadAheadBudget
+    from prefixvault.vllm.lookups import Lookups
+
+    with open_store(cluster.uri(prefix="ahead/", timeout=str(TIMEOUT))) as store:
+        vault = Vault(store, layout())
+        fill(vault, TOKENS, [16, 40])
+        vault.refresh_deny()
+        client = store._api()  # type: ignore[attr-defined]
+        real = client.api
+        client.api = slowed = _Slowed(real, 0.0)
+        lookups = Lookups(vault, Guard(), budget=ReadAheadBudget(1 << 20))
+        try:
+            _, found, ahead = lookups.submit(**_ask(16), read_from=16).result(5)  # type: ignore[arg-type]
+            calls = list(slowed.calls)
+            assert found is not None and found.hit == 40 and ahead is not None
+            keys = {r.key for r in ahead.objects}
+            ahead.release()
+        finally:
+            lookups.close(5)
+            client.api = real
+    assert keys == {r.key for r in vault.needed(vault.hashes(TOKENS[:41])[:5], 40, ranks=[0], since=16)}
+    assert [n for n, lane in calls if lane.endswith("-checks")] == ["batch_is_exist"], calls
+    assert [n for n, lane in calls if not lane.endswith("-checks")][:1] == ["batch_get_into"], calls
+    assert "get_size" not in [n for n, _ in calls], calls
+    assert [n for n, _ in calls].count("batch_get_into") == 1, calls

@@ -33,8 +33,8 @@ class Pipelined(MemoryStore):
         super().__init__()
         self.calls: list[str] = []
 
-    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None,
-                      reads: Sequence[str]) -> tuple[list[bool], list[bytes | None]]:
+    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None, reads: Sequence[str],
+                      sizes: Sequence[int] | None = None) -> tuple[list[bool], list[bytes | None]]:
         self.calls.append("touch+get")
         return MemoryStore.touch_many(self, keys, touch), MemoryStore.get_many(self, reads)
 

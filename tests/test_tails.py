@@ -163,8 +163,8 @@ class PipelinedStore(ReadCountingStore):
 
     remote = True
 
-    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None,
-                      reads: Sequence[str]) -> tuple[list[bool], list[bytes | None]]:
+    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None, reads: Sequence[str],
+                      sizes: Sequence[int] | None = None) -> tuple[list[bool], list[bytes | None]]:
         self.calls.append("touch+get")
         return MemoryStore.touch_many(self, keys, touch), MemoryStore.get_many(self, reads)
 

@@ -143,7 +143,8 @@ class HitFinder:
         """The lookups' round trips, all asks together (their hits not yet verified): in each,
         one store call for every lookup still going (what each checks, and what each reads)."""
         prefetched: list[dict[str, bytes]] = [{} for _ in asks]
-        steps = [self._lookup_steps(h, n, m, later, p, k, r, read)
+        expected: dict[str, int] = {}  # the size of each object a round trip reads, where known
+        steps = [self._lookup_steps(h, n, m, later, p, k, r, read, expected)
                  for (h, n, m, p, r), k, read in zip(asks, sealers, prefetched, strict=True)]
         results: list[LookupResult | None] = [None] * len(steps)
         pending: dict[int, Round] = {}
@@ -156,8 +157,8 @@ class HitFinder:
             every = [k for keys, _, _ in pending.values() for k in keys]
             marks = [t for _, touch, _ in pending.values() for t in touch]
             reads = [k for _, _, read in pending.values() for k in read]
-            found, blobs = (self.store.touch_and_get(every, marks, reads) if reads
-                            else (self.store.touch_many(every, marks), []))
+            found, blobs = (self.store.touch_and_get(every, marks, reads, [expected.get(k, 0) for k in reads])
+                            if reads else (self.store.touch_many(every, marks), []))
             got: dict[int, Reply] = {}
             pos = at = 0
             for i, (keys, _, read) in pending.items():
@@ -249,7 +250,7 @@ class HitFinder:
     def _lookup_steps(
         self, hashes: Sequence[bytes], prompt_tokens: int, min_tokens: int, later: list[Touch],
         prompt: PromptTokens | None, key: NamespaceKey | None, read_from: int | None = None,
-        prefetched: dict[str, bytes] | None = None,
+        prefetched: dict[str, bytes] | None = None, expected: dict[str, int] | None = None,
     ) -> Generator[Round, Reply, LookupResult]:
         """One lookup as the keys it checks or reads, round trip by round trip
         (``_lookup_rounds`` sends each answer back); returns its result.
@@ -296,7 +297,8 @@ class HitFinder:
                        if k not in probes] if checked else []
         # (where the store pipelines, a lookup that will read its hit's objects reads them here)
         prefetch = prefetched if read_from is not None and self.store.pipelines else None
-        reads = self._prefetch(every, hexes, read_from) \
+        sized = expected if expected is not None else {}
+        reads = self._prefetch(every, hexes, read_from, sized) \
             if checked and read_from is not None and prefetch is not None else []
         if reads:
             kept = set(reads)
@@ -349,7 +351,7 @@ class HitFinder:
         else:
             # A tail's objects are named only now: read those of the deepest in this round trip
             # too, as the first one reads a block boundary's.
-            reads = self._prefetch_tail(space, tails[0], hexes, read_from, prefetch) \
+            reads = self._prefetch_tail(space, tails[0], hexes, read_from, prefetch, sized) \
                 if tails and read_from is not None and prefetch is not None else []
             sent, read = yield (asked, touched, reads)
             for k, blob in zip(reads, read, strict=True):
@@ -383,10 +385,11 @@ class HitFinder:
         return self._result(hit, limit, self._past_hit(probes, probed) if published else missed, name, whole)
 
     def _prefetch(self, every: Sequence[tuple[int, int, str, range | list[int]]], hexes: Sequence[str],
-                  read_from: int) -> list[str]:
+                  read_from: int, sizes: dict[str, int]) -> list[str]:
         """Of every candidate's objects (``_wanted``), the keys of those of rank 0 that a load from
         ``read_from`` to any candidate reads (KV blocks from ``read_from``'s block on, states past
-        it); none where they could be more than ``PREFETCH_BYTES``."""
+        it); none where they could be more than ``PREFETCH_BYTES``. Each one's size goes into
+        ``sizes``."""
         first = read_from // self.layout.block_size
         keys: list[str] = []
         size = 0
@@ -397,11 +400,12 @@ class HitFinder:
             for i in idx:
                 if i >= first:
                     keys.append(prefix + hexes[i])
+                    sizes[keys[-1]] = each
                     size += each
         return _within_prefetch(keys, size)
 
     def _prefetch_tail(self, space: KeySpace, tail: tuple[int, bytes], hexes: Sequence[str], read_from: int,
-                       prefetched: Mapping[str, bytes]) -> list[str]:
+                       prefetched: Mapping[str, bytes], sizes: dict[str, int]) -> list[str]:
         """The keys of the objects of rank 0 that a load from ``read_from`` to ``tail`` (tokens,
         tail hash) reads and the first round trip did not: its full KV blocks from
         ``read_from``'s block on, its partly filled block and its state; none where, with what
@@ -423,6 +427,7 @@ class HitFinder:
             for k in named:
                 if k not in prefetched:
                     keys.append(k)
+                    sizes[k] = each
                     size += each
         return _within_prefetch(keys, size)
 

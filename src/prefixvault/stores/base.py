@@ -171,8 +171,9 @@ class Store(abc.ABC):
     #: Whether each batch call crosses a network (Redis, Mooncake): a round trip then costs
     #: more than checking more keys in it, and the vault trades the one for the other.
     remote: bool = False
-    #: Whether ``touch_and_get`` is one round trip (Redis and Valkey: one pipeline): a lookup
-    #: that will read its hit's objects reads them in its first round trip where it can.
+    #: Whether ``touch_and_get`` is one round trip (Redis and Valkey: one pipeline; Mooncake: two
+    #: calls at once): a lookup that will read its hit's objects reads them in its first round
+    #: trip where it can.
     pipelines: bool = False
 
     @property
@@ -259,12 +260,14 @@ class Store(abc.ABC):
         existence check already counts as a use (Mooncake grants a lease) keep this default."""
         return self.exists_many(keys)
 
-    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None,
-                      reads: Sequence[str]) -> tuple[list[bool], list[bytes | None]]:
+    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None, reads: Sequence[str],
+                      sizes: Sequence[int] | None = None) -> tuple[list[bool], list[bytes | None]]:
         """``touch_many(keys, touch)`` and ``get_many(reads)`` in one round trip where the store
-        can (Redis and Valkey: one pipeline): a lookup checks what it needs and reads what it
-        must read before it can name more, in one wait. This default makes the two calls, and
-        reads no key that the first found missing."""
+        can (Redis and Valkey: one pipeline; Mooncake: two calls at once): a lookup checks what
+        it needs and reads what it must read before it can name more, in one wait. ``sizes``:
+        each read's expected size, 0 where unknown, for a store that sizes its buffers before it
+        reads (Mooncake); an object of another size is still read whole. This default makes the
+        two calls, and reads no key that the first found missing."""
         found = self.touch_many(keys, touch)
         gone = {k for k, ok in zip(keys, found, strict=True) if not ok}
         wanted = [k for k in reads if k not in gone]

@@ -166,7 +166,8 @@ class BreakerStore(Store):
         # Known before the store opens: whatever the URI names, other than a local directory
         # or process memory, is across a network.
         self.remote = store.remote if store is not None else urlsplit(uri).scheme not in ("local", "memory")
-        self.pipelines = store.pipelines if store is not None else urlsplit(uri).scheme.startswith("redis")
+        self.pipelines = store.pipelines if store is not None \
+            else urlsplit(uri).scheme.startswith(("redis", "mooncake"))
         if store is None:
             self.breaker.trip(str(first_error or "not opened"))
 
@@ -234,9 +235,9 @@ class BreakerStore(Store):
     def touch_many(self, keys: Sequence[str], touch: Sequence[bool] | None = None) -> list[bool]:
         return self._call(lambda s: s.touch_many(keys, touch))
 
-    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None,
-                      reads: Sequence[str]) -> tuple[list[bool], list[bytes | None]]:
-        return self._call(lambda s: s.touch_and_get(keys, touch, reads))
+    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None, reads: Sequence[str],
+                      sizes: Sequence[int] | None = None) -> tuple[list[bool], list[bytes | None]]:
+        return self._call(lambda s: s.touch_and_get(keys, touch, reads, sizes))
 
     def delete_many(self, keys: Sequence[str]) -> int:
         return self._call(lambda s: s.delete_many(keys))

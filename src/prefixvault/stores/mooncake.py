@@ -375,6 +375,7 @@ class MooncakeStore(Store):
     """Objects under ``prefix + key`` in a Mooncake Store cluster."""
 
     remote = True
+    pipelines = True  # (``touch_and_get``: the check and the reads at once)
 
     def __init__(self, client: _Client, *, uri: str, admin: str, prefix: str, capacity: int | None,
                  timeout: float) -> None:  # fmt: skip
@@ -765,21 +766,24 @@ class MooncakeStore(Store):
                 out[i] = bytes(bufs[i])
         return out
 
-    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None,
-                      reads: Sequence[str]) -> tuple[list[bool], list[bytes | None]]:
+    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None, reads: Sequence[str],
+                      sizes: Sequence[int] | None = None) -> tuple[list[bool], list[bytes | None]]:
         """One round trip of wall time: the existence check of the keys not read (a use:
-        Mooncake grants a lease) runs on the checks lane while ``reads`` are read, each into
-        ``GUESSED_READ`` bytes, and a read answers whether its key exists (a missing key costs
-        nothing there, nor a log line). Mooncake has no call that checks some keys and reads
-        others, and checking by reading would log an error per missing key (a lookup's probes
-        are mostly missing)."""
-        wanted = list(dict.fromkeys(reads))
-        read = set(wanted)
-        checked = [k for k in dict.fromkeys(keys) if k not in read]
+        Mooncake grants a lease) runs on the checks lane while ``reads`` are read, each into its
+        size in ``sizes`` or, unknown, ``GUESSED_READ`` bytes, and a read answers whether its key
+        exists (a missing key costs nothing there, nor a log line). Mooncake has no call that
+        checks some keys and reads others, and checking by reading would log an error per
+        missing key (a lookup's probes are mostly missing)."""
+        expected: dict[str, int] = {}
+        for k, n in zip(reads, sizes if sizes is not None else [0] * len(reads), strict=True):
+            expected[k] = max(expected.get(k, 0), n)
+        wanted = list(expected)
+        checked = [k for k in dict.fromkeys(keys) if k not in expected]
         client = self._api()
         answer: Callable[[], list[int]] = client.check_beside(
             "exists", client.api.batch_is_exist, [self._key(k) for k in checked]) if checked else list
-        got = dict(zip(wanted, self._get_guessed(wanted), strict=True)) if wanted else {}
+        got = dict(zip(wanted, self._get_guessed(wanted, list(expected.values())), strict=True)) \
+            if wanted else {}
         codes = answer()
         if any(c < 0 for c in codes):
             raise self._fail("exists", min(codes))
@@ -787,14 +791,16 @@ class MooncakeStore(Store):
                  **{k: blob is not None for k, blob in got.items()}}
         return [found[k] for k in keys], [got.get(k) for k in reads]
 
-    def _get_guessed(self, keys: Sequence[str]) -> list[bytes | None]:
-        """``get_many`` in one call where every object fits ``GUESSED_READ`` bytes; those
-        that do not are read again at the size the first read answered (None if it changed)."""
-        bufs = [memoryview(bytearray(GUESSED_READ)) for _ in keys]
+    def _get_guessed(self, keys: Sequence[str], expected: Sequence[int]) -> list[bytes | None]:
+        """``get_many`` in one call where every object fits its ``expected`` size (0: unknown,
+        ``GUESSED_READ``); those that do not are read again at the size the first read answered
+        (None if it changed)."""
+        bufs = [memoryview(bytearray(n if n > 0 else GUESSED_READ)) for n in expected]
         sizes = self.get_into(keys, bufs)
-        out: list[bytes | None] = [None if size is None or size > GUESSED_READ else bytes(buf[:size])
+        out: list[bytes | None] = [None if size is None or size > len(buf) else bytes(buf[:size])
                                    for buf, size in zip(bufs, sizes, strict=True)]
-        larger = [(i, size) for i, size in enumerate(sizes) if size is not None and size > GUESSED_READ]
+        larger = [(i, size) for i, (buf, size) in enumerate(zip(bufs, sizes, strict=True))
+                  if size is not None and size > len(buf)]
         if larger:
             again = [memoryview(bytearray(size)) for _, size in larger]
             for (i, size), buf, got in zip(larger, again, self.get_into([keys[i] for i, _ in larger], again),

@@ -424,8 +424,8 @@ class RedisStore(Store):
             replies = self._queue_touches(pipe, names, touch)
             return replies(iter(pipe.execute()))
 
-    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None,
-                      reads: Sequence[str]) -> tuple[list[bool], list[bytes | None]]:
+    def touch_and_get(self, keys: Sequence[str], touch: Sequence[bool] | None, reads: Sequence[str],
+                      sizes: Sequence[int] | None = None) -> tuple[list[bool], list[bytes | None]]:
         # One pipeline: the touches, then the GETs (a GET counts for LRU/LFU as a use).
         names = [self._key(k) for k in keys]
         read_names = [self._key(k) for k in reads]
