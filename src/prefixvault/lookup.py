@@ -6,7 +6,7 @@ batched round trips whatever the prompt length, in time linear in the prompt; on
 store, where the objects of every candidate are few, they are checked beside the records, and
 a hit is answered after one round trip (its objects are touched afterwards). For layouts with
 state, the first round trip also reads the tail index of every block boundary in range
-(``tails``, ``Store.touch_and_get``: one pipeline on Redis and Valkey), and the deepest tails
+(``tails``, ``Store.touch_and_get``: one round trip on Redis, Valkey and Mooncake), and the deepest tails
 listed that the prompt reaches are checked beside the other candidates' objects: a second round
 trip only where the prompt has such a tail. A hit's record is
 read only where the deny-list names it: a replayed copy of a quarantined record is refused,
