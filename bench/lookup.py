@@ -267,19 +267,23 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     print(f"{'layout':<10} {'block':>5} {'tokens':>7} {'records':>7} {'lookup ms':>10} {'2 RT ms':>9} "
           f"{'touch ms':>9} {'hash ms':>8} {'record B/boundary':>18} {'publish s':>9}")
-    for kind in args.layouts.split(","):
-        for bs in sizes:
-            for t in lengths:
-                if args.max_blocks and t // bs > args.max_blocks:
-                    continue
-                c = run_case(kind, bs, t // bs * bs, args.repeat, store, args.tails)
-                cases.append(c)
-                print(f"{kind:<10} {bs:>5} {c['tokens']:>7} {c['records']:>7} {c['lookup_ms']:>10.3f} "
-                      f"{c['two_round_trips_ms']:>9.3f} {c['touch_after_ms']:>9.3f} {c['hash_ms']:>8.3f} "
-                      f"{c['record_bytes_per_boundary']:>18.1f} {c['publish_s']:>9.3f}", flush=True)
-                for name, f in c.get("tails", {}).items():
-                    print(f"  {name}: {f['ms']:.3f} ms, index read in a second call "
-                          f"{f['separate_ms']:.3f} ms ({f['ratio']:.2f})", flush=True)
+    try:
+        for kind in args.layouts.split(","):
+            for bs in sizes:
+                for t in lengths:
+                    if args.max_blocks and t // bs > args.max_blocks:
+                        continue
+                    c = run_case(kind, bs, t // bs * bs, args.repeat, store, args.tails)
+                    cases.append(c)
+                    print(f"{kind:<10} {bs:>5} {c['tokens']:>7} {c['records']:>7} {c['lookup_ms']:>10.3f} "
+                          f"{c['two_round_trips_ms']:>9.3f} {c['touch_after_ms']:>9.3f} {c['hash_ms']:>8.3f} "
+                          f"{c['record_bytes_per_boundary']:>18.1f} {c['publish_s']:>9.3f}", flush=True)
+                    for name, f in c.get("tails", {}).items():
+                        print(f"  {name}: {f['ms']:.3f} ms, index read in a second call "
+                              f"{f['separate_ms']:.3f} ms ({f['ratio']:.2f})", flush=True)
+    finally:  # (the servers and the link go, whatever a case raised)
+        for done in stop:
+            done()
     goal = [c for c in cases if c["block_size"] == 16 and c["tokens"] == 131072]
     summary = {
         "bench": "lookup",
@@ -288,8 +292,6 @@ def main(argv: list[str] | None = None) -> int:
         "goal_met": all(c["lookup_ms"] <= GOAL_MS for c in goal) if goal and store is None else None,
         "cases": cases,
     }
-    for done in stop:
-        done()
     print(json.dumps(summary))
     return 0
 

@@ -1,5 +1,5 @@
 """A lookup that reads its hit's objects ahead (a synchronous load's) reads them in its first
-round trip where the store pipelines a check and a read (Redis, Valkey): a restore then costs one
+round trip where the store pipelines a check and a read (Redis, Valkey, Mooncake): a restore then costs one
 round trip before its answer, not two. Real vault; a memory store marked as pipelining, that
 counts its calls (one per round trip); no engine."""
 

@@ -170,11 +170,11 @@ class Saver:
         bad: list[str] = []
         gone: set[str] = set()
         # (what does not verify is read once more: a torn read proves nothing; ``read_twice``)
-        for key, found in zip(suspect, read_opened(self.store, list(suspect), denied), strict=True):
-            if found is None:
+        for key, verdict in zip(suspect, read_opened(self.store, list(suspect), denied), strict=True):
+            if verdict is None:
                 gone.add(key)  # evicted since the existence check
-            elif isinstance(found, IntegrityError) or found:
-                reason = found.reason if isinstance(found, IntegrityError) else "denied"
+            elif isinstance(verdict, IntegrityError) or verdict:
+                reason = verdict.reason if isinstance(verdict, IntegrityError) else "denied"
                 self.counters.tally("rejected", reason, 1)
                 bad.append(key)
         if bad:

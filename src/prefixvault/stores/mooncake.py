@@ -63,7 +63,7 @@ from prefixvault.stores.base import (
 from prefixvault.units import parse_size
 
 log = logging.getLogger("prefixvault.stores.mooncake")
-#: Calls into Mooncake queued at most (one runs at a time; past it a call fails at once).
+#: Calls into Mooncake queued at most on a lane (one runs at a time; past it a call fails at once).
 _CALLS = 1024
 
 DEFAULT_MASTER_PORT = 50051
@@ -78,10 +78,11 @@ DEFAULT_LOCAL_BUFFER = 16 << 20
 ALIGN = 64
 #: Keys per admin request while scanning.
 SCAN_CHUNK = 200
-#: A lookup's reads (``touch_and_get``: tail indexes, a few KiB each) go into this much memory
-#: each with no size asked first, so they are one call, not one per key and one more. A larger
-#: object costs a size query and a read more (and Mooncake logs that the buffer was too small).
-GUESSED_READ = 16 << 10
+#: A lookup's reads of unknown size (``touch_and_get``: tail indexes, 1.6 KiB when full) go into
+#: this much staging memory each with no size asked first, so they are one call, not one per key
+#: and one more. A larger object costs a size query and a read more (and Mooncake logs that the
+#: buffer was too small).
+GUESSED_READ = 4 << 10
 
 # Mooncake's error codes (mooncake-store types.h) that this store tells apart.
 #: What a get into a buffer smaller than the object answers (Mooncake's INVALID_PARAMS).
@@ -157,7 +158,7 @@ def _set_timeouts(timeout: float) -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class _Call:
-    """One call into Mooncake, run on the deadline lane; its caller waits on ``future``."""
+    """One call into Mooncake, run on a deadline lane; its caller waits on ``future``."""
 
     fn: Callable[[], Any]
     future: concurrent.futures.Future[Any]
@@ -176,7 +177,8 @@ class _Deadline:
 
     def __init__(self, name: str) -> None:
         self._lane: Lane[_Call] = Lane(name, self._run, self._refuse, capacity=_CALLS, guard=Guard())
-        self._stuck: concurrent.futures.Future[Any] | None = None
+        self._lock = threading.Lock()  # callers of one lane may be several threads
+        self._stuck: concurrent.futures.Future[Any] | None = None  # under _lock
         self._stuck_what = ""
 
     @staticmethod
@@ -196,40 +198,45 @@ class _Deadline:
                 call.future.set_exception(StoreUnavailable(f"mooncake call not run ({reason.value})"))
 
     def run(self, what: str, seconds: float, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return self.finish(what, self.start(what, fn, *args, **kwargs), time.monotonic() + seconds)
+        return self.finish(what, self.start(what, fn, *args, **kwargs), time.monotonic() + seconds, seconds)
 
     def start(self, what: str, fn: Callable[..., Any], *args: Any,
               **kwargs: Any) -> concurrent.futures.Future[Any]:
         """Queue ``fn(*args)``; its answer is ``finish``'s."""
-        if self._stuck is not None:
-            if not self._stuck.done():
-                raise StoreUnavailable(f"{self._stuck_what} has not returned; no new call until it does")
-            self._stuck = None
+        with self._lock:
+            if self._stuck is not None:
+                if not self._stuck.done():
+                    raise StoreUnavailable(f"{self._stuck_what} has not returned; no new call until it does")
+                self._stuck = None
         call = _Call(fn=lambda: fn(*args, **kwargs), future=concurrent.futures.Future())
         refused = self._lane.put(call)
         if refused is not None:
             raise StoreUnavailable(f"{what}: not run ({refused.value})")
         return call.future
 
-    def finish(self, what: str, future: concurrent.futures.Future[Any], deadline: float) -> Any:
-        """The answer of a call ``start`` queued, waiting until ``deadline`` (monotonic) at most."""
-        seconds = max(0.0, deadline - time.monotonic())
+    def finish(self, what: str, future: concurrent.futures.Future[Any], deadline: float,
+               budget: float) -> Any:
+        """The answer of a call ``start`` queued, waiting until ``deadline`` (monotonic) at most:
+        ``budget`` seconds after it was queued."""
         try:
-            return future.result(timeout=seconds)
+            return future.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
-            self._stuck, self._stuck_what = future, what
-            raise StoreUnavailable(f"{what} timed out after {seconds:.1f} s") from None
+            with self._lock:
+                self._stuck, self._stuck_what = future, what
+            raise StoreUnavailable(f"{what} timed out after {budget:.1f} s") from None
 
     @property
     def stuck(self) -> bool:
-        return self._stuck is not None and not self._stuck.done()
+        with self._lock:
+            return self._stuck is not None and not self._stuck.done()
 
     @property
     def stuck_what(self) -> str:
         return self._stuck_what
 
-    def close(self) -> None:
-        self._lane.close(0.0)
+    def close(self, timeout: float = 0.0) -> bool:
+        """Stop taking calls; whether none is still running after ``timeout`` seconds."""
+        return self._lane.close(timeout)
 
 
 class _Client:
@@ -271,13 +278,16 @@ class _Client:
         """Start ``fn(*args)``, a call that touches no registered memory, on the checks lane;
         its answer is the returned function's (within ``call``'s bounds from now)."""
         what = f"mooncake store {self.config.master}: {what}"
-        deadline = time.monotonic() + 3 * self.config.timeout
+        budget = 3 * self.config.timeout
+        deadline = time.monotonic() + budget
         future = self.checks.start(what, fn, *args)
-        return lambda: self.checks.finish(what, future, deadline)
+        return lambda: self.checks.finish(what, future, deadline, budget)
 
     def close(self) -> None:
-        if self.deadline.stuck or self.checks.stuck:
-            # The stuck call may still write into our regions: keep them (and the client)
+        # A check still running (one whose caller failed first) ends within its deadline.
+        checks_idle = self.checks.close(3 * self.config.timeout)
+        if self.deadline.stuck or not checks_idle:
+            # The stuck call may still write into our regions, or use the client: keep them
             # alive for the life of the process rather than free memory under it.
             _RETIRED.append(self)
             return
@@ -286,7 +296,6 @@ class _Client:
             self.lent.release()
             self.call("close", 0, self.api.close)
         self.deadline.close()
-        self.checks.close()
 
 
 #: Clients closed while a call was stuck inside Mooncake; never freed.
@@ -770,43 +779,78 @@ class MooncakeStore(Store):
                       sizes: Sequence[int] | None = None) -> tuple[list[bool], list[bytes | None]]:
         """One round trip of wall time: the existence check of the keys not read (a use:
         Mooncake grants a lease) runs on the checks lane while ``reads`` are read, each into its
-        size in ``sizes`` or, unknown, ``GUESSED_READ`` bytes, and a read answers whether its key
-        exists (a missing key costs nothing there, nor a log line). Mooncake has no call that
-        checks some keys and reads others, and checking by reading would log an error per
-        missing key (a lookup's probes are mostly missing)."""
+        size in ``sizes`` or, unknown, ``GUESSED_READ`` bytes; a read answers whether its key
+        exists (an object not readable right now, or changed between two reads, counts as
+        missing: a miss). Mooncake has no call that checks some keys and reads others, and
+        checking by reading would move every object checked (a lookup's probes are KV blocks).
+        Where the checks lane is stuck, the check runs before the reads instead."""
         expected: dict[str, int] = {}
         for k, n in zip(reads, sizes if sizes is not None else [0] * len(reads), strict=True):
             expected[k] = max(expected.get(k, 0), n)
         wanted = list(expected)
         checked = [k for k in dict.fromkeys(keys) if k not in expected]
         client = self._api()
-        answer: Callable[[], list[int]] = client.check_beside(
-            "exists", client.api.batch_is_exist, [self._key(k) for k in checked]) if checked else list
-        got = dict(zip(wanted, self._get_guessed(wanted, list(expected.values())), strict=True)) \
-            if wanted else {}
-        codes = answer()
-        if any(c < 0 for c in codes):
-            raise self._fail("exists", min(codes))
-        found = {**dict(zip(checked, [c == 1 for c in codes], strict=True)),
-                 **{k: blob is not None for k, blob in got.items()}}
+        self._usable(client)
+        started: Callable[[], Any] | None = None
+        found_now: list[bool] = []
+        if checked and not client.checks.stuck:
+            names = [self._key(k) for k in checked]
+            started = client.check_beside("exists", client.api.batch_is_exist, names)
+        elif checked:
+            found_now = self.exists_many(checked)
+        try:
+            got = dict(zip(wanted, self._read_sized(wanted, list(expected.values())), strict=True))
+        except BaseException:
+            if started is not None:
+                with contextlib.suppress(Exception):  # (its deadline marks it stuck if it overran)
+                    started()
+            raise
+        if started is not None:
+            found_now = self._exists(started())
+        found = {**dict(zip(checked, found_now, strict=True)), **{k: b is not None for k, b in got.items()}}
         return [found[k] for k in keys], [got.get(k) for k in reads]
 
-    def _get_guessed(self, keys: Sequence[str], expected: Sequence[int]) -> list[bytes | None]:
-        """``get_many`` in one call where every object fits its ``expected`` size (0: unknown,
-        ``GUESSED_READ``); those that do not are read again at the size the first read answered
-        (None if it changed)."""
-        bufs = [memoryview(bytearray(n if n > 0 else GUESSED_READ)) for n in expected]
-        sizes = self.get_into(keys, bufs)
-        out: list[bytes | None] = [None if size is None or size > len(buf) else bytes(buf[:size])
-                                   for buf, size in zip(bufs, sizes, strict=True)]
-        larger = [(i, size) for i, (buf, size) in enumerate(zip(bufs, sizes, strict=True))
-                  if size is not None and size > len(buf)]
+    def _read_sized(self, keys: Sequence[str], expected: Sequence[int]) -> list[bytes | None]:
+        """Each object read into its ``expected`` size of staging memory (0: ``GUESSED_READ``)
+        and copied out, in one call per arena's worth; one larger than that is read again at the
+        size the first read answered (None if it changed meanwhile), as is every object by
+        ``get_into`` with buffers of its own."""
+        if not keys:
+            return []
+        names = [self._key(k) for k in keys]
+        room = [n if n > 0 else GUESSED_READ for n in expected]
+        out: list[bytes | None] = [None] * len(keys)
+        larger: list[tuple[int, int]] = []
+        client = self._api()
+        with client.lock:
+            self._usable(client)
+            for group in _chunks(room, client.arena.mem.nbytes):
+                client.arena.grow(sum(_aligned(room[i]) for i in group))
+                offs, off = [], 0
+                for i in group:
+                    offs.append(off)
+                    off += _aligned(room[i])
+                codes = client.call("get", sum(room[i] for i in group), client.api.batch_get_into,
+                                    [names[i] for i in group], [client.arena.base + o for o in offs],
+                                    [room[i] for i in group])
+                for i, o, code in zip(group, offs, codes, strict=True):
+                    size = self._size_of(client, names[i], code, room[i])
+                    if size is not None and size > room[i]:
+                        larger.append((i, size))
+                    elif size is not None:
+                        out[i] = bytes(client.arena.mem.data[o : o + size])
         if larger:
             again = [memoryview(bytearray(size)) for _, size in larger]
             for (i, size), buf, got in zip(larger, again, self.get_into([keys[i] for i, _ in larger], again),
                                            strict=True):
                 out[i] = bytes(buf) if got == size else None
         return out
+
+    def _exists(self, codes: Sequence[int]) -> list[bool]:
+        """``batch_is_exist``'s answer, per key (an error code fails the whole check)."""
+        if any(c < 0 for c in codes):
+            raise self._fail("exists", min(codes))
+        return [c == 1 for c in codes]
 
     def exists_many(self, keys: Sequence[str]) -> list[bool]:
         names = [self._key(k) for k in keys]
@@ -815,9 +859,7 @@ class MooncakeStore(Store):
         client = self._api()
         with client.lock:
             codes = client.call("exists", 0, client.api.batch_is_exist, names)
-        if any(c < 0 for c in codes):
-            raise self._fail("exists", min(codes))
-        return [c == 1 for c in codes]
+        return self._exists(codes)
 
     def delete_many(self, keys: Sequence[str]) -> int:
         names = sorted({self._key(k) for k in keys})
