@@ -732,19 +732,26 @@ class MooncakeStore(Store):
 
     def _get_staged(self, client: _Client, names: list[str], buffers: Sequence[memoryview],
                     idx: list[int], out: list[int | None]) -> None:  # fmt: skip
-        sizes = [max(1, buffers[i].nbytes) for i in idx]
-        client.arena.grow(sum(_aligned(n) for n in sizes))
-        offs, off = [], 0
-        for n in sizes:
-            offs.append(off)
-            off += _aligned(n)
-        codes = client.call("get", sum(sizes), client.api.batch_get_into, [names[i] for i in idx],
-                            [client.arena.base + o for o in offs], sizes)
-        for i, o, code in zip(idx, offs, codes, strict=True):
-            size = self._size_of(client, names[i], code, buffers[i].nbytes)
+        room = [max(1, buffers[i].nbytes) for i in idx]
+        for i, (o, size) in zip(idx, self._into_arena(client, [names[i] for i in idx], room), strict=True):
             out[i] = size
             if size is not None and 0 < size <= buffers[i].nbytes:
                 _bytes(buffers[i])[:size] = client.arena.mem.data[o : o + size]
+
+    def _into_arena(self, client: _Client, names: Sequence[str],
+                    room: Sequence[int]) -> list[tuple[int, int | None]]:
+        """One ``batch_get_into`` of each object into ``room[i]`` bytes of the staging arena
+        (grown to hold them all; caller holds ``client.lock``): per object, its offset there and
+        its size (``_size_of``: None where missing, larger than its room where it did not fit)."""
+        client.arena.grow(sum(_aligned(n) for n in room))
+        offs, off = [], 0
+        for n in room:
+            offs.append(off)
+            off += _aligned(n)
+        codes = client.call("get", sum(room), client.api.batch_get_into, list(names),
+                            [client.arena.base + o for o in offs], list(room))
+        return [(o, self._size_of(client, name, code, n))
+                for name, o, code, n in zip(names, offs, codes, room, strict=True)]
 
     def _size_of(self, client: _Client, name: str, code: int, buffer_size: int) -> int | None:
         if code >= 0:
@@ -825,16 +832,8 @@ class MooncakeStore(Store):
         with client.lock:
             self._usable(client)
             for group in _chunks(room, client.arena.mem.nbytes):
-                client.arena.grow(sum(_aligned(room[i]) for i in group))
-                offs, off = [], 0
-                for i in group:
-                    offs.append(off)
-                    off += _aligned(room[i])
-                codes = client.call("get", sum(room[i] for i in group), client.api.batch_get_into,
-                                    [names[i] for i in group], [client.arena.base + o for o in offs],
-                                    [room[i] for i in group])
-                for i, o, code in zip(group, offs, codes, strict=True):
-                    size = self._size_of(client, names[i], code, room[i])
+                placed = self._into_arena(client, [names[i] for i in group], [room[i] for i in group])
+                for i, (o, size) in zip(group, placed, strict=True):
                     if size is not None and size > room[i]:
                         larger.append((i, size))
                     elif size is not None:
