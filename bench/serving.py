@@ -130,7 +130,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                     loads[k] = metric(url, f"vllm:prefixvault_{k}_total")
                 judged.update(metric_by_label(url, "vllm:prefixvault_restore_judgments_total", "judgment"))
                 for k in ("compute_us_per_token", "lookup_us", "restore_us", "restore_in_step_us", "step_us",
-                          "load_bytes_per_s"):
+                          "load_bytes_per_s", "load_in_step_bytes_per_s"):
                     estimates[k] = metric(url, f"vllm:prefixvault_estimate_{k}")
                 misses.update(metric_by_label(url, "vllm:prefixvault_lookup_misses_total", "reason"))
             if again:  # the same requests once more: each prefix a hit in the engine's own cache

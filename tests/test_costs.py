@@ -8,7 +8,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from prefixvault.costs import EXPLORE_S, MAX_STEP_S, Judgment, RestoreCosts
+from prefixvault.costs import EXPLORE_S, MAX_STEP_S, Judgment, RestoreCosts, full_step_s_per_token
 
 
 class Clock:
@@ -215,3 +215,65 @@ def test_what_restores_took_on_this_engine_replaces_the_prior() -> None:
     est = costs.estimates()
     assert est.restore_s_in_step is not None and math.isclose(est.restore_s_in_step, 0.03, rel_tol=1e-3)
     assert math.isclose(est.restore_s(1 << 20, in_step=True), 0.09, rel_tol=1e-3)  # its transfer, half a step
+
+
+def test_short_prefill_steps_cost_a_token_what_a_full_step_does_where_the_budget_is_known() -> None:
+    """Steps that take 8 ms of fixed cost plus 40 µs a prefill token, measured only on
+    restored requests' short chunks (200 tokens, 16 ms) between decode steps (8 ms): the
+    tokens a request would compute instead fill whole steps of 512, which cost 28.48 ms, so a
+    token costs 55.6 µs, not the short steps' 80. Without the budget (or with no step free of
+    prefill measured) the estimate stays the steps' ratio."""
+    clock = Clock()
+    budgeted = RestoreCosts(clock=clock, step_budget=512)
+    blind = RestoreCosts(clock=clock)
+    for _ in range(40):
+        for tokens, prefill, seconds in ((6, 0, 0.008), (206, 200, 0.008 + 200 * 40e-6)):
+            for costs in (budgeted, blind):
+                costs.step_planned(tokens, prefill)
+            clock.now += seconds
+    full, ratio = budgeted.estimates().compute_s_per_token, blind.estimates().compute_s_per_token
+    assert full is not None and math.isclose(full, (0.008 + 512 * 40e-6) / 512, rel_tol=1e-3)
+    assert ratio is not None and math.isclose(ratio, 0.016 / 200, rel_tol=1e-3)
+
+
+@given(st.floats(1e-4, 10.0), st.integers(1, 8192), st.one_of(st.none(), st.floats(0.0, 20.0)),
+       st.one_of(st.none(), st.integers(1, 8192)))
+def test_a_full_steps_token_costs_between_the_step_over_its_budget_and_the_steps_ratio(
+        prefill_s: float, prefill_tokens: int, fixed_s: float | None, budget: int | None) -> None:
+    per_token = full_step_s_per_token(prefill_s, prefill_tokens, fixed_s, budget)
+    ratio = prefill_s / prefill_tokens
+    assert per_token <= ratio * (1 + 1e-9)
+    if budget is None or fixed_s is None or prefill_tokens >= budget:
+        assert per_token == ratio
+    else:
+        assert per_token >= prefill_s / budget * (1 - 1e-9)
+
+
+def test_a_steps_synchronous_loads_are_a_restores_cost_not_its_prefill() -> None:
+    """Every prefill step also writes a synchronous load (the engine restores every request):
+    the 6 ms each spends writing 3 MiB leaves the prefill rate as it is without loads, and is
+    what a synchronous load costs a restore in its step (2 µs a KiB), in place of the rate of
+    loads beside the steps."""
+    clock = Clock()
+    costs = RestoreCosts(clock=clock)
+    plain = RestoreCosts(clock=clock)
+    for _ in range(40):
+        for c in (costs, plain):
+            c.step_planned(300, 300)
+        clock.now += 0.03 + 0.006
+        costs.loaded_in_step(3 << 20, 0.006)  # reported after the step, before the next is planned
+        plain.step_planned(300, 300)
+        costs.step_planned(300, 300)
+        clock.now += 0.03
+    loading, computing = costs.estimates().compute_s_per_token, plain.estimates().compute_s_per_token
+    assert loading is not None and computing is not None and math.isclose(loading, 0.1 / 1000, rel_tol=1e-6)
+    assert computing > loading  # the same steps, the loads counted as prefill
+    costs.loaded(1 << 20, 0.5)  # loads beside the steps: a slower rate, theirs alone
+    for _ in range(40):
+        costs.restored(0.03, 3 << 20, in_step=True)
+    est = costs.estimates()
+    assert est.in_step_s_per_byte is not None and math.isclose(est.in_step_s_per_byte, 0.002 / (1 << 20))
+    step = est.step_s
+    assert step is not None
+    assert math.isclose(est.restore_s(3 << 20, in_step=True), 0.03 + 0.5 * step + 0.006, rel_tol=1e-6)
+    assert est.figures()["load_in_step_bytes_per_s"] == 500 << 20

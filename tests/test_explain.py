@@ -86,6 +86,7 @@ vllm:prefixvault_estimate_compute_us_per_token{engine="0",model_name="m"} 200.0
 vllm:prefixvault_estimate_step_us{engine="0",model_name="m"} 30000.0
 vllm:prefixvault_estimate_lookup_us{engine="0",model_name="m"} 20000.0
 vllm:prefixvault_estimate_load_bytes_per_s{engine="0",model_name="m"} 1.0e+09
+vllm:prefixvault_estimate_load_in_step_bytes_per_s{engine="0",model_name="m"} 4.0e+09
 """
 
 
@@ -102,7 +103,7 @@ def test_explain_says_whether_an_engine_would_restore_the_hit_or_compute_it(tmp_
     assert est.compute_s_per_token is not None and est.step_s is not None and est.lookup_s is not None
     figures = (est.compute_s_per_token, est.step_s, est.lookup_s)
     assert [round(v * 1e6) for v in figures] == [200, 30000, 20000]
-    assert est.transfer_s_per_byte == 1e-9
+    assert est.transfer_s_per_byte == 1e-9 and est.in_step_s_per_byte == 0.25e-9
     uri = f"local://{tmp_path}/store?capacity=64MiB"
     store = open_store(uri)
     vault = Vault(store, layout())

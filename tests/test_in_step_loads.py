@@ -15,7 +15,7 @@ import pytest
 import torch
 from test_vault import fill, layout
 
-from prefixvault.codec import ObjectKind
+from prefixvault.codec import HEADER_SIZE, ObjectKind
 from prefixvault.guard import Guard
 from prefixvault.keys import ExtraKeys
 from prefixvault.objects import ObjectRef
@@ -117,7 +117,9 @@ def test_a_synchronous_load_is_written_at_once_its_state_also_into_the_blocks_na
     worker = _worker(vault, caches)
     hashes = vault.hashes(TOKENS[:41])
     assert worker.mailbox is not None
-    token = worker.mailbox.put("r", _objects(vault, hashes), step=3)
+    objects = _objects(vault, hashes)
+    payload_bytes = sum(len(o) - HEADER_SIZE for o in objects.values())
+    token = worker.mailbox.put("r", objects, step=3)
     spec = LoadSpec("r", hashes[:5], 40, 0, TABLE, mode=LoadMode.HANDED_OVER, token=token,
                     state_copies=[(2, 7), (2, 11), (2, 12)])
     worker.load([spec], step=3)
@@ -131,6 +133,10 @@ def test_a_synchronous_load_is_written_at_once_its_state_also_into_the_blocks_na
     assert worker.counters.loads == 1 and worker.counters.loads_in_step == 1
     assert worker.counters.loads_in_step_read == 0  # every byte handed over
     assert worker.counters.loaded_tokens == 40 and len(worker.mailbox) == 0
+    # what the step spent on it, for the scheduler's estimates (a step's compute is the rest)
+    nbytes, seconds = worker.take_in_step_measured()
+    assert nbytes == payload_bytes and seconds > 0
+    assert worker.take_in_step_measured() == (0, 0.0)
     worker.close()
 
 
@@ -243,6 +249,7 @@ def test_a_synchronous_load_that_cannot_be_written_is_reported_as_unloaded_block
     assert worker.counters.failure_reasons == {"missing": 1, "internal_error": 1}
     assert all(np.all(c.numpy() == -1) for c in caches.values())
     assert worker.take_finished() == (set(), set())
+    assert worker.take_in_step_measured() == (0, 0.0)  # nothing written: no rate measured
     worker.close()
 
 

@@ -130,6 +130,21 @@ def test_a_budget_smaller_than_a_block_ends_steps_inside_blocks() -> None:
     assert scenario.schedule(100, 256, 256) == [100]
 
 
+def test_the_prefill_estimate_knows_the_engines_step_budget() -> None:
+    """``max_num_batched_tokens`` from vLLM's config (``RestoreCosts.step_budget``); None where
+    a config has none, rather than a guess."""
+    from types import SimpleNamespace
+
+    from vllm.config import SchedulerConfig
+
+    from prefixvault.vllm.compat import step_budget
+
+    real = SchedulerConfig(max_num_batched_tokens=512, max_model_len=4096, is_encoder_decoder=False)
+    assert step_budget(SimpleNamespace(scheduler_config=real)) == 512
+    assert step_budget(SimpleNamespace()) is None
+    assert step_budget(SimpleNamespace(scheduler_config=SimpleNamespace(max_num_batched_tokens=None))) is None
+
+
 def test_no_step_waits_for_lookups_where_the_engine_overlaps_its_steps() -> None:
     """Async scheduling or a GPU: a wait in ``schedule()`` would hold the next step's launch, so
     lookups are never waited for there, not even the yield (asked again in a later step)."""

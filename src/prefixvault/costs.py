@@ -7,16 +7,23 @@ the prefill they save, and a cache that makes requests slower than no cache is t
 an operator turns off. ``RestoreCosts`` keeps these estimates, each from what the engine and
 the store did lately, none configured:
 
-- ``compute``: seconds per token of a prefill step (the seconds of steps that mostly prefill
-  over their tokens, each an exponential average: a ratio of averages, so the few tokens of a
-  short step, most of its time the step's fixed cost, do not weigh as much as a full step's),
-  times the requests that share a step's prefill lately (``sharing``: a request's tokens go
-  through the steps at its share of them, so under load computing a token takes that much
-  longer for the request that waits for it);
+- ``compute``: seconds per token of a prefill step whose whole token budget prefills
+  (``full_step_s_per_token``: the seconds of steps that mostly prefill over their prefill
+  tokens, each an exponential average, a ratio of averages; where the budget and a step with
+  no prefill are known, a line through the two, its fixed part spread over the budget, as
+  tokens computed instead of restored fill whole steps: short steps, most of their time the
+  step's fixed cost, would otherwise make every token look as dear as theirs), times the
+  requests that share a step's prefill lately (``sharing``: a request's tokens go through the
+  steps at its share of them, so under load computing a token takes that much longer for the
+  request that waits for it). A step's seconds count without the time it spent writing
+  synchronous loads (``loaded_in_step``): on an engine that restores every request, every
+  step that prefills also loads, and its copies are a restore's cost, not the prefill's;
 - ``step``: seconds a busy step takes (an asynchronous load costs about one: its request is
   scheduled in the step after the load is reported);
 - ``lookup``: seconds a lookup takes (one or two store round trips);
-- ``transfer``: seconds per byte a load takes beyond one round trip (the lookup's figure);
+- ``transfer``: seconds per byte a load takes beyond one round trip (the lookup's figure),
+  and apart the seconds per byte a synchronous load takes in its step (``in_step``: its
+  objects most often read in the lookup, so this is the verifying and the copies);
 - ``restore``: seconds from a restored request's lookup to when it could be scheduled, less its
   bytes' transfer, as this engine's restores took them (the lanes' queues, every round trip,
   the wait from the answer to the next step that takes it, and the steps a load beside them
@@ -27,10 +34,11 @@ the store did lately, none configured:
   a request computed would wait as long.
 
 With these, restoring ``t`` tokens whose objects are ``n`` bytes costs ``restore + n *
-transfer`` (before any restore is measured: two round trips, and a step for a load beside the
-steps) and half a step (``LAST_STEP_SHARE``: a restored request still runs a whole step for the
-tokens past its hit, where a computed request's last step is on average half its own), less the
-lookup once it has answered; computing them costs ``t * compute``.
+transfer`` (``in_step`` for a synchronous load, once measured; before any restore is
+measured: two round trips, and a step for a load beside the steps) and half a step
+(``LAST_STEP_SHARE``: a restored request still runs a whole step for the tokens past its hit,
+where a computed request's last step is on average half its own), less the lookup once it has
+answered; computing them costs ``t * compute``.
 Both grow linearly with a hit: where restoring a token costs less than computing it the whole
 hit pays best, and where it costs more no part of it pays once the fixed costs are added; so a
 hit is taken whole or not at all (a miss counted ``not_worth_it``). Before any round trip, a
@@ -57,7 +65,8 @@ from prefixvault.layout import CacheLayout
 #: How much each new sample counts against what was measured before (an exponential average).
 WEIGHT = 0.2
 #: A step counts toward the compute estimate only with at least this many tokens, most of them
-#: prefill (decode steps cost per token what a prefill does not).
+#: prefill (decode steps cost per token what a prefill does not); one with no prefill at all
+#: gives its fixed part.
 MIN_PREFILL_TOKENS = 32
 #: A step longer than this is not a step the engine ran but one it waited for (an idle engine).
 MAX_STEP_S = 10.0
@@ -91,6 +100,22 @@ class Average:
         self.at = now
 
 
+def full_step_s_per_token(prefill_s: float, prefill_tokens: float, fixed_s: float | None,
+                          budget: int | None) -> float:
+    """Seconds per token of a step that prefills ``budget`` tokens, from steps that took
+    ``prefill_s`` for ``prefill_tokens`` and steps with no prefill that took ``fixed_s``: a
+    line through the two, at the budget. Tokens a request computes instead of restoring fill
+    the steps up to their budget, so the fixed part of a step is spread over the budget, not
+    over a short step's tokens. Without the budget or a step with no prefill: the steps' ratio.
+    Never above that ratio nor below ``prefill_s / budget`` (a line that cannot fall as the
+    tokens grow, nor start below zero)."""
+    ratio = prefill_s / prefill_tokens
+    if not budget or fixed_s is None or prefill_tokens >= budget:
+        return ratio
+    fixed = min(max(fixed_s, 0.0), prefill_s)
+    return (prefill_s - fixed) / prefill_tokens + fixed / budget
+
+
 @dataclass(frozen=True)
 class Estimates:
     """The costs as last measured (seconds; None: not measured yet)."""
@@ -104,6 +129,8 @@ class Estimates:
     # that asked (see the module).
     restore_s_beside: float | None = None
     restore_s_in_step: float | None = None
+    # Seconds per byte a synchronous load took in its step (verifying and copying its objects).
+    in_step_s_per_byte: float | None = None
 
     def restore_s(self, nbytes: int, in_step: bool) -> float:
         """Expected seconds from a request's lookup to when it can be scheduled with ``nbytes``
@@ -114,7 +141,9 @@ class Estimates:
         lookup = self.lookup_s or 0.0
         step = self.step_s or 0.0
         fixed = measured if measured is not None else 2 * lookup + (0.0 if in_step else step)
-        return fixed + LAST_STEP_SHARE * step + nbytes * (self.transfer_s_per_byte or 0.0)
+        rate = self.in_step_s_per_byte if in_step and self.in_step_s_per_byte is not None \
+            else self.transfer_s_per_byte
+        return fixed + LAST_STEP_SHARE * step + nbytes * (rate or 0.0)
 
     def restore_and_compute_s(self, tokens: int, nbytes: int, in_step: bool) -> tuple[float, float] | None:
         """Seconds to look up and load ``tokens`` (``nbytes`` of objects: ``restore_s``), and
@@ -144,6 +173,8 @@ class Estimates:
             out["lookup_us"] = round(self.lookup_s * 1e6)
         if self.transfer_s_per_byte:
             out["load_bytes_per_s"] = round(1 / self.transfer_s_per_byte)
+        if self.in_step_s_per_byte:
+            out["load_in_step_bytes_per_s"] = round(1 / self.in_step_s_per_byte)
         if self.restore_s_beside is not None:
             out["restore_us"] = round(self.restore_s_beside * 1e6)
         if self.restore_s_in_step is not None:
@@ -167,6 +198,7 @@ GAUGE_NAMES = {"compute_s_per_token": ("vllm:prefixvault_estimate_compute_us_per
                "restore_s_beside": ("vllm:prefixvault_estimate_restore_us", 1e-6),
                "restore_s_in_step": ("vllm:prefixvault_estimate_restore_in_step_us", 1e-6)}
 TRANSFER_GAUGE = "vllm:prefixvault_estimate_load_bytes_per_s"
+IN_STEP_GAUGE = "vllm:prefixvault_estimate_load_in_step_bytes_per_s"
 
 
 def estimates_from_metrics(text: str) -> Estimates:
@@ -183,9 +215,10 @@ def estimates_from_metrics(text: str) -> Estimates:
     for field, (name, unit) in GAUGE_NAMES.items():
         v = gauge(name)
         values[field] = v * unit if v is not None else None
-    rate = gauge(TRANSFER_GAUGE)
+    rate, in_step = gauge(TRANSFER_GAUGE), gauge(IN_STEP_GAUGE)
     return Estimates(values["compute_s_per_token"], values["step_s"], values["lookup_s"],
-                     1 / rate if rate else None, values["restore_s_beside"], values["restore_s_in_step"])
+                     1 / rate if rate else None, values["restore_s_beside"], values["restore_s_in_step"],
+                     1 / in_step if in_step else None)
 
 
 def judge(est: Estimates, tokens: int, nbytes: int, in_step: bool = False) -> tuple[Judgment, float, float]:
@@ -198,25 +231,46 @@ def judge(est: Estimates, tokens: int, nbytes: int, in_step: bool = False) -> tu
     return (Judgment.PAYS if compute > load else Judgment.NOT_WORTH_IT), load, compute
 
 
+@dataclass(frozen=True)
+class _Step:
+    """A step as planned: when, its tokens, and of them those in chunks of more than one."""
+
+    at: float
+    tokens: int
+    prefill_tokens: int
+
+
 class RestoreCosts:
     """The estimates (see the module), fed by the scheduler's thread (steps), the lookup lane
     (lookups) and the workers' reports (loads); read by the scheduler's thread."""
 
-    def __init__(self, judge: bool = True, clock: Callable[[], float] = time.monotonic) -> None:
-        """``judge``: False (``restore_when: always``) takes every restore, measuring anyway."""
+    def __init__(self, judge: bool = True, clock: Callable[[], float] = time.monotonic,
+                 step_budget: int | None = None) -> None:
+        """``judge``: False (``restore_when: always``) takes every restore, measuring anyway.
+        ``step_budget``: the most tokens the engine schedules in a step (vLLM's
+        ``max_num_batched_tokens``), where known (``full_step_s_per_token``)."""
         self.judge = judge
+        self.step_budget = step_budget
         self._now = clock
         self._lock = threading.Lock()
-        # steps that mostly prefill: seconds and tokens (``compute`` is their ratio)
+        # Steps' seconds as below count without their synchronous loads' (``loaded_in_step``).
+        # Steps that mostly prefill: seconds and prefill tokens; steps with no prefill: seconds
+        # (``full_step_s_per_token`` of the three is ``compute``).
         self._prefill_s = Average()
         self._prefill_tokens = Average()
-        self._step = Average()
+        self._no_prefill_s = Average()
+        self._step = Average()  # every busy step, whole
         self._lookup = Average()
         self._transfer = Average()
+        self._in_step = Average()  # seconds per byte of synchronous loads, in their step
+        # seconds synchronous loads took in the step being measured, reported since the last
+        # step was planned (vLLM hands a step's reports over before it plans the next step;
+        # with async scheduling, after: then the next step's measure goes without them, and
+        # the averages keep the same sum)
+        self._in_step_s = 0.0
         self._sharing = Average()  # requests with a prefill chunk in a step that prefills
         self._restored = {False: Average(), True: Average()}  # by in step: ``Estimates.restore_s_*``
-        # the step planned last: when, its tokens, and whether it mostly prefills
-        self._last_step: tuple[float, int, bool] | None = None
+        self._last_step: _Step | None = None  # the step planned last
         # A judgment against restoring is put aside once per ``explore_s`` (the first time one
         # period after start), to measure the costs again.
         self.explore_s = EXPLORE_S
@@ -233,18 +287,21 @@ class RestoreCosts:
         with self._lock:
             if prefill_tokens:
                 self._sharing.add(max(1, prefilling), now)
-            last = self._last_step
-            self._last_step = (now, tokens, 2 * prefill_tokens >= tokens) if tokens else None
+            last, loading_s = self._last_step, self._in_step_s
+            self._last_step = _Step(now, tokens, prefill_tokens) if tokens else None
+            self._in_step_s = 0.0
             if last is None:
                 return
-            _, last_tokens, prefills = last
-            seconds = now - last[0]
+            seconds = now - last.at
             if seconds > MAX_STEP_S:
                 return
             self._step.add(seconds, now)
-            if last_tokens >= MIN_PREFILL_TOKENS and prefills:
-                self._prefill_s.add(seconds, now)
-                self._prefill_tokens.add(last_tokens, now)
+            computing = max(0.0, seconds - loading_s)
+            if not last.prefill_tokens:
+                self._no_prefill_s.add(computing, now)
+            elif last.tokens >= MIN_PREFILL_TOKENS and 2 * last.prefill_tokens >= last.tokens:
+                self._prefill_s.add(computing, now)
+                self._prefill_tokens.add(last.prefill_tokens, now)
 
     def looked_up(self, seconds: float) -> None:
         """A lookup batch took ``seconds`` in the store."""
@@ -259,6 +316,15 @@ class RestoreCosts:
             beyond = max(0.0, seconds - (self._lookup.value or 0.0))
             self._transfer.add(beyond / nbytes, self._now())
 
+    def loaded_in_step(self, nbytes: int, seconds: float) -> None:
+        """The step just run spent ``seconds`` writing synchronous loads of ``nbytes`` (the
+        slowest rank's): their rate, and time its compute is measured without."""
+        if nbytes <= 0:
+            return
+        with self._lock:
+            self._in_step.add(seconds / nbytes, self._now())
+            self._in_step_s += seconds
+
     def restored(self, seconds: float, nbytes: int, in_step: bool) -> None:
         """A request restoring ``nbytes`` (a rank's) could be scheduled ``seconds`` after its
         lookup was queued (waits for a step's token budget left out): beside the steps, once
@@ -272,10 +338,11 @@ class RestoreCosts:
         with self._lock:
             per_token = None
             if self._prefill_s.value is not None and self._prefill_tokens.value:
-                per_token = self._prefill_s.value / self._prefill_tokens.value
+                per_token = full_step_s_per_token(self._prefill_s.value, self._prefill_tokens.value,
+                                                  self._no_prefill_s.value, self.step_budget)
                 per_token *= max(1.0, self._sharing.value or 1.0)
             return Estimates(per_token, self._step.value, self._lookup.value, self._transfer.value,
-                             self._restored[False].value, self._restored[True].value)
+                             self._restored[False].value, self._restored[True].value, self._in_step.value)
 
     # -- judged ----------------------------------------------------------------------------------
 

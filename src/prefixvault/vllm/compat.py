@@ -164,6 +164,12 @@ def steps_overlap(vllm_config: Any, device_type: str) -> bool:
     return bool(getattr(scheduler, "async_scheduling", False)) or device_type != "cpu"
 
 
+def step_budget(vllm_config: Any) -> int | None:
+    """The most tokens the engine schedules in a step (``max_num_batched_tokens``), or None."""
+    budget = getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", None)
+    return budget if isinstance(budget, int) and budget > 0 else None
+
+
 def needs_mamba_cache_mode_flag(version: tuple[int, int] | None = None) -> bool:
     """vLLM 0.32 needs ``--mamba-cache-mode align`` beside prefix caching; 0.33 deprecated the
     flag (align is derived from prefix caching) and announced its removal."""

@@ -40,6 +40,7 @@ from prefixvault.vllm.compat import (
     relies_on_internal_checkpoints,
     resets_cpu_block_size,
     running_version,
+    step_budget,
     steps_overlap,
     unsupported_version,
 )
@@ -168,7 +169,8 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
                                            in_step=in_step, engine_id=self._engine_id,
                                            sync_loads=hands_over_loads(self.settings, device),
                                            checkpoints=checkpoints,
-                                           overlapped=steps_overlap(vllm_config, device))
+                                           overlapped=steps_overlap(vllm_config, device),
+                                           step_budget=step_budget(vllm_config))
             self.alignment = ChunkAlignment(vllm_config.cache_config, self.layout.block_size,
                                             enabled=self.layout.has_state,
                                             rewrite=resets_cpu_block_size(device, running_version()))
@@ -382,12 +384,15 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         off = worker.disabled is not None and not self._off_reported
         load_bytes, load_s = self.guard.call("build_connector_worker_meta", worker.take_load_measured,
                                              lambda: (0, 0.0))
+        in_step_bytes, in_step_s = self.guard.call("build_connector_worker_meta",
+                                                   worker.take_in_step_measured, lambda: (0, 0.0))
         caps: dict[str, int] = self.guard.call("build_connector_worker_meta", worker.take_load_caps, dict)
-        if not settled and not off and not load_bytes and not caps:
+        if not settled and not off and not load_bytes and not in_step_bytes and not caps:
             return None
         self._off_reported = self._off_reported or off
         return SavesSettled(Counter(sid for sid, _ in settled), Counter(sid for sid, ok in settled if not ok),
-                            off=int(off), load_bytes=load_bytes, load_s=load_s, caps=caps)
+                            off=int(off), load_bytes=load_bytes, load_s=load_s, in_step_bytes=in_step_bytes,
+                            in_step_s=in_step_s, caps=caps)
 
     @spent_in("scheduler")
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:

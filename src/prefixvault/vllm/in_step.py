@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -281,6 +282,9 @@ class InStepWrites:
         # Blocks of synchronous loads not written since the last take_unloaded (the engine's
         # thread only).
         self._unloaded: set[int] = set()
+        # Bytes written by synchronous loads and the seconds the engine's thread spent on them
+        # (their step's, not its forward's), since the last ``take_measured`` (that thread only).
+        self._measured = (0, 0.0)
         # One read at a time: one still stuck in the store past its deadline refuses the next
         # (``FULL``) rather than queue it behind.
         self.lane: Lane[_Read] = Lane("in_step", self._read_batch, self._fail_reads, capacity=1,
@@ -290,6 +294,7 @@ class InStepWrites:
         """Write a synchronous load of ``step`` now, its state also into the running blocks its
         ``state_copies`` name, once the engine's work ``marks`` names ran. Never raises: one
         that cannot be written is reported unloaded."""
+        t0 = time.monotonic()
         try:
             handed = (self.mailbox.take(spec.req_id, spec.token, step)
                       if spec.mode is LoadMode.HANDED_OVER and self.mailbox is not None else None)
@@ -316,6 +321,14 @@ class InStepWrites:
             return
         self._ctx.counters.add(loads=1, loads_in_step=1, loads_in_step_read=int(bool(missing)),
                                loaded_tokens=spec.tokens - spec.local_tokens)
+        nbytes, seconds = self._measured
+        self._measured = (nbytes + sum(len(payloads[r]) for r in refs), seconds + time.monotonic() - t0)
+
+    def take_measured(self) -> tuple[int, float]:
+        """Bytes synchronous loads wrote, and the seconds their step spent writing them (reading
+        any not handed over included), since the last call."""
+        out, self._measured = self._measured, (0, 0.0)
+        return out
 
     def _open_handed_over(self, spec: LoadSpec, refs: Sequence[ObjectRef],
                           handed: Objects) -> dict[ObjectRef, memoryview]:

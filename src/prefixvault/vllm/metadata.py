@@ -144,8 +144,8 @@ class SavesSettled(KVConnectorWorkerMetadata):
     """What the workers tell the scheduler after a step: saves stored or dropped, by
     ``save_id``, with how many ranks settled each (vLLM sums the ranks' reports); the ranks
     whose worker went off since (it writes no load: the scheduler stops offering hits); what
-    their loads cost (``prefixvault.costs``); and how deep a request whose load failed may
-    still restore (``Loads.take_caps``)."""
+    their loads cost, beside the steps and in them (``prefixvault.costs``); and how deep a
+    request whose load failed may still restore (``Loads.take_caps``)."""
 
     ranks: Counter[str] = field(default_factory=Counter)
     # saves some rank did not fully publish (dropped, failed, refused), by ranks
@@ -154,6 +154,10 @@ class SavesSettled(KVConnectorWorkerMetadata):
     # bytes asynchronous loads wrote and seconds they took, summed over ranks (a rank's rate)
     load_bytes: int = 0
     load_s: float = 0.0
+    # bytes synchronous loads wrote in the step and the seconds that step spent on them, the
+    # most of any rank (the step waits for its slowest rank)
+    in_step_bytes: int = 0
+    in_step_s: float = 0.0
     # requests whose loads failed on some rank: the most tokens each may restore when looked
     # up again (the least over ranks)
     caps: dict[str, int] = field(default_factory=dict)
@@ -165,6 +169,8 @@ class SavesSettled(KVConnectorWorkerMetadata):
             self.off += other.off
             self.load_bytes += other.load_bytes
             self.load_s += other.load_s
+            self.in_step_bytes = max(self.in_step_bytes, other.in_step_bytes)
+            self.in_step_s = max(self.in_step_s, other.in_step_s)
             for req_id, cap in other.caps.items():
                 self.caps[req_id] = min(cap, self.caps.get(req_id, cap))
         return self

@@ -52,13 +52,16 @@ class SchedulerSide:
     def __init__(self, settings: ConnectorSettings, layout: CacheLayout, vault: Vault | None,
                  load: bool, save: bool, guard: Guard | None = None, in_step: bool = False,
                  engine_id: str | None = None, checkpoints: InternalCheckpoints | None = None,
-                 overlapped: bool = False, sync_loads: bool | None = None) -> None:
+                 overlapped: bool = False, sync_loads: bool | None = None,
+                 step_budget: int | None = None) -> None:
         """``in_step``: a step waits for new lookups up to ``IN_STEP_WAIT_S`` (``restore_in_step``).
         ``sync_loads`` (as ``in_step`` if None): with one rank, lookups read their hits' objects
         ahead for synchronous loads into the worker serving ``engine_id``'s mailbox
         (``hands_over_loads``). ``checkpoints``: vLLM's rule for states
         exported inside a chunk, where this platform's kernels export them. ``overlapped``: the
-        engine overlaps its steps (async scheduling, a GPU): no step waits for lookups."""
+        engine overlaps its steps (async scheduling, a GPU): no step waits for lookups.
+        ``step_budget``: the most tokens a step schedules (``max_num_batched_tokens``), for the
+        prefill estimate (``RestoreCosts``)."""
         self.settings = settings
         self.guard = guard or Guard()
         self.layout = layout
@@ -81,7 +84,7 @@ class SchedulerSide:
         self.handover = InStepHandover(layout, budget, engine_id,
                                        lambda why: self.counters.tally("in_step_lost", why.value))
         # what a restore costs against computing, measured (``restore_when``)
-        self.costs = RestoreCosts(judge=settings.restore_when is RestoreWhen.FASTER)
+        self.costs = RestoreCosts(judge=settings.restore_when is RestoreWhen.FASTER, step_budget=step_budget)
         self.restores: Restores | None = None
         self.saves: SavePlans | None = None
         self._samples: SampleWriter | None = None
@@ -238,6 +241,8 @@ class SchedulerSide:
         (each request a miss, ``worker_off``) and saves stop being planned."""
         if report.load_bytes:
             self.costs.loaded(report.load_bytes, report.load_s)
+        if report.in_step_bytes:
+            self.costs.loaded_in_step(report.in_step_bytes, report.in_step_s)
         for req_id, cap in report.caps.items():  # (in the output that reports the load failed)
             tr = self._reqs.get(req_id)
             if tr is not None:

@@ -191,6 +191,11 @@ class WorkerSide:
         scheduler's restore cost estimates, ``prefixvault.costs``)."""
         return self.loads.take_measured()
 
+    def take_in_step_measured(self) -> tuple[int, float]:
+        """Bytes synchronous loads wrote and the seconds their steps spent on them, since the
+        last call (``InStepWrites.take_measured``): a step's time less these is its compute."""
+        return self.in_step.take_measured()
+
     def take_load_caps(self) -> dict[str, int]:
         """Requests whose loads failed since the last call, with the most tokens each may
         restore when it is looked up again (``Loads.take_caps``)."""
