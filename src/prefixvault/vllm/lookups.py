@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, replace
 
@@ -27,6 +28,8 @@ log = logging.getLogger("vllm.prefixvault")
 
 #: Lookups queued or running at most; past it a request is a ``busy`` miss (computed).
 LOOKUP_QUEUE = 4096
+#: Junctions cut lately that are remembered at most (the oldest cut forgotten first).
+CUTS_KEPT = 4096
 #: Batches of touches queued or running at most; past it a batch's touches are dropped (its
 #: hits' objects then age as if unused: freshness for the store's eviction, nothing else).
 TOUCH_QUEUE = 64
@@ -77,10 +80,13 @@ LOOKUP_MISS = {Failure.STORE_ERROR: Miss.STORE_ERROR, Failure.BREAKER_OPEN: Miss
 
 class Lookups:
     def __init__(self, vault: Vault, guard: Guard, capacity: int = LOOKUP_QUEUE,
-                 budget: ReadAheadBudget | None = None, costs: RestoreCosts | None = None) -> None:
+                 budget: ReadAheadBudget | None = None, costs: RestoreCosts | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         """``budget``: bounds the bytes read ahead (``read_ahead``); None: nothing is.
-        ``costs``: told how long each batch's lookup took in the store."""
+        ``costs``: told how long each batch's lookup took in the store, and judges cuts at a
+        junction. ``clock``: when a cut at a junction is made."""
         self.vault = vault
+        self._now = clock
         self.guard = guard
         self.budget = budget
         self.costs = costs
@@ -90,6 +96,12 @@ class Lookups:
         # round trip, and the next batch of lookups must not queue behind it.
         self.touches: Lane[list[Touch]] = Lane("touch", self._touch, self._touch_failed, capacity=TOUCH_QUEUE,
                                                guard=guard)
+        # Junctions cut lately, by chain hash: until when (``clock``) the cut is expected still
+        # on its way into the engine's cache, its restore's time and a step. A request that
+        # reaches the junction meanwhile finds no state there yet, and a cut of its own would
+        # serve no request the first one's does not (``_at_junction``). The lookup lane's
+        # alone; past ``CUTS_KEPT`` the oldest cut is forgotten.
+        self._cuts: OrderedDict[bytes, float] = OrderedDict()
 
     def submit(self, *, prompt: list[int], extra: ExtraKeys, known: list[bytes], num_tokens: int,
                min_tokens: int, saving: Counter[bytes] | None,
@@ -180,7 +192,8 @@ class Lookups:
     def _at_junction(self, job: LookupJob, hashes: list[bytes], result: LookupResult) -> LookupResult:
         """The hit cut to the request's junction where the store holds the junction whole and
         what the next request of the prefix saves by computing past it outweighs what the cut
-        costs this one (``RestoreCosts.stop_at_junction``): vLLM keeps the
+        costs this one (``RestoreCosts.stop_at_junction``), unless a cut there is still on its
+        way into the engine's cache (``_cuts``): vLLM keeps the
         state at a request's junction, so every later request of that prefix is a hit in the
         engine's own cache there, as on an engine with no store, instead of each restoring its
         own boundary from the store (the engine's cache holds the prefix's KV, no state in it).
@@ -189,13 +202,21 @@ class Lookups:
         if (self.costs is None or not job.min_tokens < j < result.hit or j % bs
                 or j not in result.resumable):
             return result
+        key, now = hashes[j // bs - 1], self._now()
+        if now < self._cuts.get(key, 0.0):  # a cut there still landing
+            return result
         past = restore_bytes(self.vault.layout, result.hit, j)
         if not self.costs.stop_at_junction(result.hit - j, past, job.in_step):
             return result
+        est = self.costs.estimates()
+        landed = now + est.restore_s(restore_bytes(self.vault.layout, j, job.min_tokens), job.in_step)
+        self._cuts.pop(key, None)
+        self._cuts[key] = landed + (est.step_s or 0.0)
+        if len(self._cuts) > CUTS_KEPT:
+            self._cuts.popitem(last=False)
         if result.miss is None:  # (a lookup counts one miss: the reason it first fell short by)
             self.vault.counters.tally("misses", Miss.NOT_WORTH_IT.value)
-        return replace(result, hit=j, miss=Miss.NOT_WORTH_IT, boundary_hash=hashes[j // bs - 1],
-                       at_junction=True)
+        return replace(result, hit=j, miss=Miss.NOT_WORTH_IT, boundary_hash=key, at_junction=True)
 
     def _read_ahead(self, ahead: list[tuple[LookupJob, list[bytes], LookupResult]]) -> list[ReadAhead | None]:
         """For each hit, the verified objects its load needs (rank 0, from ``read_from`` or
