@@ -45,7 +45,7 @@ def run_seed(model: Path, profile: str, seed: int, args: argparse.Namespace, wor
     engine["max_num_batched_tokens"] = args.batched
     flags = engine_flags(engine)
     load = prefix_repetition(args.prefix, args.suffix, args.prefixes, args.output, args.prompts,
-                             args.concurrency, seed)
+                             args.concurrency, seed, args.request_rate)
     alone = prefix_repetition(args.prefix, args.suffix, args.prefixes, args.output, args.prompts, 1, seed)
     name = str(model)
     out: dict[str, Any] = {"seed": seed}

@@ -3,7 +3,8 @@
     python bench/serving.py [--profile gdn-hybrid] [--layers N] [--store local|redis|mooncake]
                             [--redis-delay-ms 20] [--mooncake-delay-ms 20]
                             [--restore-when faster|always]
-                            [--prompts 32] [--concurrency 8] [--prefix 2048] [--suffix 512]
+                            [--prompts 32] [--concurrency 8] [--request-rate inf]
+                            [--prefix 2048] [--suffix 512]
 
 OpenAI servers as operators start them (``prefixvault serve`` for the connector; the cold
 server is plain vLLM with its own prefix cache): a producer fills the store with the workload,
@@ -11,7 +12,8 @@ then a cold server and a consumer server each serve the same requests, one after
 The cold server then serves the same requests a second time: ``local``, every prefix a hit in
 vLLM's own prefix cache, what a restore is measured against (restored TTFT / local-hit TTFT).
 Workload: vLLM's ``prefix_repetition`` dataset (shared prefixes, random suffixes), greedy,
-``--ignore-eos``, at most ``--concurrency`` requests in flight. ``--store redis`` puts a Valkey
+``--ignore-eos``, at most ``--concurrency`` requests in flight, arriving all at once or, with
+``--request-rate R``, at random at R a second. ``--store redis`` puts a Valkey
 server behind a loopback proxy that adds ``--redis-delay-ms`` to every round trip; ``--store
 mooncake`` a Mooncake cluster (``mooncake_master`` and a holder of 2 GiB, engines mounting
 nothing) whose master is behind such a proxy adding ``--mooncake-delay-ms``.
@@ -42,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -75,7 +78,7 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     engine["max_num_batched_tokens"] = args.batched
     flags = engine_flags(engine)  # --block-size included: the same for every server
     load = prefix_repetition(args.prefix, args.suffix, args.prefixes, args.output, args.prompts,
-                             args.concurrency, args.seed)
+                             args.concurrency, args.seed, args.request_rate)
     name = str(model)
     cleanup: list[Any] = []
     if args.store == "redis":
@@ -151,7 +154,8 @@ def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
                            "redis_delay_ms": args.redis_delay_ms if args.store == "redis" else None,
                            "mooncake_delay_ms": args.mooncake_delay_ms if args.store == "mooncake" else None,
                            "restore_when": args.restore_when or "faster", "prompts": args.prompts,
-                           "concurrency": args.concurrency}
+                           "concurrency": args.concurrency,
+                           "request_rate": None if math.isinf(args.request_rate) else args.request_rate}
     for tag, res in (("cold", cold), ("local", second), ("producer", producer), ("consumer", consumer)):
         out[tag] = {k: round(float(res.get(k, 0.0)), 3) for k in FIGURES}
         # (a failed request's TTFT reads 0: left out)

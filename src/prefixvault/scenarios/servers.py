@@ -116,16 +116,22 @@ def add_workload_args(parser: Any) -> None:
     parser.add_argument("--output", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="requests a second, arriving at random (Poisson) as a real client's do; "
+                             "inf: all at once, each next one as soon as one of --concurrency ends (a closed "
+                             "loop: a server that ends its first wave together gets its later requests in "
+                             "bursts)")
     parser.add_argument("--workdir", default="", help="keep servers' logs and results here")
 
 
 def prefix_repetition(prefix: int, suffix: int, prefixes: int, output: int, prompts: int, concurrency: int,
-                      seed: int) -> list[str]:
-    """Benchmark arguments for vLLM's prefix_repetition workload, greedy and full length."""
+                      seed: int, rate: float = float("inf")) -> list[str]:
+    """Benchmark arguments for vLLM's prefix_repetition workload, greedy and full length, at
+    ``rate`` requests a second (inf: all at once, up to ``concurrency``)."""
     return ["--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", str(prefix),
             "--prefix-repetition-suffix-len", str(suffix), "--prefix-repetition-num-prefixes", str(prefixes),
             "--prefix-repetition-output-len", str(output), "--num-prompts", str(prompts),
-            "--max-concurrency", str(concurrency), "--request-rate", "inf", "--temperature", "0",
+            "--max-concurrency", str(concurrency), "--request-rate", str(rate), "--temperature", "0",
             "--ignore-eos", "--seed", str(seed)]
 
 
