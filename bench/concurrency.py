@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import tempfile
 from pathlib import Path
@@ -114,7 +115,8 @@ def main() -> None:
             rows.append(row)
     summary = {
         "bench": "concurrency", "profile": args.profile, "batched": args.batched, "prompts": args.prompts,
-        "concurrency": args.concurrency, "seeds": rows,
+        "concurrency": args.concurrency,
+        "request_rate": None if math.isinf(args.request_rate) else args.request_rate, "seeds": rows,
         "invariant": sum(r["invariant"] for r in rows),
         "vllm_own_wrong": sum(len(r["vllm_own_pass2_wrong"]) for r in rows),
         "consumer_wrong": sum(len(r["consumer_wrong"]) for r in rows),

@@ -8,16 +8,18 @@ an operator turns off. ``RestoreCosts`` keeps these estimates, each from what th
 the store did lately, none configured:
 
 - ``compute``: seconds per token of a prefill step whose whole token budget prefills
-  (``full_step_s_per_token``: the seconds of steps that mostly prefill over their prefill
-  tokens, each an exponential average, a ratio of averages; where the budget and a step with
-  no prefill are known, a line through the two, its fixed part spread over the budget, as
-  tokens computed instead of restored fill whole steps: short steps, most of their time the
-  step's fixed cost, would otherwise make every token look as dear as theirs), times the
+  (``full_step_s_per_token``: the seconds of steps that mostly prefill over their tokens,
+  each an exponential average, a ratio of averages; where the budget and a step with no
+  prefill are known, a line through the two, its fixed part spread over the budget (at most
+  ``EXTRAPOLATE_AT_MOST`` times the chunks measured), as tokens computed instead of restored
+  fill whole steps: short steps, most of their time the step's fixed cost, would otherwise
+  make every token look as dear as theirs), times the
   requests that share a step's prefill lately (``sharing``: a request's tokens go through the
   steps at its share of them, so under load computing a token takes that much longer for the
-  request that waits for it). A step's seconds count without the time it spent writing
-  synchronous loads (``loaded_in_step``): on an engine that restores every request, every
-  step that prefills also loads, and its copies are a restore's cost, not the prefill's;
+  request that waits for it). A step's seconds count without the time it spent on
+  synchronous loads, written or not (``loaded_in_step``): on an engine that restores every
+  request, every step that prefills also loads, and its copies are a restore's cost, not the
+  prefill's;
 - ``step``: seconds a busy step takes (an asynchronous load costs about one: its request is
   scheduled in the step after the load is reported);
 - ``lookup``: seconds a lookup takes (one or two store round trips);
@@ -68,6 +70,11 @@ WEIGHT = 0.2
 #: prefill (decode steps cost per token what a prefill does not); one with no prefill at all
 #: gives its fixed part.
 MIN_PREFILL_TOKENS = 32
+#: The prefill estimate's line is read at most this many times its steps' prefill tokens (the
+#: budget where smaller): a step's time grows with its tokens as a line on a CPU, but on a GPU it
+#: is flat at first, and a line through short chunks read far past them would spread a fixed
+#: cost over tokens that are not free.
+EXTRAPOLATE_AT_MOST = 4
 #: A step longer than this is not a step the engine ran but one it waited for (an idle engine).
 MAX_STEP_S = 10.0
 #: At most one restore or lookup every this many seconds is taken against the estimates, to
@@ -100,20 +107,22 @@ class Average:
         self.at = now
 
 
-def full_step_s_per_token(prefill_s: float, prefill_tokens: float, fixed_s: float | None,
-                          budget: int | None) -> float:
+def full_step_s_per_token(prefill_s: float, step_tokens: float, prefill_tokens: float,
+                          fixed_s: float | None, budget: int | None) -> float:
     """Seconds per token of a step that prefills ``budget`` tokens, from steps that took
-    ``prefill_s`` for ``prefill_tokens`` and steps with no prefill that took ``fixed_s``: a
-    line through the two, at the budget. Tokens a request computes instead of restoring fill
-    the steps up to their budget, so the fixed part of a step is spread over the budget, not
-    over a short step's tokens. Without the budget or a step with no prefill: the steps' ratio.
-    Never above that ratio nor below ``prefill_s / budget`` (a line that cannot fall as the
-    tokens grow, nor start below zero)."""
-    ratio = prefill_s / prefill_tokens
-    if not budget or fixed_s is None or prefill_tokens >= budget:
+    ``prefill_s`` for ``step_tokens`` (``prefill_tokens`` of them prefill) and steps with no
+    prefill that took ``fixed_s``: a line through the two, read at the budget (at most
+    ``EXTRAPOLATE_AT_MOST`` times the prefill tokens). Tokens a request computes instead of
+    restoring fill the steps up to their budget, so the fixed part of a step is spread over
+    the budget, not over a short step's tokens. Without the budget or a step with no prefill:
+    the steps' time over their tokens. Never above that ratio nor below ``prefill_s /
+    budget`` (a line that cannot fall as the tokens grow, nor start below zero)."""
+    ratio = prefill_s / step_tokens
+    if not budget or fixed_s is None or not 0 < prefill_tokens < budget:
         return ratio
+    at = min(budget, EXTRAPOLATE_AT_MOST * prefill_tokens)
     fixed = min(max(fixed_s, 0.0), prefill_s)
-    return (prefill_s - fixed) / prefill_tokens + fixed / budget
+    return min(ratio, (prefill_s - fixed) / prefill_tokens + fixed / at)
 
 
 @dataclass(frozen=True)
@@ -129,7 +138,8 @@ class Estimates:
     # that asked (see the module).
     restore_s_beside: float | None = None
     restore_s_in_step: float | None = None
-    # Seconds per byte a synchronous load took in its step (verifying and copying its objects).
+    # Seconds per byte a synchronous load took in its step (verifying and copying its objects,
+    # reading any not handed over).
     in_step_s_per_byte: float | None = None
 
     def restore_s(self, nbytes: int, in_step: bool) -> float:
@@ -242,7 +252,8 @@ class _Step:
 
 class RestoreCosts:
     """The estimates (see the module), fed by the scheduler's thread (steps), the lookup lane
-    (lookups) and the workers' reports (loads); read by the scheduler's thread."""
+    (lookups) and the workers' reports (loads); read by the scheduler's thread and the lookup
+    lane (a cut at a junction)."""
 
     def __init__(self, judge: bool = True, clock: Callable[[], float] = time.monotonic,
                  step_budget: int | None = None) -> None:
@@ -254,9 +265,10 @@ class RestoreCosts:
         self._now = clock
         self._lock = threading.Lock()
         # Steps' seconds as below count without their synchronous loads' (``loaded_in_step``).
-        # Steps that mostly prefill: seconds and prefill tokens; steps with no prefill: seconds
-        # (``full_step_s_per_token`` of the three is ``compute``).
+        # Steps that mostly prefill: seconds, tokens and prefill tokens; steps with no prefill:
+        # seconds (``full_step_s_per_token`` of the four is ``compute``).
         self._prefill_s = Average()
+        self._prefill_step_tokens = Average()
         self._prefill_tokens = Average()
         self._no_prefill_s = Average()
         self._step = Average()  # every busy step, whole
@@ -265,8 +277,8 @@ class RestoreCosts:
         self._in_step = Average()  # seconds per byte of synchronous loads, in their step
         # seconds synchronous loads took in the step being measured, reported since the last
         # step was planned (vLLM hands a step's reports over before it plans the next step;
-        # with async scheduling, after: then the next step's measure goes without them, and
-        # the averages keep the same sum)
+        # with async scheduling, after it: then they are taken off the next step's time, and
+        # a step they outlast is no sample)
         self._in_step_s = 0.0
         self._sharing = Average()  # requests with a prefill chunk in a step that prefills
         self._restored = {False: Average(), True: Average()}  # by in step: ``Estimates.restore_s_*``
@@ -296,11 +308,14 @@ class RestoreCosts:
             if seconds > MAX_STEP_S:
                 return
             self._step.add(seconds, now)
-            computing = max(0.0, seconds - loading_s)
+            computing = seconds - loading_s
+            if computing <= 0:
+                return
             if not last.prefill_tokens:
                 self._no_prefill_s.add(computing, now)
             elif last.tokens >= MIN_PREFILL_TOKENS and 2 * last.prefill_tokens >= last.tokens:
                 self._prefill_s.add(computing, now)
+                self._prefill_step_tokens.add(last.tokens, now)
                 self._prefill_tokens.add(last.prefill_tokens, now)
 
     def looked_up(self, seconds: float) -> None:
@@ -317,13 +332,13 @@ class RestoreCosts:
             self._transfer.add(beyond / nbytes, self._now())
 
     def loaded_in_step(self, nbytes: int, seconds: float) -> None:
-        """The step just run spent ``seconds`` writing synchronous loads of ``nbytes`` (the
-        slowest rank's): their rate, and time its compute is measured without."""
-        if nbytes <= 0:
-            return
+        """The step just run spent ``seconds`` on synchronous loads, writing ``nbytes`` (the
+        slowest rank's; loads not written count their time, no bytes): time its compute is
+        measured without, and their rate."""
         with self._lock:
-            self._in_step.add(seconds / nbytes, self._now())
-            self._in_step_s += seconds
+            if nbytes > 0:
+                self._in_step.add(seconds / nbytes, self._now())
+            self._in_step_s += max(0.0, seconds)
 
     def restored(self, seconds: float, nbytes: int, in_step: bool) -> None:
         """A request restoring ``nbytes`` (a rank's) could be scheduled ``seconds`` after its
@@ -337,9 +352,10 @@ class RestoreCosts:
     def estimates(self) -> Estimates:
         with self._lock:
             per_token = None
-            if self._prefill_s.value is not None and self._prefill_tokens.value:
-                per_token = full_step_s_per_token(self._prefill_s.value, self._prefill_tokens.value,
-                                                  self._no_prefill_s.value, self.step_budget)
+            if self._prefill_s.value is not None and self._prefill_step_tokens.value:
+                per_token = full_step_s_per_token(self._prefill_s.value, self._prefill_step_tokens.value,
+                                                  self._prefill_tokens.value or 0.0, self._no_prefill_s.value,
+                                                  self.step_budget)
                 per_token *= max(1.0, self._sharing.value or 1.0)
             return Estimates(per_token, self._step.value, self._lookup.value, self._transfer.value,
                              self._restored[False].value, self._restored[True].value, self._in_step.value)

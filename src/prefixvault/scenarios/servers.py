@@ -107,6 +107,16 @@ def benchmark(url: str, model: str, result: Path, args: Sequence[str], timeout: 
     return data
 
 
+def _positive_rate(text: str) -> float:
+    """A request rate: a number above 0, or ``inf``."""
+    import argparse
+
+    rate = float(text)
+    if not rate > 0:
+        raise argparse.ArgumentTypeError(f"a request rate is above 0 (or inf), not {text}")
+    return rate
+
+
 def add_workload_args(parser: Any) -> None:
     """The server benches' shared workload options (``prefix_repetition``'s, and where results go)."""
     parser.add_argument("--batched", type=int, default=512, help="--max-num-batched-tokens")
@@ -116,7 +126,7 @@ def add_workload_args(parser: Any) -> None:
     parser.add_argument("--output", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--concurrency", type=int, default=8)
-    parser.add_argument("--request-rate", type=float, default=float("inf"),
+    parser.add_argument("--request-rate", type=_positive_rate, default=float("inf"),
                         help="requests a second, arriving at random (Poisson) as a real client's do; "
                              "inf: all at once, each next one as soon as one of --concurrency ends (a closed "
                              "loop: a server that ends its first wave together gets its later requests in "

@@ -387,7 +387,7 @@ class PrefixVaultConnector(KVConnectorBase_V1, SupportsHMA):
         in_step_bytes, in_step_s = self.guard.call("build_connector_worker_meta",
                                                    worker.take_in_step_measured, lambda: (0, 0.0))
         caps: dict[str, int] = self.guard.call("build_connector_worker_meta", worker.take_load_caps, dict)
-        if not settled and not off and not load_bytes and not in_step_bytes and not caps:
+        if not settled and not off and not load_bytes and not in_step_s and not caps:
             return None
         self._off_reported = self._off_reported or off
         return SavesSettled(Counter(sid for sid, _ in settled), Counter(sid for sid, ok in settled if not ok),

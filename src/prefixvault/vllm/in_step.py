@@ -282,8 +282,9 @@ class InStepWrites:
         # Blocks of synchronous loads not written since the last take_unloaded (the engine's
         # thread only).
         self._unloaded: set[int] = set()
-        # Bytes written by synchronous loads and the seconds the engine's thread spent on them
-        # (their step's, not its forward's), since the last ``take_measured`` (that thread only).
+        # Bytes written by synchronous loads and the seconds the engine's thread spent on them,
+        # written or not (their step's, not its forward's), since the last ``take_measured``
+        # (that thread only).
         self._measured = (0, 0.0)
         # One read at a time: one still stuck in the store past its deadline refuses the next
         # (``FULL``) rather than queue it behind.
@@ -293,15 +294,22 @@ class InStepWrites:
     def write(self, spec: LoadSpec, marks: Sequence[Any], step: int) -> None:
         """Write a synchronous load of ``step`` now, its state also into the running blocks its
         ``state_copies`` name, once the engine's work ``marks`` names ran. Never raises: one
-        that cannot be written is reported unloaded."""
+        that cannot be written is reported unloaded. Its time in the step is measured either
+        way (``take_measured``)."""
         t0 = time.monotonic()
+        written = self._load(spec, marks, step)
+        nbytes, seconds = self._measured
+        self._measured = (nbytes + written, seconds + time.monotonic() - t0)
+
+    def _load(self, spec: LoadSpec, marks: Sequence[Any], step: int) -> int:
+        """``write``'s work: the payload bytes written, 0 where the load was not."""
         try:
             handed = (self.mailbox.take(spec.req_id, spec.token, step)
                       if spec.mode is LoadMode.HANDED_OVER and self.mailbox is not None else None)
             targets = load_targets(self._ctx, spec) if spec.hashes else None
             if targets is None:
                 self.unwritten(spec, LoadFailure.NO_BLOCK)
-                return
+                return 0
             refs, blocks = targets
             named = {g for g, _ in spec.state_copies}
             if any(g.is_state and i not in named for i, g in enumerate(self._ctx.layout.groups)):
@@ -312,21 +320,20 @@ class InStepWrites:
                 failure = self._read(spec, missing, payloads)
                 if failure is not None:
                     self.unwritten(spec, failure)
-                    return
+                    return 0
             self._write(spec, refs, blocks, payloads, marks)
         except Exception as e:
             ours = report(self._ctx.guard, "worker", e, f"request {spec.req_id}'s synchronous load")
             self.unwritten(spec, LoadFailure.INTERNAL_ERROR if ours is Failure.INTERNAL_ERROR
                            else LoadFailure.STORE_ERROR)
-            return
+            return 0
         self._ctx.counters.add(loads=1, loads_in_step=1, loads_in_step_read=int(bool(missing)),
                                loaded_tokens=spec.tokens - spec.local_tokens)
-        nbytes, seconds = self._measured
-        self._measured = (nbytes + sum(len(payloads[r]) for r in refs), seconds + time.monotonic() - t0)
+        return sum(len(payloads[r]) for r in refs)
 
     def take_measured(self) -> tuple[int, float]:
-        """Bytes synchronous loads wrote, and the seconds their step spent writing them (reading
-        any not handed over included), since the last call."""
+        """Bytes synchronous loads wrote, and the seconds their step spent on them (reading any
+        not handed over, and loads not written, included), since the last call."""
         out, self._measured = self._measured, (0, 0.0)
         return out
 

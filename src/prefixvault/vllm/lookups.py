@@ -203,7 +203,7 @@ class Lookups:
                 or j not in result.resumable):
             return result
         key, now = hashes[j // bs - 1], self._now()
-        if now < self._cuts.get(key, 0.0):  # a cut there still landing
+        if now < self._cuts.get(key, 0.0):  # a cut there still landing (this one's too, if asked again)
             return result
         past = restore_bytes(self.vault.layout, result.hit, j)
         if not self.costs.stop_at_junction(result.hit - j, past, job.in_step):

@@ -241,7 +241,7 @@ class SchedulerSide:
         (each request a miss, ``worker_off``) and saves stop being planned."""
         if report.load_bytes:
             self.costs.loaded(report.load_bytes, report.load_s)
-        if report.in_step_bytes:
+        if report.in_step_s:
             self.costs.loaded_in_step(report.in_step_bytes, report.in_step_s)
         for req_id, cap in report.caps.items():  # (in the output that reports the load failed)
             tr = self._reqs.get(req_id)

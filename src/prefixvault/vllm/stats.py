@@ -85,8 +85,8 @@ GAUGES: dict[str, str] = {
     "estimate_step_us": "Measured duration of a busy engine step (microseconds)",
     "estimate_lookup_us": "Measured duration of a lookup in the store (microseconds)",
     "estimate_load_bytes_per_s": "Measured load rate from the store beyond one round trip (bytes per second)",
-    "estimate_load_in_step_bytes_per_s": "Measured rate of synchronous loads in their step, verifying and "
-                                         "copying (bytes per second)",
+    "estimate_load_in_step_bytes_per_s": "Measured rate of synchronous loads in their step: verifying, "
+                                         "copying, reading any not handed over (bytes per second)",
     "estimate_restore_us": "Measured time from a restored request's lookup to when it could be scheduled "
                            "(its load reported done), less its transfer, loaded beside the steps "
                            "(microseconds)",

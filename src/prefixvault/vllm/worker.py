@@ -192,8 +192,9 @@ class WorkerSide:
         return self.loads.take_measured()
 
     def take_in_step_measured(self) -> tuple[int, float]:
-        """Bytes synchronous loads wrote and the seconds their steps spent on them, since the
-        last call (``InStepWrites.take_measured``): a step's time less these is its compute."""
+        """Bytes synchronous loads wrote and the seconds their steps spent on them (loads not
+        written too), since the last call (``InStepWrites.take_measured``): a step's time less
+        these is its compute."""
         return self.in_step.take_measured()
 
     def take_load_caps(self) -> dict[str, int]:
