@@ -43,7 +43,7 @@ from prefixvault.lane import Failure, Lane, report
 from prefixvault.layout import CacheLayout
 from prefixvault.vault import Loaded, ObjectRef
 from prefixvault.vllm.compat import step_starts
-from prefixvault.vllm.loads import LOAD_FAILED, LoadFailure, failed_reads, load_targets
+from prefixvault.vllm.loads import LOAD_FAILED, LoadFailure, Measured, failed_reads, load_targets
 from prefixvault.vllm.mailbox import Mailbox, Mailboxes, Objects
 from prefixvault.vllm.metadata import LoadMode, LoadSpec
 from prefixvault.vllm.worker_context import WorkerContext
@@ -283,9 +283,8 @@ class InStepWrites:
         # thread only).
         self._unloaded: set[int] = set()
         # Bytes written by synchronous loads and the seconds the engine's thread spent on them,
-        # written or not (their step's, not its forward's), since the last ``take_measured``
-        # (that thread only).
-        self._measured = (0, 0.0)
+        # written or not (their step's, not its forward's; reading any not handed over too).
+        self.measured = Measured()
         # One read at a time: one still stuck in the store past its deadline refuses the next
         # (``FULL``) rather than queue it behind.
         self.lane: Lane[_Read] = Lane("in_step", self._read_batch, self._fail_reads, capacity=1,
@@ -295,11 +294,10 @@ class InStepWrites:
         """Write a synchronous load of ``step`` now, its state also into the running blocks its
         ``state_copies`` name, once the engine's work ``marks`` names ran. Never raises: one
         that cannot be written is reported unloaded. Its time in the step is measured either
-        way (``take_measured``)."""
+        way (``measured``)."""
         t0 = time.monotonic()
         written = self._load(spec, marks, step)
-        nbytes, seconds = self._measured
-        self._measured = (nbytes + written, seconds + time.monotonic() - t0)
+        self.measured.add(written, time.monotonic() - t0)
 
     def _load(self, spec: LoadSpec, marks: Sequence[Any], step: int) -> int:
         """``write``'s work: the payload bytes written, 0 where the load was not."""
@@ -330,12 +328,6 @@ class InStepWrites:
         self._ctx.counters.add(loads=1, loads_in_step=1, loads_in_step_read=int(bool(missing)),
                                loaded_tokens=spec.tokens - spec.local_tokens)
         return sum(len(payloads[r]) for r in refs)
-
-    def take_measured(self) -> tuple[int, float]:
-        """Bytes synchronous loads wrote, and the seconds their step spent on them (reading any
-        not handed over, and loads not written, included), since the last call."""
-        out, self._measured = self._measured, (0, 0.0)
-        return out
 
     def _open_handed_over(self, spec: LoadSpec, refs: Sequence[ObjectRef],
                           handed: Objects) -> dict[ObjectRef, memoryview]:

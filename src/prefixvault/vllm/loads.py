@@ -121,6 +121,25 @@ class LoadJob:
     state: LoadState = LoadState.QUEUED
 
 
+class Measured:
+    """Bytes loads wrote and the seconds they took, summed until taken (the workers' reports
+    of what a restore costs: ``prefixvault.costs``). Any thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._sum = (0, 0.0)
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        with self._lock:
+            self._sum = (self._sum[0] + nbytes, self._sum[1] + seconds)
+
+    def take(self) -> tuple[int, float]:
+        """The sums since the last call."""
+        with self._lock:
+            out, self._sum = self._sum, (0, 0.0)
+        return out
+
+
 class Loads:
     """The load lane of one worker, and the loads finished since vLLM last asked."""
 
@@ -140,9 +159,9 @@ class Loads:
         self._caps: dict[str, int] = {}
         # With wait_in_step: loads queued since the last take_finished (the engine's thread only).
         self._step_loads: list[LoadJob] = []
-        # Bytes written by loads and the seconds their batches took, since the last
-        # ``take_measured`` (under _lock): what a restore costs, for the scheduler's estimates.
-        self._measured = (0, 0.0)
+        # Bytes written by loads and the seconds their batches took from the store call to the
+        # last write: what a restore costs, for the scheduler's estimates.
+        self.measured = Measured()
         self._bs = ctx.layout.block_size
         self.lane: Lane[LoadJob] = Lane("load", self._load_batch, self._fail_jobs, capacity=LOAD_QUEUE,
                                         guard=ctx.guard, on_start=ctx.caches.on_lane_thread)
@@ -202,13 +221,6 @@ class Loads:
             out, self._caps = self._caps, {}
         return out
 
-    def take_measured(self) -> tuple[int, float]:
-        """Bytes loads wrote, and the seconds their batches took from the store call to the
-        last write, since the last call."""
-        with self._lock:
-            out, self._measured = self._measured, (0, 0.0)
-        return out
-
     def close(self, drain_timeout: float) -> bool:
         """Drop the loads not started; wait for a running one (up to ``LOAD_DRAIN_S``). Whether
         the lane is idle: if not, it is still inside a store call."""
@@ -254,9 +266,7 @@ class Loads:
             self._end_load(job, True)
             written += sum(len(loaded.payloads[r]) for r in job_refs)
         if written:
-            with self._lock:
-                nbytes, seconds = self._measured
-                self._measured = (nbytes + written, seconds + time.monotonic() - t0)
+            self.measured.add(written, time.monotonic() - t0)
 
     def _fail_jobs(self, jobs: list[LoadJob], reason: Failure, error: BaseException | None) -> None:
         """Loads the lane could not finish (a store error, a shutdown): recomputed."""

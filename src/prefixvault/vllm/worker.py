@@ -189,13 +189,13 @@ class WorkerSide:
     def take_load_measured(self) -> tuple[int, float]:
         """Bytes asynchronous loads wrote and the seconds they took, since the last call (the
         scheduler's restore cost estimates, ``prefixvault.costs``)."""
-        return self.loads.take_measured()
+        return self.loads.measured.take()
 
     def take_in_step_measured(self) -> tuple[int, float]:
         """Bytes synchronous loads wrote and the seconds their steps spent on them (loads not
-        written too), since the last call (``InStepWrites.take_measured``): a step's time less
+        written too), since the last call (``InStepWrites.measured``): a step's time less
         these is its compute."""
-        return self.in_step.take_measured()
+        return self.in_step.measured.take()
 
     def take_load_caps(self) -> dict[str, int]:
         """Requests whose loads failed since the last call, with the most tokens each may
